@@ -1,0 +1,3 @@
+from lit_align.cli import main
+
+main()

@@ -1,0 +1,49 @@
+"""The ``lit-align`` console script: LightningCLI over every lit_align module and data module.
+
+    lit-align fit -c configs/dpo.yaml
+    lit-align fit -c configs/dpo.yaml --trainer.max_steps 50 --model.beta 0.2
+    lit-align fit -c configs/dpo.yaml --print_config
+
+A mistake in the user's data or settings prints one ``error:`` line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+from lit_align.callbacks import HFExport
+from lit_align.errors import LitAlignError
+
+
+class AlignCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        # always on, configured under `export:` (like any callback, but no need to list it in every config)
+        parser.add_lightning_class_args(HFExport, "export")
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point: ``lit-align {fit,validate,test} -c CONFIG [--key value ...]``."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from lit_align.data import AlignDataModule  # importing the packages registers every subclass by short name
+    from lit_align.modules import AlignModule
+
+    try:
+        AlignCLI(
+            AlignModule,
+            AlignDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+            args=args,
+        )
+    except LitAlignError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

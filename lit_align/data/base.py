@@ -1,0 +1,121 @@
+"""What every lit_align DataModule shares: where the rows come from, which tokenizer, how batches are loaded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
+
+from lit_align.data.sources import load_rows
+from lit_align.errors import LitAlignError
+from lit_align.models import load_tokenizer
+
+
+class AlignDataModule(L.LightningDataModule):
+    """Base class: loads train/validation rows, tokenizes them once, serves them in batches.
+
+    Args:
+        path: ``builtin:<task>``, a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, or a ``datasets`` hub name.
+        config_name: the hub dataset's configuration, if it has several.
+        train_split: split to train on.
+        val_split: split to validate on; None for no validation.
+        val_path: read validation rows from this source instead of ``path`` (its split ``val_split``, or ``train``
+            for a single file).
+        val_fraction: hold out this fraction of the train split for validation instead (seeded; overrides
+            ``val_split``).
+        tokenizer: tokenizer to use; None: the model's (read from the LightningModule's ``model``).
+        batch_size: rows per device per step.
+        val_batch_size: rows per device per validation step (default: ``batch_size``).
+        num_workers: DataLoader worker processes.
+        max_length: truncate each tokenized sequence to this many tokens (None: no truncation).
+        seed: seed of the held-out split.
+    """
+
+    kind = ""  # which rows a built-in task must produce: "preference", "prompt" or "completion"
+
+    def __init__(
+        self,
+        path: str = "builtin:sort",
+        config_name: str | None = None,
+        train_split: str = "train",
+        val_split: str | None = "test",
+        val_path: str | None = None,
+        val_fraction: float = 0.0,
+        tokenizer: str | None = None,
+        batch_size: int = 8,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        max_length: int | None = 1024,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if batch_size < 1:
+            raise LitAlignError(f"data.batch_size must be >= 1, got {batch_size}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise LitAlignError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        if max_length is not None and max_length < 2:
+            raise LitAlignError(f"data.max_length must be >= 2 or null, got {max_length}")
+        self.path, self.config_name = path, config_name
+        self.train_split, self.val_split, self.val_path, self.val_fraction = train_split, val_split, val_path, val_fraction
+        self.tokenizer_name = tokenizer
+        self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
+        self.num_workers, self.max_length, self.seed = num_workers, max_length, seed
+        self.tokenizer = None
+        self.train_data = self.val_data = None
+
+    # -- hooks for subclasses -----------------------------------------------------------------------------------------
+    def process(self, rows, source: str):
+        """Validate and tokenize raw rows; return a dataset of token ids. ``source`` names the rows in errors."""
+        raise NotImplementedError
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # -- Lightning hooks -------------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.train_data is not None or self.val_data is not None:
+            return
+        self.tokenizer = load_tokenizer(self._tokenizer_name())
+        train_rows = load_rows(self.path, self.train_split, self.kind, self.config_name)
+        val_rows, val_source = None, None
+        if self.val_fraction > 0:
+            parts = train_rows.train_test_split(test_size=self.val_fraction, seed=self.seed)
+            train_rows, val_rows, val_source = parts["train"], parts["test"], f"{self.path} (held-out)"
+        elif self.val_split is not None:
+            val_source = self.val_path or self.path
+            split = self.val_split
+            if self.val_path and not self.val_path.startswith("builtin:") and "." in self.val_path.rsplit("/", 1)[-1]:
+                split = "train"  # a single file has one split
+            val_rows = load_rows(val_source, split, self.kind, self.config_name)
+        if stage == "fit":
+            self.train_data = self.process(train_rows, self.path)
+            rank_zero_info(f"lit_align: {len(self.train_data)} training rows from {self.path}")
+        if val_rows is not None:
+            self.val_data = self.process(val_rows, val_source)
+
+    def _tokenizer_name(self) -> str:
+        if self.tokenizer_name is not None:
+            return self.tokenizer_name
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        name = getattr(module, "model_name", None)
+        if name is None:
+            raise LitAlignError("data.tokenizer is not set and the model does not name one")
+        return name
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_data, batch_size=self.batch_size, shuffle=True, collate_fn=self.collate,
+            num_workers=self.num_workers, drop_last=False,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_data is None:
+            return []
+        return DataLoader(
+            self.val_data, batch_size=self.val_batch_size, shuffle=False, collate_fn=self.collate,
+            num_workers=self.num_workers,
+        )
+
+    test_dataloader = val_dataloader

@@ -1,0 +1,66 @@
+"""Where rows come from: a built-in task, local files, or a ``datasets`` hub name; one error style for all of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+
+from lit_align.data.tasks import BUILTIN_TASKS
+from lit_align.errors import LitAlignError
+
+BUILTIN_PREFIX = "builtin:"
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_rows(source: str, split: str, kind: str, config_name: str | None = None) -> datasets.Dataset:
+    """Load one split of ``source`` as a ``datasets.Dataset``.
+
+    Args:
+        source: ``builtin:<task>``, a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file (its only split is
+            ``train``), or anything ``datasets.load_dataset`` takes (a hub name, a local dataset directory).
+        split: the split to read.
+        kind: which rows a built-in task should produce: ``preference``, ``prompt`` or ``completion``.
+        config_name: the dataset configuration (hub datasets with several).
+    """
+    if source.startswith(BUILTIN_PREFIX):
+        name = source[len(BUILTIN_PREFIX) :]
+        if name not in BUILTIN_TASKS:
+            raise LitAlignError(f"unknown built-in task {source!r}: expected one of {[BUILTIN_PREFIX + n for n in BUILTIN_TASKS]}")
+        task = BUILTIN_TASKS[name]()
+        try:
+            return getattr(task, f"{kind}_rows")(split)
+        except KeyError:
+            raise LitAlignError(f"{source}: no split {split!r} (expected one of {sorted(task.sizes)})") from None
+
+    path = Path(source).expanduser()
+    if path.suffix.lower() in FILE_BUILDERS or path.is_file():
+        return _load_file(path, split)
+    if source.startswith((".", "/", "~")) and not path.exists():
+        raise LitAlignError(f"{source}: no such file or directory")
+    try:
+        return datasets.load_dataset(source, config_name, split=split)
+    except ValueError as exc:
+        raise LitAlignError(f"{source}: {str(exc).splitlines()[0]}") from exc
+    except Exception as exc:  # noqa: BLE001 - hub and file errors come in many types
+        raise LitAlignError(f"could not load dataset {source!r} (split {split!r}): {str(exc).splitlines()[0]}") from exc
+
+
+def _load_file(path: Path, split: str) -> datasets.Dataset:
+    if not path.is_file():
+        raise LitAlignError(f"{path}: no such file")
+    builder = FILE_BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise LitAlignError(f"{path}: unsupported file type (expected one of {sorted(FILE_BUILDERS)})")
+    if split != "train":
+        raise LitAlignError(f"{path}: a single file only has the split 'train', not {split!r} (use a separate file)")
+    if path.stat().st_size == 0:
+        raise LitAlignError(f"{path}: the file is empty")
+    try:
+        rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+    except Exception as exc:  # noqa: BLE001 - pyarrow/json errors: keep the first line, name the file
+        cause = exc.__cause__ or exc
+        raise LitAlignError(f"{path}: could not read as {builder}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}") from exc
+    if len(rows) == 0:
+        raise LitAlignError(f"{path}: no rows")
+    return rows

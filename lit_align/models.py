@@ -1,0 +1,165 @@
+"""Loading Hugging Face causal LMs and tokenizers, and the built-in offline models.
+
+Anything ``from_pretrained`` accepts works: a hub name (``Qwen/Qwen2.5-0.5B-Instruct``) or a local directory. The
+built-in models are spelled ``builtin:tiny`` (about 0.8M parameters) and ``builtin:small`` (about 10M): a Llama-style
+network and a character-level tokenizer, built by code from a seed and written in Hugging Face format into a cache
+directory, so that the very same ``from_pretrained`` path is exercised offline.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from lit_align.errors import LitAlignError
+
+BUILTIN_PREFIX = "builtin:"
+
+# name -> LlamaConfig overrides. Both share the character-level tokenizer below.
+BUILTIN_MODELS = {
+    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4),
+    "small": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6),
+}
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+# One token per printable ASCII character (minus the form feed and vertical tab).
+CHARACTERS = [c for c in string.printable if c not in "\x0b\x0c\r"]
+
+# A minimal chat template: role marker, content, and EOS after each assistant turn (the model learns to stop there).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def cache_dir() -> Path:
+    """Where built-in models are written: ``$LIT_ALIGN_CACHE`` or ``~/.cache/lit_align``."""
+    return Path(os.environ.get("LIT_ALIGN_CACHE", Path.home() / ".cache" / "lit_align"))
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The built-in character-level tokenizer: one id per printable ASCII character, no merges."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.add_special_tokens(SPECIAL_TOKENS)
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_builtin(name: str, path: str | Path, seed: int = 0) -> Path:
+    """Build the built-in model ``name`` with weights drawn from ``seed`` and save model + tokenizer at ``path``."""
+    if name not in BUILTIN_MODELS:
+        raise LitAlignError(f"unknown built-in model {BUILTIN_PREFIX}{name}: expected one of {sorted(BUILTIN_MODELS)}")
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **BUILTIN_MODELS[name],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    path = Path(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def resolve(name_or_path: str) -> str:
+    """Map ``builtin:<name>`` to its directory (building it once, atomically); leave anything else untouched."""
+    if not name_or_path.startswith(BUILTIN_PREFIX):
+        return name_or_path
+    name = name_or_path[len(BUILTIN_PREFIX) :]
+    target = cache_dir() / "builtin" / name
+    if (target / "config.json").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        build_builtin(name, tmp)
+        try:
+            os.rename(tmp, target)  # atomic: a concurrent builder (another DDP rank) may win, which is fine
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def _check_loadable(name_or_path: str, what: str) -> str:
+    """Resolve built-ins; reject a local-looking path that does not exist before transformers tries the hub."""
+    path = resolve(name_or_path)
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return str(local)
+    if path.startswith((".", "/", "~")) or path.count("/") > 1 or local.exists():
+        raise LitAlignError(
+            f"{what} {name_or_path!r}: no such directory (expected a Hugging Face model directory, a hub name "
+            f"like 'org/name', or one of {[BUILTIN_PREFIX + n for n in BUILTIN_MODELS]})"
+        )
+    return path
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """Load a tokenizer; give it a pad token (EOS) if it has none, as TRL does."""
+    path = _check_loadable(name_or_path, "tokenizer")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types; the user needs one line
+        raise LitAlignError(f"could not load tokenizer {name_or_path!r}: {_first_line(exc)}") from exc
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise LitAlignError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    name_or_path: str,
+    dtype: str = "float32",
+    attn_implementation: str | None = "sdpa",
+    trust_remote_code: bool = False,
+):
+    """Load a causal LM by hub name, local directory or ``builtin:<name>``.
+
+    Args:
+        name_or_path: what ``AutoModelForCausalLM.from_pretrained`` takes, or ``builtin:tiny`` / ``builtin:small``.
+        dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
+        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ... (None: transformers' default).
+    """
+    path = _check_loadable(name_or_path, "model")
+    if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise LitAlignError(f"model dtype {dtype!r}: expected float32, bfloat16, float16 or auto")
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype if dtype == "auto" else getattr(torch, dtype),
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    except Exception as exc:  # noqa: BLE001
+        raise LitAlignError(f"could not load model {name_or_path!r}: {_first_line(exc)}") from exc

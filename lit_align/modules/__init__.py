@@ -1,0 +1,6 @@
+"""LightningModules: what each recipe computes in ``training_step``."""
+
+from lit_align.modules.base import AlignModule
+from lit_align.modules.dpo import DPOModule
+
+__all__ = ["AlignModule", "DPOModule"]

@@ -1,0 +1,102 @@
+"""What every lit_align LightningModule shares: the policy, its tokenizer, the optimizer and the HF export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from transformers import get_scheduler
+
+from lit_align.errors import LitAlignError
+from lit_align.models import load_model, load_tokenizer
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability to 0 (TRL's ``disable_dropout=True``): log-probs must be deterministic."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """Eval mode, no gradients: how a reference model lives."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+class AlignModule(L.LightningModule):
+    """Base LightningModule: loads the policy in ``configure_model``, builds AdamW + a warmup schedule, exports.
+
+    Args:
+        model: the policy: a hub name, a local Hugging Face directory, or ``builtin:tiny`` / ``builtin:small``.
+        dtype: parameter dtype of the loaded models (``float32``, ``bfloat16``, ``float16``, ``auto``). For mixed
+            precision keep float32 here and set ``trainer.precision``.
+        attn_implementation: ``sdpa`` (default), ``eager``, ``flash_attention_2``, ...
+        trust_remote_code: allow models that ship their own code.
+        gradient_checkpointing: recompute activations in backward to save memory.
+        disable_dropout: zero every dropout (TRL's default).
+        learning_rate: AdamW learning rate (TRL's DPO default: 1e-6).
+        weight_decay: AdamW weight decay.
+        lr_scheduler_type: any ``transformers.get_scheduler`` name: ``linear`` (TRL's default), ``cosine``,
+            ``constant``, ``constant_with_warmup``, ...
+        warmup_ratio: fraction of the run's optimizer steps spent warming up (used when ``warmup_steps`` is 0).
+        warmup_steps: optimizer steps of linear warmup.
+    """
+
+    def __init__(
+        self,
+        model: str = "builtin:tiny",
+        dtype: str = "float32",
+        attn_implementation: str | None = "sdpa",
+        trust_remote_code: bool = False,
+        gradient_checkpointing: bool = False,
+        disable_dropout: bool = True,
+        learning_rate: float = 1e-6,
+        weight_decay: float = 0.0,
+        lr_scheduler_type: str = "linear",
+        warmup_ratio: float = 0.0,
+        warmup_steps: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model_name = model
+        self.policy: torch.nn.Module | None = None
+        self.tokenizer = None
+
+    def load(self, name: str) -> torch.nn.Module:
+        hp = self.hparams
+        model = load_model(name, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
+                           trust_remote_code=hp.trust_remote_code)
+        if hp.disable_dropout:
+            disable_dropout(model)
+        return model
+
+    def configure_model(self) -> None:
+        if self.policy is not None:  # called again by trainer.fit after trainer.validate, or on resume
+            return
+        self.tokenizer = load_tokenizer(self.model_name, trust_remote_code=self.hparams.trust_remote_code)
+        self.policy = self.load(self.model_name)
+        self.policy.config.use_cache = False
+        if self.hparams.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        total = int(self.trainer.estimated_stepping_batches)
+        warmup = hp.warmup_steps or int(hp.warmup_ratio * total)
+        try:
+            scheduler = get_scheduler(hp.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+        except ValueError as exc:
+            raise LitAlignError(f"model.lr_scheduler_type {hp.lr_scheduler_type!r}: {exc}") from exc
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def export(self, path: str | Path) -> Path:
+        """Write the policy and tokenizer as a Hugging Face model directory (``from_pretrained`` loads it)."""
+        path = Path(path)
+        self.policy.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path
