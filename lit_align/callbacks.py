@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import shutil
 from pathlib import Path
 
@@ -49,3 +50,42 @@ class HFExport(L.Callback):
             staging.rename(target)
         self.exported_to = target
         rank_zero_info(f"lit_align: exported the Hugging Face model to {target}")
+
+
+class CompletionsLogger(L.Callback):
+    """Every ``every_n_steps`` optimizer steps, write the latest generation round's prompts, completions and rewards.
+
+    Rows go to ``<run dir>/completions.csv`` (columns: step, prompt, completion, reward), and to the logger's table
+    when it has one (``WandbLogger.log_table``). Works with any module exposing a ``round`` buffer with a ``log``
+    entry (GRPOModule).
+
+    Args:
+        every_n_steps: cadence in optimizer steps.
+        max_rows: rows written per round at most.
+    """
+
+    def __init__(self, every_n_steps: int = 10, max_rows: int = 16):
+        self.every_n_steps, self.max_rows = every_n_steps, max_rows
+        self._last_step: int | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        buffer = getattr(pl_module, "round", None)
+        if not trainer.is_global_zero or buffer is None or trainer.global_step % self.every_n_steps:
+            return
+        if self._last_step == trainer.global_step:  # several batches per step under gradient accumulation
+            return
+        self._last_step = trainer.global_step
+        log = buffer["log"]
+        rows = list(zip(log["prompts"], log["completions"], log["rewards"]))[: self.max_rows]
+        path = run_dir(trainer) / "completions.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        with path.open("a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(["step", "prompt", "completion", "reward"])
+            writer.writerows([trainer.global_step, str(p), c, r] for p, c, r in rows)
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_table"):
+                logger.log_table(key="completions", columns=["step", "prompt", "completion", "reward"],
+                                 data=[[trainer.global_step, str(p), c, r] for p, c, r in rows])

@@ -2,5 +2,6 @@
 
 from lit_align.data.base import AlignDataModule
 from lit_align.data.preference import PreferenceDataModule
+from lit_align.data.prompts import PromptDataModule
 
-__all__ = ["AlignDataModule", "PreferenceDataModule"]
+__all__ = ["AlignDataModule", "PreferenceDataModule", "PromptDataModule"]

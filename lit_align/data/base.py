@@ -30,7 +30,8 @@ class AlignDataModule(L.LightningDataModule):
         val_batch_size: rows per device per validation step (default: ``batch_size``).
         num_workers: DataLoader worker processes.
         max_length: truncate each tokenized sequence to this many tokens (None: no truncation).
-        seed: seed of the held-out split.
+        seed: seed of the held-out split and of the training order.
+        shuffle: shuffle the training rows each epoch (off: file order, e.g. to compare runs row for row).
     """
 
     kind = ""  # which rows a built-in task must produce: "preference", "prompt" or "completion"
@@ -49,6 +50,7 @@ class AlignDataModule(L.LightningDataModule):
         num_workers: int = 0,
         max_length: int | None = 1024,
         seed: int = 0,
+        shuffle: bool = True,
     ):
         super().__init__()
         if batch_size < 1:
@@ -61,7 +63,7 @@ class AlignDataModule(L.LightningDataModule):
         self.train_split, self.val_split, self.val_path, self.val_fraction = train_split, val_split, val_path, val_fraction
         self.tokenizer_name = tokenizer
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
-        self.num_workers, self.max_length, self.seed = num_workers, max_length, seed
+        self.num_workers, self.max_length, self.seed, self.shuffle = num_workers, max_length, seed, shuffle
         self.tokenizer = None
         self.train_data = self.val_data = None
 
@@ -106,7 +108,7 @@ class AlignDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
-            self.train_data, batch_size=self.batch_size, shuffle=True, collate_fn=self.collate,
+            self.train_data, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=self.collate,
             num_workers=self.num_workers, drop_last=False,
         )
 

@@ -2,5 +2,6 @@
 
 from lit_align.modules.base import AlignModule
 from lit_align.modules.dpo import DPOModule
+from lit_align.modules.grpo import GRPOModule
 
-__all__ = ["AlignModule", "DPOModule"]
+__all__ = ["AlignModule", "DPOModule", "GRPOModule"]

@@ -77,7 +77,7 @@ class AlignModule(L.LightningModule):
         if self.policy is not None:  # called again by trainer.fit after trainer.validate, or on resume
             return
         self.tokenizer = load_tokenizer(self.model_name, trust_remote_code=self.hparams.trust_remote_code)
-        self.policy = self.load(self.model_name)
+        self.policy = self.load(self.model_name).train()  # from_pretrained returns eval mode; Lightning keeps modes
         self.policy.config.use_cache = False
         if self.hparams.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,0 +1,31 @@
+# Setup is part of every target: a fresh machine needs only python3 (>= 3.10) and make.
+# TORCH is installed first, only when the venv has no torch yet; 2.13.0 resolves to a CPU build on machines whose
+# pip finds one locally and to the regular PyPI build elsewhere (GPU users: TORCH="torch==2.13.0" or your own).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: setup demo test test-slow bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup  ## the main job: DPO on the built-in task, offline, CPU
+	$(VENV)/bin/lit-align fit -c configs/dpo.yaml
+
+test: setup  ## the test suite (no slow end-to-end runs): a few minutes on 2 cores
+	$(PY) -m pytest -q
+
+test-slow: setup  ## slow end-to-end runs (CI runs these too)
+	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 5 ] && echo "no slow tests" && exit 0; exit $$rc
+
+bench: setup
+	$(PY) bench/dpo_vs_trl.py
+
+clean:
+	rm -rf runs lightning_logs .pytest_cache

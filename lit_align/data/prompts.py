@@ -1,0 +1,168 @@
+"""Prompt-only rows for online RL (GRPO), served one *generation round* at a time.
+
+Generation is autoregressive and costly, so one round of completions must feed several optimizer steps. The
+training DataLoader therefore yields every prompt of a round in one batch (``batch_size * steps_per_generation /
+num_generations`` prompts per device) and yields that same batch ``steps_per_generation * num_iterations`` times in a
+row, tagged with its position in the round. Lightning's own loop thus runs one ``training_step`` per yield: the module
+generates when ``round_pos == 0`` and trains on slice ``round_pos % steps_per_generation`` of the round's completions.
+``global_step``, ``max_steps``, ``accumulate_grad_batches``, ``val_check_interval`` and checkpointing keep their
+Lightning meaning; only collation is repeated, which costs next to nothing.
+
+::
+
+    prompts of one round (per rank):   p0 p1 p2 p3            (batch_size=8, num_generations=4, steps_per_generation=2)
+    yields:        round_pos 0: [p0 p1 p2 p3]   -> generate 4 x 4 = 16 completions, train on completions 0..7
+                   round_pos 1: [p0 p1 p2 p3]   -> train on completions 8..15
+                   round_pos 0: [p4 p5 p6 p7]   -> next round ...
+
+Under DDP each rank draws different prompts from one seeded permutation, and all G completions of a prompt are
+generated and scored on that rank, so group statistics never cross ranks. The sampler subclasses
+``DistributedSampler``, so Lightning leaves it in place instead of injecting its own (which would break the pattern).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lit_align.data.base import AlignDataModule
+from lit_align.data.preference import ROLES
+from lit_align.errors import LitAlignError
+
+
+class RoundSampler(DistributedSampler):
+    """Yields ``(index, round_pos)``: each round's prompts, ``repeats`` times; rounds drawn without replacement."""
+
+    def __init__(self, dataset, prompts_per_round: int, repeats: int, num_replicas: int = 1, rank: int = 0,
+                 shuffle: bool = True, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+        self.prompts_per_round, self.repeats = prompts_per_round, repeats
+        self.num_rounds = len(dataset) // (prompts_per_round * num_replicas)
+
+    def __iter__(self):
+        n = len(self.dataset)
+        if self.shuffle:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        else:
+            order = list(range(n))
+        per_round, span = self.prompts_per_round, self.prompts_per_round * self.num_replicas
+        for r in range(self.num_rounds):
+            mine = order[r * span + self.rank * per_round : r * span + (self.rank + 1) * per_round]
+            for pos in range(self.repeats):
+                yield from ((index, pos) for index in mine)
+
+    def __len__(self) -> int:
+        return self.num_rounds * self.repeats * self.prompts_per_round
+
+
+class _RoundItems(Dataset):
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, key):
+        index, pos = key if isinstance(key, tuple) else (key, 0)
+        return {**self.data[index], "round_pos": pos}
+
+
+def check_prompt(prompt: Any, where: str) -> bool:
+    """Validate a prompt; True if conversational (a list of {role, content} messages)."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise LitAlignError(f"{where}: field 'prompt' is empty")
+        return False
+    if isinstance(prompt, list) and prompt:
+        for i, message in enumerate(prompt):
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                raise LitAlignError(f"{where}: prompt[{i}] must be a {{role, content}} message with string content")
+            if message.get("role") not in ROLES:
+                raise LitAlignError(f"{where}: prompt[{i}] has role {message.get('role')!r}, expected one of {ROLES}")
+        return True
+    raise LitAlignError(f"{where}: field 'prompt' must be a string or a list of messages, got {type(prompt).__name__}")
+
+
+class PromptDataModule(AlignDataModule):
+    """Prompts for GRPO; extra columns (e.g. ``answer``) reach the reward functions.
+
+    ``batch_size`` counts *completions* per device per optimizer step, as TRL's ``per_device_train_batch_size``
+    does. One generation round per device covers ``batch_size * steps_per_generation`` completions, that is
+    ``batch_size * steps_per_generation / num_generations`` prompts (must divide evenly). ``max_length`` caps prompt
+    tokens (the start is cut, the end kept). ``val_batch_size`` counts prompts (one greedy completion each).
+
+    Args:
+        num_generations: completions sampled per prompt (G; TRL's default 8).
+        steps_per_generation: training steps fed by one generation round (with ``accumulate_grad_batches: 1``,
+            optimizer steps).
+        num_iterations: passes over each round's completions (TRL's mu); the round serves
+            ``steps_per_generation * num_iterations`` steps.
+    """
+
+    kind = "prompt"
+
+    def __init__(self, *args, num_generations: int = 8, steps_per_generation: int = 1, num_iterations: int = 1,
+                 **kwargs):
+        kwargs.setdefault("max_length", 512)
+        super().__init__(*args, **kwargs)
+        if num_generations < 2:
+            raise LitAlignError(f"data.num_generations must be >= 2 (group statistics need a group), got {num_generations}")
+        if steps_per_generation < 1 or num_iterations < 1:
+            raise LitAlignError("data.steps_per_generation and data.num_iterations must be >= 1")
+        if (self.batch_size * steps_per_generation) % num_generations:
+            raise LitAlignError(
+                f"data.batch_size * data.steps_per_generation = {self.batch_size * steps_per_generation} completions "
+                f"per round must be a multiple of data.num_generations = {num_generations}"
+            )
+        self.num_generations, self.steps_per_generation, self.num_iterations = (
+            num_generations, steps_per_generation, num_iterations)
+        self.prompts_per_round = self.batch_size * steps_per_generation // num_generations
+
+    def process(self, rows, source: str):
+        if "prompt" not in rows.column_names:
+            raise LitAlignError(f"{source}: missing column 'prompt' (expected prompt-only rows)")
+        tokenizer, max_length = self.tokenizer, self.max_length
+
+        def tokenize(row, index):
+            conversational = check_prompt(row["prompt"], f"{source} row {index}")
+            if conversational:
+                ids = tokenizer.apply_chat_template(row["prompt"], tokenize=True, return_dict=True,
+                                                    add_generation_prompt=True)["input_ids"]
+            else:
+                ids = tokenizer(row["prompt"])["input_ids"]
+            return {"prompt_ids": list(ids)[-max_length:] if max_length else list(ids)}
+
+        return rows.map(tokenize, with_indices=True, desc=f"Tokenizing {source}")
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """Left-padded ``prompt_ids``/``prompt_mask``, the raw ``prompts``, extra ``columns`` and the ``round_pos``."""
+        width = max(len(r["prompt_ids"]) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in rows])
+        mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in rows])
+        skip = {"prompt", "prompt_ids", "round_pos"}
+        return {
+            "prompt_ids": ids,
+            "prompt_mask": mask,
+            "prompts": [r["prompt"] for r in rows],
+            "columns": {k: [r[k] for r in rows] for k in rows[0] if k not in skip},
+            "round_pos": rows[0].get("round_pos", 0),
+            "num_generations": self.num_generations,
+            "steps_per_generation": self.steps_per_generation,
+            "num_iterations": self.num_iterations,
+        }
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        sampler = RoundSampler(self.train_data, self.prompts_per_round, self.steps_per_generation * self.num_iterations,
+                               num_replicas=world, rank=rank, shuffle=self.shuffle, seed=self.seed)
+        if sampler.num_rounds == 0:
+            raise LitAlignError(
+                f"{self.path}: {len(self.train_data)} prompts, but one generation round needs "
+                f"{self.prompts_per_round * world} (batch_size * steps_per_generation / num_generations * devices)"
+            )
+        return DataLoader(_RoundItems(self.train_data), batch_size=self.prompts_per_round, sampler=sampler,
+                          collate_fn=self.collate, num_workers=self.num_workers)

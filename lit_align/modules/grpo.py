@@ -1,0 +1,269 @@
+"""GRPO as a LightningModule: generate once per round, then train on the round's completions step by step.
+
+``PromptDataModule`` hands every step the whole round's prompts with its position in the round (``round_pos``);
+at ``round_pos == 0`` (or when the buffer is empty, e.g. after a resume) ``training_step`` samples
+``num_generations`` completions per prompt, scores them, computes group-relative advantages and keeps the old-policy
+and reference log-probs only when the loss needs them. Every step then takes its slice of that buffer. The math is in
+``lit_align.losses``; sampling is behind ``lit_align.generation``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torchmetrics import MeanMetric
+
+from lit_align.errors import LitAlignError
+from lit_align.generation import HFSampler
+from lit_align.losses import (
+    GRPO_LOSS_TYPES, SCALE_REWARDS, aggregate_grpo_loss, group_advantages, grpo_token_losses, token_logps,
+)
+from lit_align.modules.base import AlignModule, frozen
+from lit_align.rewards import import_reward, reward_name, score
+
+SAMPLERS = {"hf": HFSampler}
+
+
+def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                           with_entropy: bool = False):
+    """Per-token log-probs ``[N, C]`` of the completions given left-padded prompts (logits divided by temperature).
+
+    Position ids follow the attention mask, as in generation, so left padding does not shift positions.
+    With ``with_entropy``, also the per-token entropy of the (tempered) distribution, without gradient.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    length = completion_ids.shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                   logits_to_keep=length + 1).logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = token_logps(logits, completion_ids)
+    if not with_entropy:
+        return logps, None
+    with torch.no_grad():
+        logits = logits.detach().float()
+        entropy = torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+    return logps, entropy
+
+
+def _repeat(values: list, times: int) -> list:
+    return [v for v in values for _ in range(times)]
+
+
+class GRPOModule(AlignModule):
+    """Group Relative Policy Optimization, with TRL's loss types and metric names.
+
+    Args:
+        reward_funcs: dotted paths of reward functions (``lit_align.rewards.sort_accuracy``, ``my_pkg.mod.fn``).
+        reward_weights: one weight per reward function (default: all 1.0); rewards are summed with these weights.
+        loss_type: ``dapo`` (TRL's default), ``grpo``, ``bnpo`` or ``dr_grpo``.
+        beta: KL coefficient to a frozen reference (k3 estimator); 0 (TRL's default) loads no reference.
+        ref_model: the reference when ``beta > 0``; None: a frozen copy of the initial policy.
+        epsilon: lower clipping bound of the ratio (``1 - epsilon``).
+        epsilon_high: upper bound (``1 + epsilon_high``; default: ``epsilon``; DAPO uses 0.28).
+        scale_rewards: ``group`` (divide by the group's std), ``batch`` or ``none``.
+        mask_truncated_completions: leave completions that hit ``max_completion_length`` out of the loss.
+        max_completion_length: tokens generated per completion at most.
+        temperature: sampling temperature; the training log-probs use the same temperature, as TRL does.
+        top_p: nucleus sampling (1.0: off).
+        top_k: top-k sampling (0: off).
+        engine: sampler: ``hf`` (transformers ``generate``).
+    """
+
+    def __init__(
+        self,
+        model: str = "builtin:tiny",
+        reward_funcs: list[str] | None = None,
+        reward_weights: list[float] | None = None,
+        loss_type: str = "dapo",
+        beta: float = 0.0,
+        ref_model: str | None = None,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        scale_rewards: str = "group",
+        mask_truncated_completions: bool = False,
+        max_completion_length: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        engine: str = "hf",
+        **kwargs,
+    ):
+        super().__init__(model=model, **kwargs)
+        if loss_type not in GRPO_LOSS_TYPES:
+            raise LitAlignError(f"model.loss_type {loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
+        if scale_rewards not in SCALE_REWARDS:
+            raise LitAlignError(f"model.scale_rewards {scale_rewards!r}: expected one of {SCALE_REWARDS}")
+        if engine not in SAMPLERS:
+            raise LitAlignError(f"model.engine {engine!r}: expected one of {sorted(SAMPLERS)}")
+        reward_funcs = reward_funcs or ["lit_align.rewards.sort_accuracy"]
+        self.reward_funcs = [import_reward(path) for path in reward_funcs]
+        self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
+        weights = reward_weights or [1.0] * len(self.reward_funcs)
+        if len(weights) != len(self.reward_funcs):
+            raise LitAlignError(f"model.reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward_funcs")
+        self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
+        self.loss_type, self.beta, self.ref_model_name = loss_type, beta, ref_model
+        self.epsilon, self.epsilon_high, self.scale_rewards = epsilon, epsilon_high, scale_rewards
+        self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
+        self.temperature = temperature
+        self.sampler = SAMPLERS[engine](max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
+                                        top_k=top_k)
+        self.greedy = SAMPLERS[engine](max_new_tokens=max_completion_length, temperature=0.0)
+        self.ref_model: torch.nn.Module | None = None
+        self.round: dict[str, Any] | None = None  # the current generation round's buffer
+        self.generation_rounds = 0
+        self.val_metrics = torch.nn.ModuleDict(
+            {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names)]})
+
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        super().configure_model()
+        if self.beta != 0.0:
+            ref = copy.deepcopy(self.policy) if self.ref_model_name is None else self.load(self.ref_model_name)
+            self.ref_model = frozen(ref)
+
+    # -- the reference is frozen, in eval mode, and never part of a checkpoint (as in DPOModule) ------------------
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.ref_model is not None:
+            self.ref_model.eval()
+        return self
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return type(state)((k, v) for k, v in state.items() if not k.startswith(prefix + "ref_model."))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self.ref_model is not None:
+            state_dict = {**state_dict, **{f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()}}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # -- generation rounds -----------------------------------------------------------------------------------------
+    def sample(self, sampler, batch: dict[str, Any], num_samples: int):
+        tok = self.tokenizer
+        rollout = sampler.generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples,
+                                   eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+        texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        prompts = _repeat(batch["prompts"], num_samples)
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+        columns = {k: _repeat(v, num_samples) for k, v in batch["columns"].items()}
+        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        return rollout, prompts, completions, self.score_completions(prompts, completions, ids, columns)
+
+    def score_completions(self, prompts, completions, completion_ids, columns) -> torch.Tensor:
+        """``[N, F]`` rewards, one column per reward function (NaN where a function returned None)."""
+        per_func = [score(fn, prompts, completions, completion_ids, columns) for fn in self.reward_funcs]
+        return torch.tensor(per_func, dtype=torch.float32, device=self.device).T.reshape(len(prompts), -1)
+
+    @torch.no_grad()
+    def generate_round(self, batch: dict[str, Any]) -> dict[str, Any]:
+        num_generations, steps = batch["num_generations"], batch["steps_per_generation"]
+        rollout, prompts, completions, per_func = self.sample(self.sampler, batch, num_generations)
+        weighted = per_func * self.reward_weights
+        rewards = torch.where(per_func.isnan().all(1), torch.nan, weighted.nansum(1))
+        advantages = group_advantages(rewards, num_generations, self.scale_rewards)
+
+        prompt_ids = batch["prompt_ids"].repeat_interleave(num_generations, 0)
+        prompt_mask = batch["prompt_mask"].repeat_interleave(num_generations, 0)
+        completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask
+        loss_mask = completion_mask * (~rollout.truncated).unsqueeze(1) if self.mask_truncated_completions else completion_mask
+
+        # old-policy log-probs matter only when the policy moves before these completions are used up
+        accumulate = self.trainer.accumulate_grad_batches
+        old_logps = None
+        if batch["num_iterations"] > 1 or steps > accumulate:
+            old_logps = rollout.logps if rollout.logps is not None else self._logps(self.policy, prompt_ids, prompt_mask,
+                                                                                     completion_ids, completion_mask)
+        ref_logps = None
+        if self.beta != 0.0:
+            ref_logps = self._logps(self.ref_model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+        # dapo: every token of the round weighs the same; normalize by active tokens per step over all ranks
+        num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
+        world = self.trainer.world_size
+        lengths = completion_mask.sum(1).float()
+        grouped_std = rewards.view(-1, num_generations)
+        zero_std = (torch.nan_to_num(grouped_std, 0.0).std(1) < 1e-6).float()
+        self.generation_rounds += 1
+        stats = {
+            "reward": rewards.nanmean(),
+            "reward_std": rewards[~rewards.isnan()].std() if (~rewards.isnan()).sum() > 1 else rewards.new_zeros(()),
+            "frac_reward_zero_std": zero_std.mean(),
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": rollout.truncated.float().mean(),
+            **{f"rewards/{n}/mean": per_func[:, i].nanmean() for i, n in enumerate(self.reward_names)},
+        }
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(self.global_step)).tolist()
+        return {
+            "order": order, "steps": steps,
+            "prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids, "completion_mask": completion_mask, "loss_mask": loss_mask,
+            "advantages": advantages, "old_logps": old_logps, "ref_logps": ref_logps,
+            "num_tokens": float(num_tokens) / (world * steps),
+            "stats": self.trainer.strategy.reduce(torch.stack(list(stats.values())), reduce_op="mean"),
+            "stat_names": list(stats),
+            "log": {"prompts": prompts, "completions": [c if isinstance(c, str) else c[0]["content"] for c in completions],
+                    "rewards": rewards.tolist()},
+        }
+
+    def _logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+        return completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                      self.temperature)[0]
+
+    # -- what is computed -------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        if batch["round_pos"] == 0 or self.round is None:
+            self.round = self.generate_round(batch)
+        r = self.round
+        size = len(r["order"]) // r["steps"]
+        k = batch["round_pos"] % r["steps"]
+        rows = torch.tensor(r["order"][k * size : (k + 1) * size], device=self.device)
+        take = lambda key: None if r[key] is None else r[key][rows]  # noqa: E731
+
+        mask = take("loss_mask")
+        logps, entropy = completion_token_logps(self.policy, take("prompt_ids"), take("prompt_mask"),
+                                                take("completion_ids"), take("completion_mask"), self.temperature,
+                                                with_entropy=True)
+        token_losses, info = grpo_token_losses(logps, take("old_logps"), take("advantages"), self.epsilon,
+                                               self.epsilon_high, take("ref_logps"), self.beta)
+        loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length, r["num_tokens"])
+
+        denominator = mask.sum().clamp(min=1)
+        masked_mean = lambda x: (x * mask).sum() / denominator  # noqa: E731
+        step_stats = {
+            "loss": loss.detach(),
+            "entropy": masked_mean(entropy),
+            "clip_ratio/low_mean": masked_mean(info["low_clipped"]),
+            "clip_ratio/high_mean": masked_mean(info["high_clipped"]),
+            "clip_ratio/region_mean": masked_mean(info["low_clipped"] + info["high_clipped"]),
+        }
+        if "kl" in info:
+            step_stats["kl"] = masked_mean(info["kl"])
+        values = self.trainer.strategy.reduce(torch.stack(list(step_stats.values())), reduce_op="mean")
+        for name, value in zip([*step_stats, *r["stat_names"]], [*values, *r["stats"]]):
+            self.log(f"train/{name}", value, prog_bar=name in ("loss", "reward"))
+        self.log("train/generation_rounds", float(self.generation_rounds))
+        return loss
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Held-out reward: one greedy completion per prompt."""
+        per_func = self.sample(self.greedy, batch, 1)[3]
+        rewards = (per_func * self.reward_weights).nansum(1)
+        self.val_metrics["reward"].update(rewards)
+        self.log("val/reward", self.val_metrics["reward"], prog_bar=True)
+        for i, name in enumerate(self.reward_names):
+            metric = self.val_metrics[f"rewards_{name}_mean"]
+            values = per_func[:, i]
+            if not values.isnan().all():
+                metric.update(values[~values.isnan()])
+                self.log(f"val/rewards/{name}/mean", metric)
+
+    test_step = validation_step
