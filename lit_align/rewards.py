@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from typing import Any, Callable
 
 from lit_align.data.tasks import SortTask
@@ -29,6 +30,16 @@ def sort_accuracy(completions: list, answer: list[str], **_: Any) -> list[float]
 def sort_exact(completions: list, answer: list[str], **_: Any) -> list[float]:
     """1.0 for the exact answer, else 0.0 (the task's held-out accuracy)."""
     return [float(_text(c).strip() == a) for c, a in zip(completions, answer)]
+
+
+def last_number_match(completions: list, answer: list[str], **_: Any) -> list[float]:
+    """1.0 when the completion's last number equals the answer's last number (GSM8K-style ``... #### 42``), else 0."""
+    def last_number(text: str) -> str | None:
+        numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+        return numbers[-1].replace(",", "") if numbers else None
+
+    return [float(last_number(_text(c)) is not None and last_number(_text(c)) == last_number(a))
+            for c, a in zip(completions, answer)]
 
 
 def import_reward(path: str) -> Callable:

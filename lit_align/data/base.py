@@ -31,6 +31,7 @@ class AlignDataModule(L.LightningDataModule):
         num_workers: DataLoader worker processes.
         max_length: truncate each tokenized sequence to this many tokens (None: no truncation).
         seed: seed of the held-out split and of the training order.
+        rename_columns: rename source columns to the names lit_align reads, e.g. ``{question: prompt}``.
         shuffle: shuffle the training rows each epoch (off: file order, e.g. to compare runs row for row).
     """
 
@@ -51,6 +52,7 @@ class AlignDataModule(L.LightningDataModule):
         max_length: int | None = 1024,
         seed: int = 0,
         shuffle: bool = True,
+        rename_columns: dict[str, str] | None = None,
     ):
         super().__init__()
         if batch_size < 1:
@@ -64,6 +66,7 @@ class AlignDataModule(L.LightningDataModule):
         self.tokenizer_name = tokenizer
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.num_workers, self.max_length, self.seed, self.shuffle = num_workers, max_length, seed, shuffle
+        self.rename_columns = rename_columns or {}
         self.tokenizer = None
         self.train_data = self.val_data = None
 
@@ -80,7 +83,7 @@ class AlignDataModule(L.LightningDataModule):
         if self.train_data is not None or self.val_data is not None:
             return
         self.tokenizer = load_tokenizer(self._tokenizer_name())
-        train_rows = load_rows(self.path, self.train_split, self.kind, self.config_name)
+        train_rows = self._load(self.path, self.train_split)
         val_rows, val_source = None, None
         if self.val_fraction > 0:
             parts = train_rows.train_test_split(test_size=self.val_fraction, seed=self.seed)
@@ -90,12 +93,20 @@ class AlignDataModule(L.LightningDataModule):
             split = self.val_split
             if self.val_path and not self.val_path.startswith("builtin:") and "." in self.val_path.rsplit("/", 1)[-1]:
                 split = "train"  # a single file has one split
-            val_rows = load_rows(val_source, split, self.kind, self.config_name)
+            val_rows = self._load(val_source, split)
         if stage == "fit":
             self.train_data = self.process(train_rows, self.path)
             rank_zero_info(f"lit_align: {len(self.train_data)} training rows from {self.path}")
         if val_rows is not None:
             self.val_data = self.process(val_rows, val_source)
+
+    def _load(self, source: str, split: str):
+        rows = load_rows(source, split, self.kind, self.config_name)
+        missing = sorted(set(self.rename_columns) - set(rows.column_names))
+        if missing:
+            raise LitAlignError(f"{source}: data.rename_columns names columns it does not have: {missing} "
+                                f"(columns: {rows.column_names})")
+        return rows.rename_columns(self.rename_columns) if self.rename_columns else rows
 
     def _tokenizer_name(self) -> str:
         if self.tokenizer_name is not None:
