@@ -70,7 +70,8 @@ class CompletionsLogger(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         buffer = getattr(pl_module, "round", None)
-        if not trainer.is_global_zero or buffer is None or trainer.global_step % self.every_n_steps:
+        step = trainer.global_step  # optimizer steps done; 0 until the first one (gradient accumulation)
+        if not trainer.is_global_zero or buffer is None or step == 0 or step % self.every_n_steps:
             return
         if self._last_step == trainer.global_step:  # several batches per step under gradient accumulation
             return

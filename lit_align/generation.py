@@ -53,6 +53,10 @@ class HFSampler:
     def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
                  eos_token_ids: list[int], pad_token_id: int) -> Rollout:
         greedy = self.temperature == 0
+        if greedy and num_samples > 1:  # generate() refuses num_return_sequences > 1 without sampling
+            prompt_ids = prompt_ids.repeat_interleave(num_samples, 0)
+            prompt_mask = prompt_mask.repeat_interleave(num_samples, 0)
+            num_samples = 1
         was_training = model.training
         model.eval()
         try:

@@ -94,13 +94,13 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     grouped = rewards.view(-1, num_generations)
     advantages = grouped - grouped.nanmean(1, keepdim=True)
     if scale_rewards == "group":
-        advantages = advantages / (_nanstd(grouped, dim=1) + 1e-4)
+        advantages = advantages / (nanstd(grouped, dim=1) + 1e-4)
     elif scale_rewards == "batch":
-        advantages = advantages / (_nanstd(rewards.view(1, -1), dim=1) + 1e-4)
+        advantages = advantages / (nanstd(rewards.view(1, -1), dim=1) + 1e-4)
     return advantages.view(-1).nan_to_num(0.0)
 
 
-def _nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
+def nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Unbiased std over ``dim`` ignoring NaN (0 where fewer than two values), keeping ``dim``."""
     count = (~x.isnan()).sum(dim, keepdim=True)
     var = ((x - x.nanmean(dim, keepdim=True)) ** 2).nansum(dim, keepdim=True) / (count - 1).clamp(min=1)

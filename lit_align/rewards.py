@@ -76,6 +76,8 @@ def score(fn: Callable, prompts: list, completions: list, completion_ids: list[l
             out.append(math.nan)
             continue
         try:
+            if isinstance(value, (str, bytes)):  # float("1.0") would pass: a number was meant, not text
+                raise TypeError
             value = float(value)
         except (TypeError, ValueError):
             raise LitAlignError(f"reward function {name!r} returned {value!r} for completion {i} (expected a float)") from None

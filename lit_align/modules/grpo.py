@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 from lit_align.errors import LitAlignError
 from lit_align.generation import HFSampler
 from lit_align.losses import (
-    GRPO_LOSS_TYPES, SCALE_REWARDS, aggregate_grpo_loss, group_advantages, grpo_token_losses, token_logps,
+    GRPO_LOSS_TYPES, SCALE_REWARDS, nanstd, aggregate_grpo_loss, group_advantages, grpo_token_losses, token_logps,
 )
 from lit_align.modules.base import AlignModule, frozen
 from lit_align.rewards import import_reward, reward_name, score
@@ -98,6 +98,8 @@ class GRPOModule(AlignModule):
             raise LitAlignError(f"model.loss_type {loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
         if scale_rewards not in SCALE_REWARDS:
             raise LitAlignError(f"model.scale_rewards {scale_rewards!r}: expected one of {SCALE_REWARDS}")
+        if temperature <= 0:
+            raise LitAlignError(f"model.temperature must be > 0 (GRPO samples distinct completions), got {temperature}")
         if engine not in SAMPLERS:
             raise LitAlignError(f"model.engine {engine!r}: expected one of {sorted(SAMPLERS)}")
         reward_funcs = reward_funcs or ["lit_align.rewards.sort_accuracy"]
@@ -174,10 +176,11 @@ class GRPOModule(AlignModule):
         completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask
         loss_mask = completion_mask * (~rollout.truncated).unsqueeze(1) if self.mask_truncated_completions else completion_mask
 
-        # old-policy log-probs matter only when the policy moves before these completions are used up
+        # old-policy log-probs matter only when the policy moves before these completions are used up, that is unless
+        # the round's steps all fall in one accumulation window (TRL: gradient_accumulation_steps % generate_every)
         accumulate = self.trainer.accumulate_grad_batches
         old_logps = None
-        if batch["num_iterations"] > 1 or steps > accumulate:
+        if accumulate % (steps * batch["num_iterations"]):
             old_logps = rollout.logps if rollout.logps is not None else self._logps(self.policy, prompt_ids, prompt_mask,
                                                                                      completion_ids, completion_mask)
         ref_logps = None
@@ -188,8 +191,7 @@ class GRPOModule(AlignModule):
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
         world = self.trainer.world_size
         lengths = completion_mask.sum(1).float()
-        grouped_std = rewards.view(-1, num_generations)
-        zero_std = (torch.nan_to_num(grouped_std, 0.0).std(1) < 1e-6).float()
+        zero_std = (nanstd(rewards.view(-1, num_generations), dim=1) < 1e-6).float()  # as the advantages see it
         self.generation_rounds += 1
         stats = {
             "reward": rewards.nanmean(),

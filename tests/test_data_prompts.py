@@ -1,0 +1,200 @@
+"""Prompt-only data for GRPO: ``RoundSampler``'s round pattern, ``PromptDataModule``'s checks, batches and errors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lit_align.data.prompts import PromptDataModule, RoundSampler
+from lit_align.errors import LitAlignError
+
+
+def rounds_of(sampler: RoundSampler) -> list[list[tuple[int, int]]]:
+    """The sampler's yields cut into rounds (``prompts_per_round * repeats`` yields each)."""
+    items = list(sampler)
+    size = sampler.prompts_per_round * sampler.repeats
+    assert len(items) % size == 0
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+# -- RoundSampler ------------------------------------------------------------------------------------------------------
+def test_round_sampler_unshuffled_pattern_exactly():
+    sampler = RoundSampler(list(range(7)), prompts_per_round=3, repeats=2, shuffle=False)
+    # 7 prompts make 2 whole rounds of 3 (prompt 6 is left over); each round is yielded twice, tagged 0 then 1
+    assert list(sampler) == [
+        (0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1),
+        (3, 0), (4, 0), (5, 0), (3, 1), (4, 1), (5, 1),
+    ]
+    assert len(sampler) == 12
+
+
+@pytest.mark.parametrize("spg,iterations", [(3, 2), (4, 1), (1, 1)])
+def test_round_sampler_repeats_each_round(spg, iterations):
+    repeats = spg * iterations
+    sampler = RoundSampler(list(range(40)), prompts_per_round=4, repeats=repeats, shuffle=True, seed=3)
+    rounds = rounds_of(sampler)
+    assert len(rounds) == 10 and len(sampler) == 10 * repeats * 4
+    seen = []
+    for items in rounds:
+        first = [i for i, _ in items[:4]]
+        for pos in range(repeats):
+            block = items[pos * 4 : (pos + 1) * 4]
+            assert [i for i, _ in block] == first  # the same prompts, in the same order
+            assert [p for _, p in block] == [pos] * 4  # tagged with round_pos 0 .. R-1
+        seen += first
+    assert sorted(seen) == list(range(40))  # rounds drawn without replacement
+    assert seen != list(range(40))  # shuffled
+
+
+def test_round_sampler_two_replicas_are_disjoint_and_cover_each_round():
+    data = list(range(26))
+    ranks = [RoundSampler(data, prompts_per_round=3, repeats=2, num_replicas=2, rank=r, seed=5) for r in (0, 1)]
+    # 26 prompts // (3 per rank * 2 ranks) = 4 rounds; 2 prompts left over
+    assert [s.num_rounds for s in ranks] == [4, 4]
+    assert [len(s) for s in ranks] == [4 * 2 * 3, 4 * 2 * 3]
+    order = torch.randperm(26, generator=torch.Generator().manual_seed(5)).tolist()
+    all_prompts = []
+    for r, (mine0, mine1) in enumerate(zip(rounds_of(ranks[0]), rounds_of(ranks[1]))):
+        p0, p1 = {i for i, _ in mine0}, {i for i, _ in mine1}
+        assert len(p0) == len(p1) == 3
+        assert not p0 & p1  # no prompt on both ranks
+        assert p0 | p1 == set(order[r * 6 : (r + 1) * 6])  # together: the global round
+        all_prompts += [*p0, *p1]
+    assert len(set(all_prompts)) == len(all_prompts) == 24
+
+
+def test_round_sampler_set_epoch_changes_order_deterministically():
+    sampler = RoundSampler(list(range(30)), prompts_per_round=5, repeats=1, seed=0)
+    epoch0 = list(sampler)
+    assert list(sampler) == epoch0  # same epoch, same order
+    sampler.set_epoch(1)
+    epoch1 = list(sampler)
+    assert epoch1 != epoch0
+    assert sorted(epoch1) == sorted(epoch0)
+    sampler.set_epoch(0)
+    assert list(sampler) == epoch0
+    other_seed = RoundSampler(list(range(30)), prompts_per_round=5, repeats=1, seed=1)
+    assert list(other_seed) != epoch0
+
+
+# -- PromptDataModule ----------------------------------------------------------------------------------------------------
+def prompt_rows(n: int) -> list[dict]:
+    return [{"prompt": f"sort {i:04d}:", "answer": f"ans{i}", "level": i % 3} for i in range(n)]
+
+
+def make_dm(path, tiny_path, **kwargs) -> PromptDataModule:
+    kwargs = {"val_split": None, "tokenizer": "builtin:tiny", "batch_size": 4, "num_generations": 2, **kwargs}
+    dm = PromptDataModule(path=path, **kwargs)
+    dm.setup("fit")
+    return dm
+
+
+def test_settings_that_cannot_form_groups_raise():
+    with pytest.raises(LitAlignError, match=r"batch_size \* data.steps_per_generation = 6 .* multiple of data.num_generations = 4"):
+        PromptDataModule(batch_size=3, steps_per_generation=2, num_generations=4)
+    with pytest.raises(LitAlignError, match="num_generations must be >= 2"):
+        PromptDataModule(batch_size=4, num_generations=1)
+    with pytest.raises(LitAlignError, match="steps_per_generation and data.num_iterations must be >= 1"):
+        PromptDataModule(batch_size=4, num_generations=2, num_iterations=0)
+    # 3 * 4 = 12 completions per round = 3 prompts x 4: fine
+    assert PromptDataModule(batch_size=3, steps_per_generation=4, num_generations=4).prompts_per_round == 3
+
+
+def test_too_few_prompts_for_one_round_raises(write_jsonl, tiny_path):
+    path = write_jsonl(prompt_rows(5))
+    dm = make_dm(path, tiny_path, batch_size=4, steps_per_generation=3, num_generations=2)  # 6 prompts per round
+    with pytest.raises(LitAlignError, match=r"rows.jsonl: 5 prompts, but one generation round needs 6"):
+        dm.train_dataloader()
+
+
+def test_too_few_prompts_for_one_round_over_two_ranks_raises(write_jsonl, tiny_path):
+    dm = make_dm(write_jsonl(prompt_rows(3)), tiny_path, batch_size=4, num_generations=2)  # 2 prompts per rank
+    assert len(dm.train_dataloader()) == 1  # one device: one round of 2
+    dm.trainer = SimpleNamespace(world_size=2, global_rank=1)
+    with pytest.raises(LitAlignError, match=r"3 prompts, but one generation round needs 4 .*devices"):
+        dm.train_dataloader()
+
+
+def test_two_ranks_get_disjoint_prompts_through_the_datamodule(write_jsonl, tiny_path):
+    path = write_jsonl(prompt_rows(25))
+    seen = []
+    for rank in (0, 1):
+        dm = make_dm(path, tiny_path, batch_size=4, num_generations=2, steps_per_generation=2)  # 4 prompts per rank
+        dm.trainer = SimpleNamespace(world_size=2, global_rank=rank)
+        batches = list(dm.train_dataloader())
+        assert len(batches) == 3 * 2  # 25 // 8 = 3 rounds, each served twice
+        assert [b["round_pos"] for b in batches] == [0, 1] * 3
+        seen.append([p for b in batches[::2] for p in b["prompts"]])
+    assert len(set(seen[0])) == len(set(seen[1])) == 12
+    assert not set(seen[0]) & set(seen[1])
+
+
+def test_train_batches_follow_the_round_pattern(write_jsonl, tiny_path, tokenizer):
+    path = write_jsonl(prompt_rows(20))
+    dm = make_dm(path, tiny_path, batch_size=4, num_generations=2, steps_per_generation=3, num_iterations=2)
+    loader = dm.train_dataloader()
+    # 6 prompts per round, 20 // 6 = 3 rounds, each served 3 * 2 = 6 times
+    assert len(loader) == 3 * 6
+    batches = list(loader)
+    assert len(batches) == 18
+    assert [b["round_pos"] for b in batches] == [0, 1, 2, 3, 4, 5] * 3
+    for b in batches:
+        assert len(b["prompts"]) == 6 and b["prompt_ids"].shape[0] == 6
+        assert (b["num_generations"], b["steps_per_generation"], b["num_iterations"]) == (2, 3, 2)
+    for r in range(3):
+        block = batches[r * 6 : (r + 1) * 6]
+        assert all(b["prompts"] == block[0]["prompts"] for b in block)
+    firsts = [p for r in range(3) for p in batches[r * 6]["prompts"]]
+    assert len(set(firsts)) == 18
+
+
+def test_extra_columns_reach_the_batch(write_jsonl, tiny_path, tokenizer):
+    path = write_jsonl(prompt_rows(8))
+    dm = make_dm(path, tiny_path, batch_size=4, num_generations=2, steps_per_generation=2)
+    batch = next(iter(dm.train_dataloader()))
+    assert set(batch["columns"]) == {"answer", "level"}
+    for prompt, answer, level in zip(batch["prompts"], batch["columns"]["answer"], batch["columns"]["level"]):
+        i = int(prompt[5:9])
+        assert answer == f"ans{i}" and level == i % 3  # aligned row for row with the prompts
+
+
+def test_prompts_are_left_padded_and_truncated_from_the_start(write_jsonl, tiny_path, tokenizer):
+    rows = [{"prompt": "ab"}, {"prompt": "abcdef"}, {"prompt": "xyz"}, {"prompt": "0123456789"}]
+    dm = make_dm(write_jsonl(rows), tiny_path, batch_size=4, num_generations=2, shuffle=False, max_length=4)
+    batch = next(iter(dm.train_dataloader()))
+    pad = tokenizer.pad_token_id
+    assert batch["prompts"] == ["ab", "abcdef"]
+    assert batch["prompt_ids"].tolist() == [[pad, pad] + tokenizer("ab")["input_ids"], tokenizer("cdef")["input_ids"]]
+    assert batch["prompt_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+
+
+def test_conversational_prompts_use_the_chat_template(write_jsonl, tiny_path, tokenizer):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort 31:"}]
+    dm = make_dm(write_jsonl([{"prompt": messages}] * 4), tiny_path, batch_size=2, num_generations=2, shuffle=False)
+    batch = next(iter(dm.train_dataloader()))
+    text = tokenizer.decode(batch["prompt_ids"][0])
+    assert text == "<|system|>be brief\n<|user|>sort 31:\n<|assistant|>"
+    assert batch["prompts"][0] == messages
+
+
+@pytest.mark.parametrize(
+    "rows,match",
+    [
+        ([{"question": "sort 12:"}, {"question": "sort 3:"}], r"rows.jsonl: missing column 'prompt'"),
+        ([{"prompt": "sort 12:"}, {"prompt": "   "}], r"rows.jsonl row 1: field 'prompt' is empty"),
+        ([{"prompt": 12}, {"prompt": 7}], r"rows.jsonl row 0: field 'prompt' must be a string or a list of messages, got int"),
+        ([{"prompt": "sort 1:"}, {"prompt": 7}], r"rows.jsonl row 1: field 'prompt' is a number"),
+        ([{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": [{"role": "bot", "content": "b"}]}],
+         r"rows.jsonl row 1: prompt\[0\] has role 'bot'"),
+        ([{"prompt": [{"role": "user", "content": "a"}]}, {"prompt": []}],
+         r"rows.jsonl row 1: field 'prompt' must be a string or a list of messages"),
+    ],
+    ids=["missing-column", "empty", "non-string", "mixed-types", "unknown-role", "empty-messages"],
+)
+def test_bad_prompt_rows_name_file_and_row(write_jsonl, tiny_path, rows, match):
+    path = write_jsonl(rows)
+    with pytest.raises(LitAlignError, match=match) as info:
+        make_dm(path, tiny_path, batch_size=2)
+    assert "\n" not in str(info.value)

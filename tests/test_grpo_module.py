@@ -1,0 +1,389 @@
+"""GRPOModule under a real ``lightning.Trainer``, checked by counting: generation rounds, steps, checkpoints, when old
+log-probs exist, the reference model, the logged metrics (TRL's names) and the completions log; then a 2-process DDP run
+through the CLI.
+
+The runs use the tiny built-in model, 4-token completions and a 48-prompt file, on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+import lit_align.modules.grpo as grpo_mod
+from lit_align.callbacks import CompletionsLogger
+from lit_align.data import PromptDataModule
+from lit_align.errors import LitAlignError
+from lit_align.generation import Rollout
+from lit_align.models import load_model
+from lit_align.modules.grpo import GRPOModule, completion_token_logps
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+REWARDS = ["lit_align.rewards.sort_accuracy", "test_grpo_module.reward_digit_fraction"]
+
+
+def reward_digit_fraction(completions, **_):
+    """Fraction of digits in the completion: random completions spread, so advantages (and gradients) are non-zero."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+class GenerationProbe(L.Callback):
+    """Counts the sampler's ``generate`` calls (with the global step of each) and records the prompts of each round;
+    with ``out_dir``, writes them to ``<out_dir>/rank<R>.json`` at the end (used by the DDP run through the CLI)."""
+
+    def __init__(self, out_dir: str | None = None):
+        self.out_dir = out_dir
+        self.generate_steps: list[int] = []
+        self.round_prompts: list[list] = []
+        self.old_logps_present: list[bool] = []
+        self.round_pos: list[int] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        generate = pl_module.sampler.generate
+
+        def counted(*args, **kwargs):
+            self.generate_steps.append(trainer.global_step)
+            return generate(*args, **kwargs)
+
+        pl_module.sampler.generate = counted
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.round_pos.append(batch["round_pos"])
+        if batch["round_pos"] == 0:
+            self.round_prompts.append(list(batch["prompts"]))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.old_logps_present.append(pl_module.round["old_logps"] is not None)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.out_dir is None:
+            return
+        out = Path(self.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({
+            "world_size": trainer.world_size, "global_step": trainer.global_step,
+            "generate_steps": self.generate_steps, "round_prompts": self.round_prompts,
+            "generation_rounds": pl_module.generation_rounds,
+        }))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Two cores shared with other test runs: one intra-op thread avoids oversubscription stalls (10x here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> str:
+    digits = [f"{(i * 7919) % 100000:05d}"[: 3 + i % 3] for i in range(48)]
+    rows = [{"prompt": f"sort {d}:", "answer": "".join(sorted(d))} for d in digits]
+    path = tmp_path_factory.mktemp("grpo_prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def fit_grpo(root: Path, prompts: str, max_steps: int, model: dict | None = None, data: dict | None = None,
+             callbacks: list | None = None, **trainer_kwargs) -> SimpleNamespace:
+    """Fit GRPOModule on the tiny model; also record every ``grpo_token_losses`` call's ratio ``exp(logps - old)``."""
+    torch.manual_seed(0)
+    module = GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, max_completion_length=4, learning_rate=1e-3,
+                        **(model or {}))
+    dm = PromptDataModule(path=prompts, val_split=None, **{"batch_size": 4, "num_generations": 2, **(data or {})})
+    probe = GenerationProbe()
+    ratios = []
+    real = grpo_mod.grpo_token_losses
+
+    def recording(logps, old_logps, *args, **kwargs):
+        if old_logps is None:
+            ratios.append(None)
+        else:  # the rollout's old log-probs are 0 past each completion's end: compare real tokens only
+            valid = old_logps != 0
+            ratios.append(float((torch.exp(logps.detach() - old_logps) - 1)[valid].abs().max()))
+        return real(logps, old_logps, *args, **kwargs)
+
+    trainer_kwargs.setdefault("enable_checkpointing", False)
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=CSVLogger(root, name="grpo"),
+                        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[probe, *(callbacks or [])], **trainer_kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grpo_mod, "grpo_token_losses", recording)
+        trainer.fit(module, dm)
+    with open(Path(trainer.log_dir) / "metrics.csv", newline="") as f:
+        metrics = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    return SimpleNamespace(trainer=trainer, module=module, probe=probe, ratios=ratios, metrics=metrics,
+                           log_dir=Path(trainer.log_dir), root=root)
+
+
+def metric(run, name: str, step: int) -> float:
+    values = [r[name] for r in run.metrics if name in r and int(r["step"]) == step]
+    assert len(values) == 1, f"{name} at step {step}: {values}"
+    return values[0]
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory, prompts_file, tiny_path):
+    """spg=3, num_iterations=2 (a round serves 6 steps), beta>0, checkpoints every 4 steps, completions every 5."""
+    root = tmp_path_factory.mktemp("grpo_run_a")
+    callbacks = [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=4, save_top_k=-1),
+                 CompletionsLogger(every_n_steps=5, max_rows=3)]
+    return fit_grpo(root, prompts_file, 12, model={"beta": 0.04}, data={"steps_per_generation": 3, "num_iterations": 2},
+                    callbacks=callbacks, enable_checkpointing=True)
+
+
+@pytest.fixture(scope="module")
+def run_b(tmp_path_factory, prompts_file, tiny_path):
+    """spg=4, num_iterations=1 (a round serves 4 steps), beta=0."""
+    return fit_grpo(tmp_path_factory.mktemp("grpo_run_b"), prompts_file, 12, data={"steps_per_generation": 4})
+
+
+# -- counting ------------------------------------------------------------------------------------------------------------
+def test_one_generation_per_spg_times_iterations_steps(run_a, run_b):
+    assert run_a.probe.generate_steps == [0, 6]  # 12 steps / (3 * 2)
+    assert run_a.probe.round_pos == [0, 1, 2, 3, 4, 5] * 2
+    assert run_a.module.generation_rounds == 2
+    assert run_b.probe.generate_steps == [0, 4, 8]  # 12 steps / 4
+    assert run_b.probe.round_pos == [0, 1, 2, 3] * 3
+    assert run_b.module.generation_rounds == 3
+    assert run_a.probe.round_prompts[0] != run_a.probe.round_prompts[1]  # a new round draws new prompts
+    assert len(run_a.probe.round_prompts[0]) == 4 * 3 // 2
+
+
+def test_max_steps_is_exact(run_a, run_b):
+    assert run_a.trainer.global_step == 12
+    assert run_b.trainer.global_step == 12
+    assert len(run_a.ratios) == len(run_b.ratios) == 12  # one training step (one loss) per optimizer step
+
+
+def test_checkpoint_cadence_is_exact_and_reference_is_not_saved(run_a):
+    files = sorted((run_a.root / "ckpt").glob("*.ckpt"))
+    steps = sorted(torch.load(f, map_location="cpu", weights_only=False)["global_step"] for f in files)
+    assert steps == [4, 8, 12]
+    assert sorted(f.name for f in files) == ["epoch=0-step=12.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
+    state = torch.load(files[0], map_location="cpu", weights_only=False)["state_dict"]
+    assert any(k.startswith("policy.") for k in state)
+    assert not any(k.startswith("ref_model.") for k in state)
+
+
+def test_reference_is_frozen_unchanged_and_policy_trained(run_a, run_b, tiny_path):
+    initial = load_model("builtin:tiny").state_dict()
+    ref = run_a.module.ref_model
+    assert ref is not None and not ref.training
+    assert not any(p.requires_grad for p in ref.parameters())
+    for name, value in ref.state_dict().items():
+        assert torch.equal(value, initial[name]), name
+    for run in (run_a, run_b):
+        policy = run.module.policy.state_dict()
+        changed = [name for name, value in policy.items() if not torch.equal(value, initial[name])]
+        assert len(changed) > len(policy) // 2
+    assert run_b.module.ref_model is None  # beta = 0: no reference loaded
+
+
+# -- old log-probs ---------------------------------------------------------------------------------------------------------
+def test_old_logps_used_and_round_start_ratio_is_one(run_a, run_b):
+    for run, size in ((run_a, 6), (run_b, 4)):
+        assert all(run.probe.old_logps_present)
+        assert all(r is not None for r in run.ratios)
+        starts = run.ratios[::size]
+        assert max(starts) < 1e-4, starts  # fresh old log-probs: ratio 1 on the first step of each round
+        later = [r for i, r in enumerate(run.ratios) if i % size]
+        assert max(later) > 1e-4  # the policy has moved since the round was sampled: the ratio is real
+        for step in range(0, 12, size):
+            assert metric(run, "train/clip_ratio/region_mean", step) == 0.0
+
+
+class LogpsSampler:
+    """4 completions of 3 tokens (rows 0 and 2 truncated), with sampling log-probs."""
+
+    def __init__(self):
+        self.rollout = Rollout(torch.full((4, 3), 20), torch.ones(4, 3, dtype=torch.long),
+                               torch.tensor([True, False, True, False]), torch.full((4, 3), -1.5))
+
+    def generate(self, *args, **kwargs):
+        return self.rollout
+
+
+def stub_round(module: GRPOModule, tokenizer, spg: int = 1, iterations: int = 1, accumulate: int = 1) -> dict:
+    """``generate_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device Trainer."""
+    module.tokenizer, module.sampler = tokenizer, LogpsSampler()
+    module._trainer = SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0,
+                                      strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t))
+    batch = {"prompt_ids": torch.tensor([[30, 31], [0, 32]]), "prompt_mask": torch.tensor([[1, 1], [0, 1]]),
+             "prompts": ["ab", "c"], "columns": {}, "round_pos": 0, "num_generations": 2,
+             "steps_per_generation": spg, "num_iterations": iterations}
+    return module.generate_round(batch)
+
+
+@pytest.mark.parametrize("spg,iterations,accumulate,needed", [
+    (1, 1, 1, False),  # on-policy: one step per round
+    (2, 1, 2, False),  # the round's 2 steps accumulate into one optimizer step
+    (2, 1, 4, False),  # two rounds per optimizer step
+    (4, 1, 1, True),  # 4 optimizer steps per round
+    (3, 2, 1, True),  # two passes over the round
+    (1, 2, 1, True),
+    (1, 2, 2, False),  # both passes in one accumulation window: the policy has not moved
+    (2, 1, 3, True),  # windows of 3 microsteps straddle rounds of 2
+])
+def test_old_logps_computed_only_when_the_policy_moves_within_a_round(tokenizer, spg, iterations, accumulate, needed):
+    module = GRPOModule(reward_funcs=["test_grpo_module.reward_digit_fraction"])
+    r = stub_round(module, tokenizer, spg, iterations, accumulate)
+    assert (r["old_logps"] is not None) == needed
+    if needed:
+        assert torch.equal(r["old_logps"], module.sampler.rollout.logps)  # the sampler's, no extra forward
+    assert r["num_tokens"] == 12 / spg  # dapo's normalizer: the round's 12 tokens spread over its spg steps
+
+
+def test_mask_truncated_completions(tokenizer):
+    r = stub_round(GRPOModule(reward_funcs=["test_grpo_module.reward_digit_fraction"]), tokenizer, spg=2)
+    assert r["loss_mask"].sum(1).tolist() == [3, 3, 3, 3]
+    module = GRPOModule(reward_funcs=["test_grpo_module.reward_digit_fraction"], mask_truncated_completions=True)
+    r = stub_round(module, tokenizer, spg=2)
+    assert r["loss_mask"].sum(1).tolist() == [0, 3, 0, 3]  # truncated rows leave the loss
+    assert r["num_tokens"] == 6 / 2
+    stats = dict(zip(r["stat_names"], r["stats"].tolist()))
+    assert stats["completions/clipped_ratio"] == 0.5
+
+
+# -- metrics ---------------------------------------------------------------------------------------------------------------
+TRL_NAMES = ["train/reward", "train/reward_std", "train/rewards/sort_accuracy/mean",
+             "train/rewards/reward_digit_fraction/mean", "train/frac_reward_zero_std", "train/completions/mean_length",
+             "train/completions/clipped_ratio", "train/entropy", "train/clip_ratio/region_mean",
+             "train/clip_ratio/low_mean", "train/clip_ratio/high_mean", "train/loss", "train/generation_rounds"]
+
+
+def test_metrics_have_trl_names_and_values(run_a, run_b):
+    for run in (run_a, run_b):
+        for step in range(12):
+            for name in TRL_NAMES:
+                metric(run, name, step)
+    assert "train/kl" not in run_b.metrics[0]
+    assert metric(run_a, "train/kl", 0) == pytest.approx(0.0, abs=1e-7)  # the policy starts as the reference
+    assert metric(run_a, "train/kl", 11) > 1e-7
+    assert [metric(run_a, "train/generation_rounds", s) for s in (0, 5, 6, 11)] == [1.0, 1.0, 2.0, 2.0]
+    assert [metric(run_b, "train/generation_rounds", s) for s in (0, 3, 4, 11)] == [1.0, 1.0, 2.0, 3.0]
+    # the round's statistics are logged at each of its steps: the last round's reward is the mean of its rewards
+    rewards = torch.tensor(run_a.module.round["log"]["rewards"])
+    for step in range(6, 12):
+        assert metric(run_a, "train/reward", step) == pytest.approx(float(rewards.mean()), abs=1e-6)
+        assert metric(run_a, "train/reward_std", step) == pytest.approx(float(rewards.std()), abs=1e-6)
+    lengths = run_a.module.round["completion_mask"].sum(1).float()
+    assert metric(run_a, "train/completions/mean_length", 11) == pytest.approx(float(lengths.mean()))
+    assert 1.0 <= metric(run_a, "train/completions/mean_length", 0) <= 4.0
+    assert 0.0 <= metric(run_a, "train/completions/clipped_ratio", 0) <= 1.0
+    assert metric(run_a, "train/entropy", 0) > 0
+
+
+def test_completions_logger_writes_rows_at_its_cadence(run_a, prompts_file):
+    with open(run_a.log_dir / "completions.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["step", "prompt", "completion", "reward"]
+    assert [r[0] for r in rows[1:]] == ["5"] * 3 + ["10"] * 3  # every 5 steps, max_rows=3
+    prompts = {json.loads(line)["prompt"] for line in Path(prompts_file).read_text().splitlines()}
+    assert all(r[1] in prompts for r in rows[1:])
+    logged = run_a.module.round["log"]  # step 10 is in the second round
+    assert [r[1] for r in rows[4:]] == [str(p) for p in logged["prompts"][:3]]
+    assert [r[2] for r in rows[4:]] == logged["completions"][:3]
+    assert [float(r[3]) for r in rows[4:]] == pytest.approx(logged["rewards"][:3])
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path, prompts_file, tiny_path):
+    """accumulate 2, spg 2: one round per optimizer step, on-policy (no old log-probs), no completions row at step 0."""
+    run = fit_grpo(tmp_path, prompts_file, 2, data={"steps_per_generation": 2}, accumulate_grad_batches=2,
+                   callbacks=[CompletionsLogger(every_n_steps=1, max_rows=1)])
+    assert run.trainer.global_step == 2
+    assert run.probe.generate_steps == [0, 1]  # microbatches 0 and 2
+    assert run.ratios == [None] * 4 and run.probe.old_logps_present == [False] * 4
+    with open(run.log_dir / "completions.csv", newline="") as f:
+        assert [r[0] for r in csv.reader(f)] == ["step", "1", "2"]
+
+
+# -- the training forward ------------------------------------------------------------------------------------------------
+def test_completion_logps_do_not_depend_on_left_padding(tokenizer, tiny_path):
+    torch.manual_seed(0)
+    model = load_model("builtin:tiny")
+    prompts = [tokenizer("sort 123456:")["input_ids"], tokenizer("s")["input_ids"]]
+    completions = torch.tensor([[20, 21, 2, 0], [22, 23, 24, 25]])
+    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batched, _ = completion_token_logps(model, ids, mask, completions, completion_mask, temperature=0.8)
+    for i, p in enumerate(prompts):
+        alone, _ = completion_token_logps(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
+                                          completions[i : i + 1], completion_mask[i : i + 1], temperature=0.8)
+        m = completion_mask[i].bool()
+        torch.testing.assert_close(batched[i][m], alone[0][m], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": 0.0}, "model.temperature must be > 0"),
+    ({"loss_type": "ppo"}, "model.loss_type 'ppo'"),
+    ({"scale_rewards": "global"}, "model.scale_rewards 'global'"),
+    ({"engine": "vllm-nope"}, "model.engine 'vllm-nope'"),
+])
+def test_bad_settings_raise(kwargs, match):
+    with pytest.raises(LitAlignError, match=match):
+        GRPOModule(**kwargs)
+
+
+# -- DDP through the CLI ---------------------------------------------------------------------------------------------------
+def test_ddp_two_processes_generate_once_per_round_on_each_rank(tmp_path, prompts_file, lit_align_cache, tiny_path):
+    out = tmp_path / "probe"
+    cmd = [
+        sys.executable, "-m", "lit_align", "fit", "-c", str(REPO / "configs" / "grpo.yaml"),
+        "--seed_everything", "0",
+        "--model.init_args.model", "builtin:tiny",
+        "--model.init_args.reward_funcs", json.dumps(REWARDS),
+        "--model.init_args.beta", "0.0",
+        "--model.init_args.max_completion_length", "4",
+        "--data.init_args.path", prompts_file,
+        "--data.init_args.val_split", "null",
+        "--data.init_args.batch_size", "4",
+        "--data.init_args.num_generations", "2",
+        "--data.init_args.steps_per_generation", "2",
+        "--data.init_args.num_iterations", "1",
+        "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2",
+        "--trainer.max_steps", "4", "--trainer.accumulate_grad_batches", "1",
+        "--trainer.val_check_interval", "1.0", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.save_dir", str(tmp_path / "logs"), "--trainer.logger.name", "grpo",
+        "--trainer.callbacks+=test_grpo_module.GenerationProbe", f"--trainer.callbacks.out_dir={out}",
+        "--export.enabled", "false",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "LIT_ALIGN_CACHE": str(lit_align_cache)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:
+        assert rank["world_size"] == 2 and rank["global_step"] == 4
+        assert rank["generate_steps"] == [0, 2]  # once per round of 2 steps, on each rank
+        assert rank["generation_rounds"] == 2
+        assert [len(p) for p in rank["round_prompts"]] == [4, 4]  # 4 * 2 / 2 prompts per rank per round
+    for r in range(2):
+        assert not set(ranks[0]["round_prompts"][r]) & set(ranks[1]["round_prompts"][r])  # distinct prompts
+    seen = [p for rank in ranks for rnd in rank["round_prompts"] for p in rnd]
+    assert len(set(seen)) == 16
+
+    metrics_csv = next((tmp_path / "logs" / "grpo").glob("version_*/metrics.csv"))
+    with open(metrics_csv, newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("train/generation_rounds")]
+    last = max(rows, key=lambda row: int(row["step"]))
+    assert int(last["step"]) == 3 and float(last["train/generation_rounds"]) == 4 / 2

@@ -1,0 +1,240 @@
+"""Reward functions: dotted-path import, the checks on what a user's function returns, the built-in sort rewards, and
+how ``reward_weights`` combine several functions into GRPO's reward (on a hand example)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from lit_align.errors import LitAlignError
+from lit_align.generation import Rollout
+from lit_align.modules.grpo import GRPOModule
+from lit_align.rewards import import_reward, score, sort_accuracy, sort_exact
+
+# -- reward functions the tests name by dotted path (this module is importable as ``test_rewards``) -------------------
+
+
+def reward_raises(completions, **_):
+    raise ValueError("boom")
+
+
+def reward_nan(completions, **_):
+    return [0.0, float("nan")]
+
+
+def reward_inf(completions, **_):
+    return [math.inf, 0.0]
+
+
+def reward_short(completions, **_):
+    return [1.0]
+
+
+def reward_scalar(completions, **_):
+    return 1.0
+
+
+def reward_text(completions, **_):
+    return [1.0, "good"]
+
+
+def reward_numeric_text(completions, **_):
+    return ["1.0", 0.0]
+
+
+def reward_object(completions, **_):
+    return [object(), 0.0]
+
+
+def reward_none_second(completions, **_):
+    return [0.25, None]
+
+
+def reward_numbers(completions, **_):
+    return [np.float32(0.5), True, torch.tensor(2.0)]
+
+
+def reward_echo(prompts, completions, completion_ids, level, **_):
+    """Uses every argument: prompts, completion ids and an extra column."""
+    return [len(p) + len(ids) + lv for p, ids, lv in zip(prompts, completion_ids, level)]
+
+
+def reward_length_or_none(completions, **_):
+    """Applies to short completions only: None for longer ones (not applicable)."""
+    return [None if len(c) > 2 else float(len(c)) for c in completions]
+
+
+# -- import_reward ----------------------------------------------------------------------------------------------------
+def test_import_reward_resolves_dotted_paths():
+    assert import_reward("lit_align.rewards.sort_accuracy") is sort_accuracy
+    assert import_reward("test_rewards.reward_echo").__name__ == "reward_echo"
+
+
+@pytest.mark.parametrize("path,match", [
+    ("lit_align.rewards.no_such_reward", r"'lit_align.rewards.no_such_reward': cannot import it"),
+    ("no_such_package_xyz.reward", r"'no_such_package_xyz.reward': cannot import it .*No module named"),
+    ("sort_accuracy", r"'sort_accuracy': expected a dotted path to a callable"),
+    ("lit_align.rewards", r"'lit_align.rewards': expected a dotted path to a callable"),
+    ("lit_align.rewards.math", r"'lit_align.rewards.math': expected a dotted path to a callable"),
+])
+def test_import_reward_bad_paths(path, match):
+    with pytest.raises(LitAlignError, match=match):
+        import_reward(path)
+
+
+def test_grpo_module_reports_a_bad_reward_path_and_weights():
+    with pytest.raises(LitAlignError, match="no_such_reward"):
+        GRPOModule(reward_funcs=["lit_align.rewards.no_such_reward"])
+    with pytest.raises(LitAlignError, match="reward_weights has 1 values for 2 reward_funcs"):
+        GRPOModule(reward_funcs=["lit_align.rewards.sort_accuracy", "lit_align.rewards.sort_exact"],
+                   reward_weights=[1.0])
+
+
+# -- score: what a reward function may return ---------------------------------------------------------------------------
+def run(fn, completions=("a", "b"), **columns):
+    completions = list(completions)
+    return score(fn, ["p"] * len(completions), completions, [[1]] * len(completions), columns)
+
+
+@pytest.mark.parametrize("fn,match", [
+    (reward_raises, r"reward function 'reward_raises' raised ValueError: boom"),
+    (reward_nan, r"reward function 'reward_nan' returned nan for completion 1 \(use None to skip\)"),
+    (reward_inf, r"reward function 'reward_inf' returned inf for completion 0"),
+    (reward_short, r"reward function 'reward_short' returned 1 values for 2 completions"),
+    (reward_scalar, r"reward function 'reward_scalar' returned float values for 2 completions"),
+    (reward_text, r"reward function 'reward_text' returned 'good' for completion 1 \(expected a float\)"),
+    (reward_numeric_text, r"reward function 'reward_numeric_text' returned '1.0' for completion 0 \(expected a float\)"),
+    (reward_object, r"reward function 'reward_object' returned <object object at .*> for completion 0"),
+])
+def test_bad_reward_values_name_the_function(fn, match):
+    with pytest.raises(LitAlignError, match=match) as info:
+        run(fn)
+    assert "\n" not in str(info.value)
+
+
+def test_none_becomes_nan_and_numbers_are_accepted():
+    out = run(reward_none_second)
+    assert out[0] == 0.25 and math.isnan(out[1])
+    assert run(reward_numbers, completions=("a", "b", "c")) == [0.5, 1.0, 2.0]
+
+
+def test_reward_gets_prompts_ids_and_columns():
+    out = score(reward_echo, ["ab", "abcd"], ["x", "y"], [[1, 2, 3], [4]], {"level": [10, 20]})
+    assert out == [2 + 3 + 10, 4 + 1 + 20]
+
+
+# -- the built-in sort rewards --------------------------------------------------------------------------------------
+def test_sort_accuracy_and_exact_on_known_completions():
+    completions = ["123", " 123\n", "132", "", "1234", "12", [{"role": "assistant", "content": "123"}]]
+    answers = ["123"] * len(completions)
+    # "132": one position right of 3 -> 0.5 * 1/3; "1234": 3 of max(3, 4) -> 0.5 * 3/4; "12": 2 of 3 -> 0.5 * 2/3
+    expected = [1.0, 1.0, 0.5 / 3, 0.0, 0.375, 0.5 * 2 / 3, 1.0]
+    assert sort_accuracy(completions, answers) == pytest.approx(expected)
+    assert sort_exact(completions, answers) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+# -- reward_weights: GRPOModule.generate_round on a fixed rollout ----------------------------------------------------------
+class FixedSampler:
+    """Returns the given completions (EOS-terminated) for any prompts."""
+
+    def __init__(self, tokenizer, texts: list[str]):
+        ids = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+        width = max(map(len, ids))
+        self.rollout = Rollout(
+            completion_ids=torch.tensor([i + [tokenizer.pad_token_id] * (width - len(i)) for i in ids]),
+            completion_mask=torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids]),
+            truncated=torch.zeros(len(ids), dtype=torch.bool),
+            logps=torch.zeros(len(ids), width),
+        )
+        self.calls = 0
+
+    def generate(self, model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id):
+        self.calls += 1
+        assert prompt_ids.shape[0] * num_samples == self.rollout.completion_ids.shape[0]
+        return self.rollout
+
+
+def stub_trainer(accumulate: int = 1):
+    """What generate_round asks of the Trainer, single device."""
+    return SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0,
+                           strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t))
+
+
+def round_for(module: GRPOModule, tokenizer, prompts, texts, columns, num_generations=2, accumulate=1, spg=1,
+              iterations=1):
+    module.tokenizer = tokenizer
+    module.sampler = FixedSampler(tokenizer, texts)
+    module._trainer = stub_trainer(accumulate)
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    width = max(map(len, ids))
+    batch = {
+        "prompt_ids": torch.tensor([[0] * (width - len(i)) + i for i in ids]),
+        "prompt_mask": torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]),
+        "prompts": prompts, "columns": columns, "round_pos": 0,
+        "num_generations": num_generations, "steps_per_generation": spg, "num_iterations": iterations,
+    }
+    return module.generate_round(batch)
+
+
+def test_reward_weights_combine_functions_by_hand(tokenizer):
+    module = GRPOModule(reward_funcs=["lit_align.rewards.sort_accuracy", "lit_align.rewards.sort_exact"],
+                        reward_weights=[1.0, 2.0])
+    # prompt A (answer "13"): "13" (accuracy 1, exact 1), "31" (0, 0)
+    # prompt B (answer "025"): "025" (1, 1), "052" (one position right of 3: 1/6, 0)
+    r = round_for(module, tokenizer, ["sort 31:", "sort 502:"], ["13", "31", "025", "052"],
+                  {"answer": ["13", "025"]})
+    rewards = [3.0, 0.0, 3.0, 1 / 6]  # 1 * accuracy + 2 * exact
+    assert r["log"]["rewards"] == pytest.approx(rewards)
+    assert r["log"]["completions"] == ["13", "31", "025", "052"]
+    assert r["log"]["prompts"] == ["sort 31:", "sort 31:", "sort 502:", "sort 502:"]
+    # advantages per group of 2: (r - mean) / (unbiased std + 1e-4)
+    a = 1.5 / (math.sqrt(4.5) + 1e-4)  # group A: mean 1.5, std sqrt(2 * 1.5^2)
+    d = (3 - 1 / 6) / 2
+    b = d / (math.sqrt(2 * d * d) + 1e-4)
+    torch.testing.assert_close(r["advantages"], torch.tensor([a, -a, b, -b]), atol=1e-6, rtol=0)
+    stats = dict(zip(r["stat_names"], r["stats"].tolist()))
+    assert stats["reward"] == pytest.approx(sum(rewards) / 4)
+    assert stats["reward_std"] == pytest.approx(float(torch.tensor(rewards).std()))
+    assert stats["rewards/sort_accuracy/mean"] == pytest.approx((1 + 0 + 1 + 1 / 6) / 4)
+    assert stats["rewards/sort_exact/mean"] == pytest.approx(0.5)
+    assert stats["frac_reward_zero_std"] == 0.0
+    assert stats["completions/mean_length"] == pytest.approx((3 + 3 + 4 + 4) / 4)  # text + EOS
+    assert stats["completions/clipped_ratio"] == 0.0
+    assert r["old_logps"] is None and r["ref_logps"] is None  # one step per round, beta 0: neither needed
+
+
+def test_none_rewards_are_skipped_and_unscorable_completions_get_zero_advantage(tokenizer):
+    module = GRPOModule(reward_funcs=["test_rewards.reward_length_or_none", "lit_align.rewards.sort_exact"],
+                        reward_weights=[0.5, -1.0])
+    # reward_length_or_none: "1" -> 1.0, "12" -> 2.0, "123" -> None; sort_exact always applies
+    # completions of prompt A (answer "12"): "1" -> 0.5 - 0 = 0.5; "12" -> 1.0 - 1 = 0.0
+    # prompt B (answer "123"): "123" -> (None) - 1 = -1.0; "321" -> (None) - 0 = 0.0
+    r = round_for(module, tokenizer, ["sort 21:", "sort 321:"], ["1", "12", "123", "321"],
+                  {"answer": ["12", "123"]})
+    assert r["log"]["rewards"] == pytest.approx([0.5, 0.0, -1.0, 0.0])
+    stats = dict(zip(r["stat_names"], r["stats"].tolist()))
+    assert stats["rewards/reward_length_or_none/mean"] == pytest.approx(1.5)  # the mean over rows it applied to
+
+    # a function whose every value is None leaves the row unscorable: NaN reward, advantage 0, left out of stats
+    module = GRPOModule(reward_funcs=["test_rewards.reward_length_or_none"])
+    r = round_for(module, tokenizer, ["a", "b"], ["1", "123", "12", "1"], {})
+    assert r["log"]["rewards"][:1] == [1.0] and math.isnan(r["log"]["rewards"][1])
+    # group A = [1, NaN]: one scored value, no spread -> advantage 0; group B = [2, 1] -> +-1 / (std + 1e-4)
+    b = 0.5 / (math.sqrt(0.5) + 1e-4)
+    torch.testing.assert_close(r["advantages"], torch.tensor([0.0, 0.0, b, -b]), atol=1e-6, rtol=0)
+    stats = dict(zip(r["stat_names"], r["stats"].tolist()))
+    assert stats["reward"] == pytest.approx((1 + 2 + 1) / 3)
+    assert stats["frac_reward_zero_std"] == 0.5  # group A carries no signal
+
+
+def test_frac_reward_zero_std_ignores_unscorable_rows(tokenizer):
+    module = GRPOModule(reward_funcs=["test_rewards.reward_length_or_none"])
+    # G=4, one group: [1, NaN, 1, 1] -> the scored rewards are all equal: zero std, all advantages 0
+    r = round_for(module, tokenizer, ["a"], ["1", "123", "1", "1"], {}, num_generations=4)
+    assert r["advantages"].tolist() == [0.0, 0.0, 0.0, 0.0]
+    stats = dict(zip(r["stat_names"], r["stats"].tolist()))
+    assert stats["frac_reward_zero_std"] == 1.0
