@@ -40,9 +40,24 @@ def main(args: list[str] | None = None) -> None:
             auto_configure_optimizers=False,
             args=args,
         )
-    except LitAlignError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001
+        error = _user_error(exc)
+        if error is None:
+            raise
+        print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+def _user_error(exc: BaseException) -> LitAlignError | None:
+    """The LitAlignError behind ``exc``: itself, or the cause jsonargparse wraps it in when a class's ``__init__``
+    rejects its arguments (``ValueError: Does not validate against any of the Union subtypes``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, LitAlignError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return None
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_align.data.sources import load_rows
 from lit_align.errors import LitAlignError
@@ -118,9 +118,15 @@ class AlignDataModule(L.LightningDataModule):
         return name
 
     def train_dataloader(self) -> DataLoader:
+        sampler = None
+        trainer = self.trainer
+        if not self.shuffle and trainer is not None and trainer.world_size > 1:
+            # Lightning's own DistributedSampler always shuffles training data; an unshuffled one is kept as is
+            sampler = DistributedSampler(self.train_data, num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                         shuffle=False)
         return DataLoader(
-            self.train_data, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=self.collate,
-            num_workers=self.num_workers, drop_last=False,
+            self.train_data, batch_size=self.batch_size, shuffle=self.shuffle and sampler is None, sampler=sampler,
+            collate_fn=self.collate, num_workers=self.num_workers, drop_last=False,
         )
 
     def val_dataloader(self) -> DataLoader | list:

@@ -32,6 +32,8 @@ def split_implicit_prompt(chosen, rejected):
 
 
 def _check_field(value, field: str, where: str, conversational: bool) -> None:
+    if value is None:  # a key absent from some rows of a JSON file reads as null
+        raise LitAlignError(f"{where}: field {field!r} is missing or null")
     if conversational:
         if not isinstance(value, list) or not value:
             raise LitAlignError(f"{where}: field {field!r} must be a non-empty list of {{role, content}} messages")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import json
 from pathlib import Path
 
 import datasets
@@ -11,6 +13,8 @@ from lit_align.errors import LitAlignError
 
 BUILTIN_PREFIX = "builtin:"
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# Text columns a CSV reader must keep as text: pandas would read "0012" as the integer 12.
+TEXT_COLUMNS = ("prompt", "chosen", "rejected", "completion", "answer")
 
 
 def load_rows(source: str, split: str, kind: str, config_name: str | None = None) -> datasets.Dataset:
@@ -54,13 +58,56 @@ def _load_file(path: Path, split: str) -> datasets.Dataset:
         raise LitAlignError(f"{path}: unsupported file type (expected one of {sorted(FILE_BUILDERS)})")
     if split != "train":
         raise LitAlignError(f"{path}: a single file only has the split 'train', not {split!r} (use a separate file)")
-    if path.stat().st_size == 0:
+    size = path.stat().st_size
+    if size == 0 or (size < 4096 and not path.read_bytes().strip()):
         raise LitAlignError(f"{path}: the file is empty")
+    kwargs = {}
+    if builder == "csv":
+        kwargs["converters"] = {c: str for c in _csv_header(path) if c in TEXT_COLUMNS}
     try:
-        rows = datasets.load_dataset(builder, data_files=str(path), split="train")
+        rows = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
     except Exception as exc:  # noqa: BLE001 - pyarrow/json errors: keep the first line, name the file
         cause = exc.__cause__ or exc
         raise LitAlignError(f"{path}: could not read as {builder}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}") from exc
     if len(rows) == 0:
         raise LitAlignError(f"{path}: no rows")
+    if builder == "json":
+        mixed = [c for c, feature in rows.features.items() if isinstance(feature, datasets.Json)]
+        if mixed:  # datasets re-reads such a column as JSON text, which turns the string "13" into the number 13
+            _raise_on_mixed_types(path, mixed)
     return rows
+
+
+def _csv_header(path: Path) -> list[str]:
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            return next(csv.reader(f), [])
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return []  # the CSV reader reports it
+
+
+def _raise_on_mixed_types(path: Path, columns: list[str]) -> None:
+    """Name the first row whose value in one of ``columns`` has another JSON type than the column's first value."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        if text.lstrip().startswith("["):
+            rows = json.loads(text)
+        else:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return
+    names = {int: "number", float: "number", str: "string", list: "list", dict: "object", bool: "boolean"}
+    for column in columns:
+        first = None
+        for i, row in enumerate(rows):
+            value = row.get(column) if isinstance(row, dict) else None
+            if value is None:
+                continue
+            kind = names.get(type(value), type(value).__name__)
+            if first is None:
+                first = (i, kind)
+            elif kind != first[1]:
+                raise LitAlignError(
+                    f"{path} row {i}: field {column!r} is a {kind}, but row {first[0]}'s is a {first[1]} "
+                    "(a column must have one type)"
+                )

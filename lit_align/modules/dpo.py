@@ -1,8 +1,14 @@
 """DPO as a LightningModule: what is computed lives in ``training_step``; the math lives in ``lit_align.losses``.
 
-One step: a single forward of the policy over ``[chosen; rejected]`` (the model gets no labels and returns logits),
-a no-grad forward of the frozen reference over the same batch, summed completion log-probs, and
+One step: a single forward of the policy over the batch's pairs (the model gets no labels and returns logits), a
+no-grad forward of the frozen reference over the same pairs, summed completion log-probs, and
 ``-logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` averaged over pairs. Metrics carry TRL's names and meanings.
+
+The batch is TRL's ``[chosen_1..B; rejected_1..B]`` (right-padded, ``completion_mask``). By default each pair is run as
+one sequence ``[prompt, chosen, rejected]`` instead (``share_prompt``): the rejected tokens attend to the prompt and
+not to the chosen ones, and take the positions they would have after the prompt, so every token sees exactly the
+context it has in ``[chosen; rejected]`` and the log-probs are the same up to float rounding, while the prompt goes
+through the network once per pair instead of twice.
 """
 
 from __future__ import annotations
@@ -46,6 +52,125 @@ def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
     return logps, mean_logits
 
 
+# Architectures whose forward honours a custom 4D attention mask and explicit ``position_ids`` with their usual meaning
+# (rotary positions; no ALiBi or other bias derived from a 2D mask). Others run the plain ``[chosen; rejected]`` batch.
+SHARED_PROMPT_MODEL_TYPES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "olmo",
+    "olmo2", "granite", "smollm3", "cohere", "starcoder2", "glm", "helium",
+})
+
+
+def supports_shared_prompt(model: torch.nn.Module) -> bool:
+    """Whether ``model`` can run pairs as ``[prompt, chosen, rejected]`` rows (see ``shared_prompt_logps``)."""
+    config = getattr(model, "config", None)
+    forward = getattr(model, "forward", None)
+    return (
+        config is not None and forward is not None
+        and getattr(config, "model_type", None) in SHARED_PROMPT_MODEL_TYPES
+        and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+        and not getattr(config, "output_router_logits", False)  # the MoE aux loss reads a 2D mask
+        and "position_ids" in inspect.signature(forward).parameters
+    )
+
+
+def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Repack ``[chosen_1..B; rejected_1..B]`` (``[2B, T]``) as ``B`` rows ``[prompt, chosen, rejected]``.
+
+    Returns ``input_ids``, ``position_ids`` (the rejected tokens continue from the prompt, as in their own sequence),
+    ``allowed`` (``[B, 1, L, L]`` bool: causal, minus rejected -> chosen; a padding query sees only itself),
+    ``chosen`` / ``rejected`` (``[B, L]``: which tokens are scored) and ``source`` (``[B, L]``: the position whose
+    logits predict each token: the previous one, but the prompt's last for the first rejected token).
+    None when the batch is not of that form: not right-padded, a pair whose two prompts differ, an empty prompt, or a
+    completion that is not one contiguous run through the end of its sequence.
+    """
+    input_ids, attention = batch["input_ids"], batch["attention_mask"].bool()
+    completion = batch["completion_mask"].bool()
+    n, width = input_ids.shape
+    if n % 2:
+        return None
+    pairs, device = n // 2, input_ids.device
+    columns = torch.arange(width, device=device)
+    lengths = attention.sum(1)
+    prompt = torch.where(completion.any(1), completion.int().argmax(1), lengths)
+    completion_lengths = completion.sum(1)
+    prompt_c, prompt_r = prompt[:pairs], prompt[pairs:]
+    if not (
+        torch.equal(attention, columns < lengths[:, None])  # right padding
+        and torch.equal(prompt + completion_lengths, lengths)  # one completion run, to the end
+        and torch.equal(prompt_c, prompt_r)
+        and bool((prompt_c > 0).all())
+        and bool(((input_ids[:pairs] == input_ids[pairs:]) | (columns >= prompt_c[:, None])).all())
+    ):
+        return None
+    chosen_end = prompt_c + completion_lengths[:pairs]
+    row_lengths = chosen_end + completion_lengths[pairs:]
+    width = int(row_lengths.max())
+    pos = torch.arange(width, device=device)[None]  # [1, L]
+    in_first = pos < chosen_end[:, None]  # prompt or chosen
+    valid = pos < row_lengths[:, None]
+    rows = torch.arange(pairs, device=device)[:, None]
+    source_row = torch.where(in_first, rows, rows + pairs)
+    source_col = torch.where(in_first, pos, pos - completion_lengths[:pairs, None])
+    source_col = torch.where(valid, source_col, 0)
+    chosen = in_first & (pos >= prompt_c[:, None])
+    rejected = valid & ~in_first
+    causal = pos[0, None, :] <= pos[0, :, None]  # [L(query), L(key)]
+    allowed = causal & valid[:, None, :] & ~(rejected[:, :, None] & chosen[:, None, :])
+    allowed |= torch.eye(width, dtype=torch.bool, device=device)  # padding queries: themselves (no empty softmax)
+    source = torch.where(pos == chosen_end[:, None], prompt_c[:, None] - 1, pos - 1)
+    return {
+        "input_ids": input_ids[source_row, source_col],
+        "position_ids": source_col,
+        "allowed": allowed[:, None],
+        "chosen": chosen,
+        "rejected": rejected,
+        "source": source.clamp(min=0),
+        "first": int(prompt_c.min()),
+        "window": int(lengths.max()),
+    }
+
+
+def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``completion_logps`` over the rows of ``shared_prompt_layout``: ``(summed log-probs [2B], summed mean logit
+    [2B])``, ordered ``[chosen_1..B; rejected_1..B]`` like the batch it was made from."""
+    input_ids, first = layout["input_ids"], layout["first"]
+    dtype = next(model.parameters()).dtype
+    mask = layout["allowed"]
+    if model.config._attn_implementation != "sdpa":  # eager adds the mask to the scores
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    kwargs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": layout["position_ids"], "use_cache": False}
+    keep = input_ids.shape[1] - first + 1  # logits of positions first - 1 .. L - 1
+    if _takes_logits_to_keep(model):
+        logits = model(**kwargs, logits_to_keep=keep).logits
+    else:
+        logits = model(**kwargs).logits[:, -keep:]
+    labels = input_ids[:, first:]
+    source = layout["source"][:, first:] - (first - 1)  # index into logits
+    rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
+    picked = logits[rows, source, labels].float()
+    tokens = picked - _logsumexp(logits).gather(1, source)
+    chosen, rejected = layout["chosen"][:, first:], layout["rejected"][:, first:]
+    logps = torch.cat([tokens.masked_fill(~chosen, 0).sum(1), tokens.masked_fill(~rejected, 0).sum(1)])
+    with torch.no_grad():
+        token_means = logits.mean(-1).float().gather(1, source)
+        mean_logits = torch.cat([(token_means * chosen).sum(1), (token_means * rejected).sum(1)])
+    return logps, mean_logits
+
+
+def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over the vocabulary in fp32: ``[N, T, V] -> [N, T]`` (half precision upcast one row at a time)."""
+    if logits.dtype in (torch.float32, torch.float64):
+        return torch.logsumexp(logits, dim=-1).float()
+    return torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])
+
+
+def _use_shared_prompt(model: torch.nn.Module, layout: dict[str, torch.Tensor] | None) -> bool:
+    if layout is None or not supports_shared_prompt(model):
+        return False
+    window = getattr(model.config, "sliding_window", None)  # a custom mask replaces the sliding-window mask
+    return not window or layout["window"] <= window
+
+
 def _mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     if weights is None:
         return values.mean()
@@ -64,14 +189,18 @@ class DPOModule(AlignModule):
         ref_model: the reference: a model name/path, or None for a frozen copy of the policy at step 0 (TRL's default).
         beta: the DPO temperature (TRL's default 0.1); higher keeps the policy closer to the reference.
         loss_type: ``sigmoid`` (DPO), ``hinge`` or ``ipo``.
+        share_prompt: run each pair as one sequence ``[prompt, chosen, rejected]`` so the prompt is computed once,
+            not twice (same log-probs up to float rounding). Used where the architecture supports it (Llama, Mistral,
+            Qwen, Gemma, Phi-3, ... with ``sdpa`` or ``eager`` attention); elsewhere the plain batch runs.
     """
 
     def __init__(self, model: str = "builtin:tiny", ref_model: str | None = None, beta: float = 0.1,
-                 loss_type: str = "sigmoid", **kwargs):
+                 loss_type: str = "sigmoid", share_prompt: bool = True, **kwargs):
         super().__init__(model=model, **kwargs)
         if loss_type not in DPO_LOSS_TYPES:
             raise LitAlignError(f"model.loss_type {loss_type!r}: expected one of {DPO_LOSS_TYPES}")
         self.ref_model_name, self.beta, self.loss_type = ref_model, beta, loss_type
+        self.share_prompt = share_prompt
         self.ref_model: torch.nn.Module | None = None
         self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in METRICS})
 
@@ -108,12 +237,19 @@ class DPOModule(AlignModule):
     def pair_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Per-pair losses and statistics ``[B]`` for one batch of ``[chosen; rejected]`` sequences, and the weights
         of the token-level ones (``logits/*`` average over completion tokens, as TRL does)."""
-        logps, mean_logits = completion_logps(self.policy, batch)
+        layout = shared_prompt_layout(batch) if self.share_prompt and supports_shared_prompt(self.policy) else None
+
+        def logps_of(model):
+            if _use_shared_prompt(model, layout):
+                return shared_prompt_logps(model, layout)
+            return completion_logps(model, batch)
+
+        logps, mean_logits = logps_of(self.policy)
         if "ref_chosen_logps" in batch:  # precomputed reference log-probs
             ref_chosen, ref_rejected = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
         else:
             with torch.no_grad():
-                ref_chosen, ref_rejected = completion_logps(self.ref_model, batch)[0].chunk(2)
+                ref_chosen, ref_rejected = logps_of(self.ref_model)[0].chunk(2)
         chosen, rejected = logps.chunk(2)
         lengths = batch["completion_mask"].sum(1)
         losses, chosen_rewards, rejected_rewards = dpo_loss(

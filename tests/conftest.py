@@ -1,0 +1,86 @@
+"""Shared fixtures: an offline, throwaway environment for the whole session.
+
+- ``$LIT_ALIGN_CACHE`` points at a session tmp dir, so ``builtin:tiny`` is built once per session (not in ~/.cache)
+  and every subprocess a test starts reuses that build.
+- One OpenMP thread per process unless ``OMP_NUM_THREADS`` says otherwise (see ``pytest_configure``).
+- The Hugging Face hub is switched off (tests never download anything) and ``datasets`` caches into a tmp dir; both
+  are read when ``datasets`` / ``huggingface_hub`` are imported, so they are set in ``pytest_configure``, before any
+  test module imports lit_align.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
+
+_HF_TMP: str | None = None
+
+
+def pytest_configure(config):
+    global _HF_TMP
+    _HF_TMP = tempfile.mkdtemp(prefix="lit_align_tests_hf_")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_CACHE"] = os.path.join(_HF_TMP, "datasets")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # One intra-op thread per process (set before torch is imported; subprocesses inherit it). The models are tiny,
+    # and on a small shared machine two spinning OpenMP threads per process run several times slower, not faster.
+    # Export OMP_NUM_THREADS to override.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_unconfigure(config):
+    if _HF_TMP:
+        shutil.rmtree(_HF_TMP, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def lit_align_cache(tmp_path_factory) -> Path:
+    """``$LIT_ALIGN_CACHE`` for the session (subprocesses inherit it)."""
+    path = tmp_path_factory.mktemp("lit_align_cache")
+    old = os.environ.get("LIT_ALIGN_CACHE")
+    os.environ["LIT_ALIGN_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("LIT_ALIGN_CACHE", None)
+    else:
+        os.environ["LIT_ALIGN_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_path(lit_align_cache) -> str:
+    """The built-in tiny model's directory (built on first use)."""
+    from lit_align.models import resolve
+
+    path = resolve("builtin:tiny")
+    assert Path(path).is_relative_to(lit_align_cache)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_path):
+    from lit_align.models import load_tokenizer
+
+    return load_tokenizer("builtin:tiny")
+
+
+@pytest.fixture
+def write_jsonl(tmp_path):
+    """``write_jsonl(rows, name="rows.jsonl") -> path``: one JSON object per line, in ``tmp_path``."""
+
+    def write(rows, name: str = "rows.jsonl") -> str:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return str(path)
+
+    return write
+

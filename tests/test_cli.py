@@ -1,0 +1,225 @@
+"""The ``lit-align`` CLI: every shipped config parses, configs/dpo.yaml trains and exports, mistakes are one line.
+
+Most runs are in-process (``lit_align.cli.main([...])``: no 5 s interpreter start); two run the real console
+script in subprocesses to check what a user's terminal shows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import metric_at, read_metrics
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_align.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+DPO = str(REPO / "configs" / "dpo.yaml")
+
+
+def run_main(args: list[str], capfd) -> tuple[int, str, str]:
+    """``main(args)`` in-process: (exit code, stdout, stderr). A non-SystemExit exception fails the test."""
+    code, argv = 0, sys.argv
+    sys.argv = ["lit-align"]  # not pytest's own arguments (LightningCLI warns when it sees both)
+    try:
+        main(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.argv = argv
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> str:
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def test_there_are_configs():
+    assert "dpo.yaml" in [c.name for c in CONFIGS]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_config_parses(config, capfd):
+    """--print_config parses and validates the whole config (class paths, argument names and types) and exits
+    before anything is instantiated, so configs that need the hub are safe here."""
+    code, out, err = run_main(["fit", "-c", str(config), "--print_config"], capfd)
+    assert code == 0, err
+    printed = yaml.safe_load(out)
+    source = yaml.safe_load(config.read_text())
+    assert {"model", "data", "trainer"} <= set(source)
+    assert_contains(printed, source)  # every value the file sets survives (defaults fill in the rest)
+
+
+def assert_contains(printed, source, where="config"):
+    if isinstance(source, dict):
+        assert isinstance(printed, dict), where
+        for key, value in source.items():
+            assert key in printed, f"{where}.{key} missing"
+            assert_contains(printed[key], value, f"{where}.{key}")
+    elif isinstance(source, list):
+        assert isinstance(printed, list) and len(printed) == len(source), where
+        for i, (a, b) in enumerate(zip(printed, source)):
+            assert_contains(a, b, f"{where}[{i}]")
+    else:
+        assert printed == source, f"{where}: {printed!r} != {source!r}"
+
+
+def test_dpo_yaml_trains_and_exports(tmp_path, capfd, tiny_path):
+    code, out, err = run_main([
+        "fit", "-c", DPO, "--trainer.max_steps", "3", "--trainer.val_check_interval", "3",
+        "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+        "--data.init_args.val_batch_size", "100", "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ], capfd)
+    assert code == 0, err
+    run = tmp_path / "dpo" / "version_0"
+    metrics = read_metrics(run / "metrics.csv")
+    assert metric_at(metrics, "train/loss", 0) == pytest.approx(math.log(2), abs=1e-6)
+    assert metric_at(metrics, "train/loss", 2) < math.log(2)
+    assert 0.0 <= metric_at(metrics, "val/rewards/accuracies", 2) <= 1.0
+    assert list((run / "checkpoints").glob("*.ckpt"))
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["trainer"]["max_steps"] == 3 and saved["model"]["init_args"]["beta"] == 0.1
+
+    hf = run / "hf_model"
+    exported = AutoModelForCausalLM.from_pretrained(hf)
+    start = AutoModelForCausalLM.from_pretrained(tiny_path)
+    assert AutoTokenizer.from_pretrained(hf)("sort 31:")["input_ids"] == [35, 31, 34, 36, 101, 10, 8, 84]
+    new, old = exported.state_dict(), start.state_dict()
+    assert new.keys() == old.keys()
+    assert all(not torch.equal(new[k], old[k]) for k in old), "some exported weights equal the starting ones"
+    assert not [p for p in run.iterdir() if p.name.startswith(".hf_model")]  # no staging leftovers
+
+
+def test_export_path_override(tmp_path, capfd):
+    target = tmp_path / "out" / "model"
+    code, _, err = run_main([
+        "fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
+        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.enable_checkpointing",
+        "false", "--trainer.default_root_dir", str(tmp_path), "--export.path", str(target),
+    ], capfd)
+    assert code == 0, err
+    assert (target / "config.json").exists() and (target / "tokenizer.json").exists()
+
+
+# -- mistakes: exit status 2, one `error:` line naming the culprit, no traceback -------------------------------------
+
+
+def test_bad_data_file(tmp_path, capfd):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "d", "chosen": "e", "rejected": "e"},
+    ]) + "\n")
+    code, _, err = run_main([
+        "fit", "-c", DPO, "--data.init_args.path", str(path), "--data.init_args.val_split", "null",
+        "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ], capfd)
+    line = assert_one_line_error(code, err, str(path), "row 1", "'chosen' and 'rejected' are identical")
+    assert line == f"error: {path} row 1: 'chosen' and 'rejected' are identical (a pair must differ)"
+
+
+def test_garbage_data_file(tmp_path, capfd):
+    path = tmp_path / "garbage.jsonl"
+    path.write_bytes(random.Random(0).randbytes(256).replace(b"\n", b"x"))
+    code, _, err = run_main([
+        "fit", "-c", DPO, "--data.init_args.path", str(path), "--data.init_args.val_split", "null",
+        "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ], capfd)
+    assert_one_line_error(code, err, str(path), "could not read as json")
+
+
+def test_nonexistent_data_file(tmp_path, capfd):
+    path = tmp_path / "missing.jsonl"
+    code, _, err = run_main(["fit", "-c", DPO, "--data.init_args.path", str(path),
+                             "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
+    assert_one_line_error(code, err, f"error: {path}: no such file")
+
+
+def test_nonexistent_model_path(tmp_path, capfd):
+    model = str(tmp_path / "no" / "such" / "model")
+    code, _, err = run_main(["fit", "-c", DPO, "--model.init_args.model", model,
+                             "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
+    assert_one_line_error(code, err, repr(model), "no such directory")
+
+
+def test_bad_setting_value(tmp_path, capfd):
+    code, _, err = run_main(["fit", "-c", DPO, "--data.init_args.batch_size", "0",
+                             "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
+    assert_one_line_error(code, err, "data.batch_size must be >= 1, got 0")
+    code, _, err = run_main(["fit", "-c", DPO, "--model.init_args.loss_type", "kto",
+                             "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
+    assert_one_line_error(code, err, "model.loss_type 'kto'")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model.init_args.betta", "0.2"], "Option 'betta' is not accepted"),
+    (["--trainer.max_stepz", "3"], "--trainer.max_stepz"),
+    (["--trainer.max_steps", "three"], "trainer.max_steps"),
+    (["--model.class_path", "lit_align.modules.NoSuchModule"], "NoSuchModule"),
+])
+def test_config_mistakes_are_usage_errors(args, needle, capfd):
+    code, out, err = run_main(["fit", "-c", DPO, *args], capfd)
+    assert code == 2
+    assert "Traceback" not in err
+    assert "usage:" in err and "error:" in err
+    assert needle in err
+
+
+def test_typo_in_a_config_file(tmp_path, capfd):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model:\n  init_args:\n    betaa: 0.3\n")
+    code, _, err = run_main(["fit", "-c", DPO, "-c", str(typo)], capfd)
+    assert code == 2 and "Traceback" not in err
+    assert "Option 'betaa' is not accepted" in err
+
+
+def test_console_script_errors_in_subprocesses(tmp_path):
+    """What the user's terminal shows: the real entry points, run concurrently (interpreter start is ~5 s)."""
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"prompt": "p", "chosen": "x", "rejected": "y"}\n{"prompt": "p", "chosen": 7, "rejected": "y"}\n')
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model:\n  init_args:\n    betaa: 0.3\n")
+    script = Path(sys.executable).parent / "lit-align"
+    runs = {
+        "data": [str(script), "fit", "-c", DPO, "--data.init_args.path", str(bad), "--data.init_args.val_split",
+                 "null", "--trainer.logger.init_args.save_dir", str(tmp_path)],
+        "typo": [sys.executable, "-m", "lit_align", "fit", "-c", DPO, "-c", str(typo)],
+        # a class's __init__ rejecting a value: jsonargparse wraps the LitAlignError in a ValueError
+        "setting": [str(script), "fit", "-c", DPO, "--data.init_args.batch_size", "0"],
+    }
+    procs = {k: subprocess.Popen(v, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+             for k, v in runs.items()}
+    results = {k: (p.communicate(timeout=300), p.returncode) for k, p in procs.items()}
+
+    (out, err), rc = results["data"]
+    assert rc == 2, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last == (
+        f"error: {bad} row 1: field 'chosen' is a number, but row 0's is a string (a column must have one type)"
+    )
+
+    (out, err), rc = results["typo"]
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert "Option 'betaa' is not accepted" in err
+
+    (out, err), rc = results["setting"]
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "error: data.batch_size must be >= 1, got 0"

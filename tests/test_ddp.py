@@ -1,0 +1,110 @@
+"""DDP on CPU: two ranks with 2 pairs each train exactly like one process with 4 pairs.
+
+The two-rank run is the real CLI in a subprocess (``--trainer.strategy ddp --trainer.devices 2``); the one-process
+run is in-process. Both record every batch they train on with ``helpers.RecordBatches`` (a plain Lightning callback
+passed on the command line), read their rows unshuffled, and log every step. Then:
+
+- the ranks saw disjoint pairs, and together exactly the one-process batch (per step);
+- the logged step-0 metrics agree (``train/loss`` is ln 2 on both sides: policy == reference; the log-probs are
+  data-dependent), and so does the step-1 loss, which comes after one optimizer step: it checks that the ranks'
+  gradients were averaged into the same update the one-process run made.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import metric_at, read_metrics
+
+from lit_align.cli import main
+
+TESTS = Path(__file__).resolve().parent
+DPO = str(TESTS.parent / "configs" / "dpo.yaml")
+STEPS = 2
+
+
+def common_args(out: Path, batch_size: int) -> list[str]:
+    callback = [{"class_path": "helpers.RecordBatches", "init_args": {"out_dir": str(out / "batches")}}]
+    return [
+        "fit", "-c", DPO, "--trainer.max_steps", str(STEPS), "--trainer.log_every_n_steps", "1",
+        "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", "--trainer.enable_checkpointing", "false",
+        "--trainer.logger.init_args.save_dir", str(out), "--trainer.callbacks", json.dumps(callback),
+        "--data.init_args.batch_size", str(batch_size), "--data.init_args.shuffle", "false",
+        "--data.init_args.val_split", "null", "--export.enabled", "false",
+    ]
+
+
+def pairs(batch: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(chosen, rejected) token sequences of a recorded [chosen; rejected] batch, padding stripped."""
+
+    def strip(seq):
+        while seq and seq[-1] == 0:
+            seq = seq[:-1]
+        return tuple(seq)
+
+    rows = [strip(r) for r in batch["input_ids"]]
+    half = len(rows) // 2
+    return list(zip(rows[:half], rows[half:]))
+
+
+def by_step(record: dict) -> dict[int, list]:
+    return {b["step"]: pairs(b) for b in record["batches"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    ddp_dir, single_dir = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("single")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    ddp = subprocess.Popen(
+        [sys.executable, "-m", "lit_align", *common_args(ddp_dir, 2), "--trainer.strategy", "ddp",
+         "--trainer.devices", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ddp_dir,
+    )
+    # the one-process run meanwhile, in-process
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        main([*common_args(single_dir, 4), "--trainer.devices", "1"])
+    finally:
+        sys.argv = argv
+    output, _ = ddp.communicate(timeout=600)
+    assert ddp.returncode == 0, output[-5000:]
+    return {
+        "ddp": [json.loads((ddp_dir / "batches" / f"rank{r}.json").read_text()) for r in (0, 1)],
+        "single": json.loads((single_dir / "batches" / "rank0.json").read_text()),
+        "ddp_metrics": read_metrics(ddp_dir / "dpo" / "version_0" / "metrics.csv"),
+        "single_metrics": read_metrics(single_dir / "dpo" / "version_0" / "metrics.csv"),
+    }
+
+
+def test_ranks_see_disjoint_halves_of_the_single_process_batch(runs):
+    rank0, rank1 = runs["ddp"]
+    assert rank0["world_size"] == rank1["world_size"] == 2
+    assert runs["single"]["world_size"] == 1
+    r0, r1, single = by_step(rank0), by_step(rank1), by_step(runs["single"])
+    assert sorted(r0) == sorted(r1) == sorted(single) == list(range(STEPS))
+    for step in range(STEPS):
+        assert len(r0[step]) == len(r1[step]) == 2 and len(single[step]) == 4
+        assert not set(r0[step]) & set(r1[step]), f"step {step}: both ranks trained on the same pair"
+        assert sorted(r0[step] + r1[step]) == sorted(single[step]), f"step {step}: ranks' pairs != one-process batch"
+    # and different steps are different rows
+    assert not set(single[0]) & set(single[1])
+
+
+def test_logged_metrics_match_single_process(runs):
+    ddp, single = runs["ddp_metrics"], runs["single_metrics"]
+    loss0 = metric_at(ddp, "train/loss", 0)
+    assert loss0 == pytest.approx(metric_at(single, "train/loss", 0), abs=1e-6)
+    assert loss0 == pytest.approx(math.log(2), abs=1e-6)
+    for name in ("train/logps/chosen", "train/logps/rejected"):  # data-dependent: mean over all 4 pairs
+        assert metric_at(ddp, name, 0) == pytest.approx(metric_at(single, name, 0), abs=1e-5), name
+    # after one optimizer step: same averaged gradient -> same weights -> same loss on the next batch
+    loss1 = metric_at(ddp, "train/loss", 1)
+    assert loss1 != pytest.approx(math.log(2), abs=1e-4)
+    assert loss1 == pytest.approx(metric_at(single, "train/loss", 1), abs=1e-6)

@@ -1,0 +1,218 @@
+"""DPOModule under lightning.Trainer: the step-0 loss, the frozen reference, checkpoints, resume, and learning."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
+from transformers import AutoModelForCausalLM
+
+from lit_align.data import PreferenceDataModule
+from lit_align.errors import LitAlignError
+from lit_align.modules import DPOModule
+from lit_align.modules.dpo import METRICS
+
+REPO = Path(__file__).resolve().parents[1]
+LN2_F32 = torch.tensor(math.log(2), dtype=torch.float32).item()
+
+
+def data(**kw) -> PreferenceDataModule:
+    kw = {"path": "builtin:sort", "batch_size": 4, "max_length": 32, "val_split": None, "shuffle": False, **kw}
+    return PreferenceDataModule(**kw)
+
+
+def trainer(tmp_path, max_steps, callbacks=(), **kw) -> L.Trainer:
+    kw = {
+        "accelerator": "cpu", "devices": 1, "max_steps": max_steps, "logger": False, "enable_progress_bar": False,
+        "enable_model_summary": False, "default_root_dir": tmp_path, "enable_checkpointing": False, **kw,
+    }
+    return L.Trainer(callbacks=list(callbacks), **kw)
+
+
+class Record(L.Callback):
+    """Per training batch: the global step and the step's loss."""
+
+    def __init__(self):
+        self.steps, self.losses = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append(trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def original(tiny_path) -> dict[str, torch.Tensor]:
+    """The built-in tiny model's weights, as loaded from disk."""
+    return params(AutoModelForCausalLM.from_pretrained(tiny_path))
+
+
+def test_step0_loss_is_ln2_on_a_real_batch(original):
+    module = DPOModule(model="builtin:tiny")
+    module.configure_model()
+    assert same(params(module.policy), original) and same(params(module.ref_model), original)
+    dm = data(tokenizer="builtin:tiny", batch_size=8)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 16
+    module.train()
+    out, _ = module.pair_outputs(batch)
+    # policy == reference: every log-ratio is exactly 0, so each pair's loss is -logsigmoid(0) = ln 2
+    assert out["loss"].tolist() == [LN2_F32] * 8
+    assert out["loss"].mean().item() == pytest.approx(math.log(2), abs=1e-7)
+    assert out["rewards/chosen"].tolist() == [0.0] * 8 and out["rewards/margins"].tolist() == [0.0] * 8
+    assert out["rewards/accuracies"].tolist() == [0.0] * 8  # a tie is not a win
+    assert (out["logps/chosen"] < 0).all() and (out["logps/rejected"] < 0).all()
+    assert set(out) == set(METRICS)
+    # the reference stays in eval mode and frozen while the policy trains
+    assert module.policy.training and not module.ref_model.training
+    assert not any(p.requires_grad for p in module.ref_model.parameters())
+    assert all(p.requires_grad for p in module.policy.parameters())
+
+
+def test_completion_logps_match_a_plain_forward(original):
+    """The summed completion log-probs (with logits_to_keep) equal a full forward + log_softmax by hand."""
+    from lit_align.modules.dpo import completion_logps
+
+    module = DPOModule(model="builtin:tiny")
+    module.configure_model()
+    dm = data(tokenizer="builtin:tiny")
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    logps, _ = completion_logps(module.policy, batch)
+    with torch.no_grad():
+        logits = module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logprobs = torch.log_softmax(logits[:, :-1].float(), -1)
+    expected = []
+    for n in range(batch["input_ids"].shape[0]):
+        total = 0.0
+        for t in range(1, batch["input_ids"].shape[1]):
+            if batch["completion_mask"][n, t]:
+                total += logprobs[n, t - 1, batch["input_ids"][n, t]].item()
+        expected.append(total)
+    assert logps.tolist() == pytest.approx(expected, abs=1e-4)
+
+
+def test_share_prompt_gives_the_plain_batch_numbers(tmp_path, tiny_path):
+    """``share_prompt`` ([prompt, chosen, rejected] rows) and the plain [chosen; rejected] batch: same statistics."""
+    from lit_align.modules.dpo import supports_shared_prompt
+
+    noisy = AutoModelForCausalLM.from_pretrained(tiny_path)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    noisy.save_pretrained(tmp_path / "ref")
+    dm = data(tokenizer="builtin:tiny", batch_size=6)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    outs = {}
+    for share in (True, False):
+        module = DPOModule(model="builtin:tiny", ref_model=str(tmp_path / "ref"), share_prompt=share)
+        module.configure_model()
+        assert supports_shared_prompt(module.policy)  # the built-in Llama takes the shared path when asked
+        outs[share] = module.pair_outputs(batch)[0]
+    for name in METRICS:
+        torch.testing.assert_close(outs[True][name], outs[False][name], atol=1e-4, rtol=1e-5, msg=name)
+    assert all(abs(x - math.log(2)) > 1e-3 for x in outs[True]["loss"].tolist())  # policy != reference here
+
+
+def test_training_reference_frozen_checkpoint_and_resume(tmp_path, original):
+    # -- 4 steps, checkpoint at step 4 -------------------------------------------------------------------------------
+    record = Record()
+    ckpt_dir = tmp_path / "ckpt"
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3)
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", every_n_train_steps=4, save_top_k=-1,
+                                 auto_insert_metric_name=False)
+    t = trainer(tmp_path, 4, [record, checkpoint], enable_checkpointing=True)
+    t.fit(module, data())
+    assert t.global_step == 4 and record.steps == [0, 1, 2, 3]
+    assert record.losses[0] == pytest.approx(math.log(2), abs=1e-6)  # step 0 in a real fit, too
+    assert record.losses[-1] < record.losses[0]
+
+    assert same(params(module.ref_model), original), "the reference model changed during training"
+    policy_after = params(module.policy)
+    changed = [k for k in original if not torch.equal(original[k], policy_after[k])]
+    assert len(changed) == len(original), f"policy tensors left unchanged: {set(original) - set(changed)}"
+
+    # -- the checkpoint holds the policy, not the reference -----------------------------------------------------------
+    path = ckpt_dir / "step4.ckpt"
+    assert path.exists(), list(ckpt_dir.iterdir())
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    keys = list(ckpt["state_dict"])
+    assert not [k for k in keys if k.startswith("ref_model.")]
+    assert {f"policy.{k}" for k in original} <= set(keys)
+    embed = "model.embed_tokens.weight"
+    assert torch.equal(ckpt["state_dict"][f"policy.{embed}"], policy_after[embed])
+    assert ckpt["global_step"] == 4
+
+    # -- resume into a fresh module and trainer, up to step 7 ---------------------------------------------------------
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.policy = params(pl_module.policy)
+            self.ref = params(pl_module.ref_model)
+
+    at_start, record2 = AtStart(), Record()
+    resumed = DPOModule(model="builtin:tiny", learning_rate=1e-3)
+    t2 = trainer(tmp_path, 7, [at_start, record2])
+    t2.fit(resumed, data(), ckpt_path=str(path))
+    assert record2.steps == [4, 5, 6] and t2.global_step == 7
+    assert same(at_start.policy, policy_after), "resume did not restore the trained policy"
+    assert same(at_start.ref, original) and same(params(resumed.ref_model), original), "resume changed the reference"
+    assert record2.losses[0] != pytest.approx(math.log(2), abs=1e-3)  # a trained policy, not a fresh one
+    assert not same(params(resumed.policy), policy_after)
+
+
+def test_bad_loss_type():
+    with pytest.raises(LitAlignError, match=r"model.loss_type 'dpo': expected one of \('sigmoid', 'hinge', 'ipo'\)"):
+        DPOModule(loss_type="dpo")
+
+
+def test_explicit_ref_model(tmp_path, tiny_path, original):
+    """ref_model names another checkpoint: the reference is that model, the policy the other one."""
+    noisy = AutoModelForCausalLM.from_pretrained(tiny_path)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(0.01)
+    noisy.save_pretrained(tmp_path / "ref")
+    module = DPOModule(model="builtin:tiny", ref_model=str(tmp_path / "ref"))
+    module.configure_model()
+    assert same(params(module.policy), original)
+    assert same(params(module.ref_model), params(noisy))
+    dm = data(tokenizer="builtin:tiny")
+    dm.setup("fit")
+    out, _ = module.pair_outputs(next(iter(dm.train_dataloader())))
+    assert all(abs(x - math.log(2)) > 1e-4 for x in out["loss"].tolist())
+
+
+def test_learns_the_builtin_task_held_out(tmp_path, capsys):
+    """configs/dpo.yaml's settings, 150 steps: held-out reward accuracy well above chance."""
+    config = yaml.safe_load((REPO / "configs" / "dpo.yaml").read_text())
+    L.seed_everything(config["seed_everything"])
+    module = DPOModule(**config["model"]["init_args"])
+    dm = PreferenceDataModule(**config["data"]["init_args"])
+    tc = config["trainer"]
+    t = trainer(tmp_path, tc["max_steps"], val_check_interval=tc["val_check_interval"], num_sanity_val_steps=0,
+                accelerator=tc["accelerator"], devices=tc["devices"])
+    t.fit(module, dm)
+    assert t.global_step == 150
+    accuracy = t.callback_metrics["val/rewards/accuracies"].item()
+    margin = t.callback_metrics["val/rewards/margins"].item()
+    with capsys.disabled():
+        print(f"\n[dpo] held-out val/rewards/accuracies after 150 steps: {accuracy:.3f} (margin {margin:.3f})")
+    assert accuracy > 0.7
+    assert margin > 0
+    assert len(dm.val_data) == 200  # held out: the task's 200 test prompts, none of them in the training rows

@@ -1,0 +1,139 @@
+"""Built-in models and tokenizer; loading errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lit_align.errors import LitAlignError
+from lit_align.models import (
+    BUILTIN_MODELS, CHARACTERS, SPECIAL_TOKENS, build_builtin, build_tokenizer, cache_dir, load_model, load_tokenizer,
+    resolve,
+)
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_builtin_tiny_is_deterministic_and_loads_with_auto_classes(tmp_path):
+    rng_before = torch.random.get_rng_state()
+    a, b, c = (build_builtin("tiny", tmp_path / n, seed=s) for n, s in (("a", 0), ("b", 0), ("c", 1)))
+    assert torch.equal(torch.random.get_rng_state(), rng_before)  # the global RNG is left alone
+
+    model_a = AutoModelForCausalLM.from_pretrained(a)
+    model_b = AutoModelForCausalLM.from_pretrained(b)
+    model_c = AutoModelForCausalLM.from_pretrained(c)
+    state_a, state_b, state_c = _state(model_a), _state(model_b), _state(model_c)
+    assert state_a.keys() == state_b.keys()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert not torch.equal(state_a["model.embed_tokens.weight"], state_c["model.embed_tokens.weight"])
+
+    cfg = model_a.config
+    assert cfg.model_type == "llama"
+    assert (cfg.hidden_size, cfg.num_hidden_layers) == (BUILTIN_MODELS["tiny"]["hidden_size"], 4)
+    assert cfg.vocab_size == len(SPECIAL_TOKENS) + len(CHARACTERS) == 104
+    n_params = sum(p.numel() for p in model_a.parameters())
+    assert 0.5e6 < n_params < 1.2e6  # "about 0.8M"
+
+    tok = AutoTokenizer.from_pretrained(a)
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert cfg.eos_token_id == tok.eos_token_id and cfg.pad_token_id == tok.pad_token_id
+
+
+def test_resolve_builds_once_in_lit_align_cache(tiny_path, lit_align_cache):
+    assert cache_dir() == lit_align_cache
+    assert Path(tiny_path) == lit_align_cache / "builtin" / "tiny"
+    weights = next(Path(tiny_path).glob("*.safetensors"))
+    mtime = weights.stat().st_mtime_ns
+    assert resolve("builtin:tiny") == tiny_path
+    assert weights.stat().st_mtime_ns == mtime  # not rebuilt
+    assert not [p for p in (lit_align_cache / "builtin").iterdir() if p.name.startswith(".")]  # no staging leftovers
+    # and it is the seed-0 build
+    built = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
+    assert resolve("/some/dir") == "/some/dir"  # anything else passes through
+    fresh = AutoModelForCausalLM.from_pretrained(build_builtin("tiny", lit_align_cache / "check", seed=0)).state_dict()
+    assert all(torch.equal(built[k], fresh[k]) for k in built)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["sort 3914:1349", "Hello, World!\tx = {a: [1, 2]} ~ `q` \"quoted\" 'single' \\ back\nnew line"],
+)
+def test_tokenizer_round_trips_text(tokenizer, text):
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) == len(text)  # one id per character, no BOS added
+    assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_ids_and_specials(tokenizer):
+    # specials first, then string.printable order: '0' is 7, 'a' is 17, ' ' is 101, '\n' is 103
+    assert tokenizer("sort 31:")["input_ids"] == [35, 31, 34, 36, 101, 10, 8, 84]
+    assert tokenizer("\n")["input_ids"] == [103]
+    assert tokenizer.convert_tokens_to_ids(["<pad>", "<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>"]) == [
+        0, 1, 2, 3, 5, 6,
+    ]
+    assert tokenizer("é")["input_ids"] == [tokenizer.unk_token_id]
+    assert tokenizer("ab</s>")["input_ids"] == [17, 18, 2]  # the EOS string is one special token
+    assert tokenizer.decode([17, 18, 2], skip_special_tokens=True) == "ab"
+
+
+def test_builtin_chat_template(tokenizer):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ab"}]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == "<|user|>hi\n<|assistant|>ab</s>"
+    assert tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) == (
+        "<|user|>hi\n<|assistant|>"
+    )
+
+
+def test_load_model_builtin(tiny_path):
+    model = load_model("builtin:tiny")
+    assert next(model.parameters()).dtype == torch.float32
+    reference = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    assert next(load_model("builtin:tiny", dtype="bfloat16").parameters()).dtype == torch.bfloat16
+
+
+def test_load_tokenizer_adds_pad_token_when_missing(tmp_path):
+    tok = build_tokenizer()
+    tok.pad_token = None
+    tok.save_pretrained(tmp_path / "nopad")
+    assert AutoTokenizer.from_pretrained(tmp_path / "nopad").pad_token is None
+    loaded = load_tokenizer(str(tmp_path / "nopad"))
+    assert loaded.pad_token == "</s>" and loaded.pad_token_id == loaded.eos_token_id == 2
+
+
+@pytest.mark.parametrize("loader,what", [(load_model, "model"), (load_tokenizer, "tokenizer")])
+@pytest.mark.parametrize("path", ["/nonexistent/lit_align/model", "./no/such/dir", "~/no-such-lit-align-model"])
+def test_unknown_local_path_names_the_path(loader, what, path):
+    with pytest.raises(LitAlignError) as info:
+        loader(path)
+    message = str(info.value)
+    assert message.startswith(f"{what} {path!r}: no such directory")
+    assert "\n" not in message
+
+
+def test_directory_that_is_not_a_model(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(LitAlignError, match=rf"could not load model '{tmp_path}': ") as info:
+        load_model(str(tmp_path))
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_hub_name_offline_is_one_line_error():
+    assert os.environ["HF_HUB_OFFLINE"] == "1"  # set by conftest: no network, fails fast
+    with pytest.raises(LitAlignError, match="could not load tokenizer 'no-such-org/no-such-model': ") as info:
+        load_tokenizer("no-such-org/no-such-model")
+    assert "\n" not in str(info.value)
+
+
+def test_bad_builtin_name_and_dtype():
+    with pytest.raises(LitAlignError) as info:
+        resolve("builtin:huge")
+    assert str(info.value) == "unknown built-in model builtin:huge: expected one of ['small', 'tiny']"
+    with pytest.raises(LitAlignError, match="model dtype 'float8': expected float32, bfloat16, float16 or auto"):
+        load_model("builtin:tiny", dtype="float8")
