@@ -5,15 +5,21 @@ real completion tokens (EOS included), which rows ran out of tokens before EOS, 
 per-token log-probs of the sampled tokens under the temperature-scaled distribution (what GRPO's old-policy
 log-probs are, so the trainer can skip a forward pass). Rows are ``num_samples`` consecutive samples per prompt.
 
-``HFSampler`` wraps transformers' ``generate`` (batched, KV cache) and is the reference engine. Faster engines plug in
-by implementing ``generate`` with the same signature.
+``HFSampler`` wraps transformers' ``generate`` (batched, KV cache) and is the reference engine. ``NativeSampler`` runs
+its own decode loop over the model's forward (one prefill per prompt shared by its samples, a preallocated KV cache,
+sampling on tensors) and returns the same thing. Other engines plug in by implementing ``generate`` with the same
+signature.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from lit_align.errors import LitAlignError
 
 
 @dataclass
@@ -85,3 +91,198 @@ class HFSampler:
             logits = torch.stack(out.logits, dim=1).float() / self.temperature  # [N, C, V]
             logps = (logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)) * mask
         return Rollout(completion_ids, mask, truncated, logps)
+
+
+# -- the native engine ---------------------------------------------------------------------------------------------
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set to ``-inf`` the logits of the tokens top-k / top-p sampling may not emit: ``[..., V] -> [..., V]``.
+
+    Pure (the input is left untouched). ``logits`` are already divided by the temperature. Top-k first, then top-p on
+    the softmax of what top-k kept, as transformers' logits warpers do: top-k keeps every token whose logit reaches the
+    k-th largest (ties kept); top-p keeps, in order of decreasing probability, the tokens needed to reach mass
+    ``top_p`` (a token is dropped once the tokens before it already hold ``top_p``; the most likely is always kept).
+    ``top_k=0`` and ``top_p=1.0`` are off.
+    """
+    if top_k and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row from ``logits [N, V]``: ``(tokens [N], logps [N] or None)``.
+
+    Temperature 0 is greedy (argmax, no log-probs). Otherwise the token is drawn from the temperature-scaled,
+    top-k/top-p filtered distribution, and its log-prob is taken under the temperature-scaled, *unfiltered*
+    distribution (HFSampler's and the training forward's definition).
+    """
+    if temperature == 0:
+        return logits.argmax(-1), None
+    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
+    probs = filter_logits(scaled, top_k, top_p).softmax(-1)
+    tokens = torch.multinomial(probs, 1)
+    logps = scaled.gather(-1, tokens).squeeze(-1) - torch.logsumexp(scaled, -1)
+    return tokens.squeeze(-1), logps
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer's keys and values for ``B * G`` rows, in buffers allocated once: ``[B * G, H, capacity, D]``.
+
+    The prefill (the first update) runs on the ``B`` prompts alone and is written once into each prompt's ``G`` rows
+    (a broadcast copy: the prompt's cache is shared, not recomputed). Each decode step then writes its position in
+    place, and attention reads the filled prefix as a view: no concatenation, no attention over empty slots.
+    """
+
+    def __init__(self, num_samples: int, capacity: int):
+        super().__init__()
+        self.num_samples, self.capacity, self.length = num_samples, capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows = key_states.shape[0] * self.num_samples
+        self.device = key_states.device
+        self.keys = key_states.new_empty((rows, key_states.shape[1], self.capacity, key_states.shape[3]))
+        self.values = value_states.new_empty((rows, value_states.shape[1], self.capacity, value_states.shape[3]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.length
+        end = start + key_states.shape[-2]
+        self.length = end
+        if start == 0:  # the prefill: B prompts, each copied into its G rows
+            self.keys.unflatten(0, (-1, self.num_samples))[:, :, :, :end] = key_states.unsqueeze(1)
+            self.values.unflatten(0, (-1, self.num_samples))[:, :, :, :end] = value_states.unsqueeze(1)
+            return key_states, value_states
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+
+class _SlotCache(Cache):
+    """A transformers ``Cache`` of ``_SlotLayer`` (created lazily, one per attention layer)."""
+
+    def __init__(self, num_samples: int, capacity: int):
+        super().__init__(layer_class_to_replicate=partial(_SlotLayer, num_samples, capacity))
+
+
+def _check_native_model(model) -> None:
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise LitAlignError(f"engine 'native' handles full-attention layers only; this model has {sorted(layer_types)} "
+                            "(use engine 'hf')")
+    attn = getattr(model.config, "_attn_implementation", None)
+    if attn not in ("sdpa", "eager"):
+        raise LitAlignError(f"engine 'native' runs the 'sdpa' and 'eager' attention; this model uses {attn!r} "
+                            "(use engine 'hf' or attn_implementation 'sdpa')")
+
+
+class NativeSampler:
+    """Batched sampling with its own decode loop: one prefill per prompt, all ``B * G`` rows decoded together.
+
+    Same arguments and ``generate`` signature as ``HFSampler`` and the same ``Rollout``; what differs is how:
+
+    - each prompt is run once and its KV cache copied into its ``G`` rows (``HFSampler`` repeats the prompts first);
+    - the KV cache is preallocated (``_SlotLayer``): a decode step writes one slot, no cache grows by concatenation;
+    - the left-padding mask is built once as a 4D mask and sliced per step, positions follow the prompt mask (as
+      ``completion_token_logps`` computes them), so transformers builds no mask in the loop;
+    - sampling stays on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, one multinomial
+      draw), its log-probs are those of the temperature-scaled, unfiltered distribution (HFSampler's definition);
+    - finished rows are tracked on tensors; the loop looks at the host only every ``EOS_CHECK_EVERY`` tokens to stop
+      early once every row has ended (rows that ended emit pad tokens).
+
+    The model must use ``sdpa`` or ``eager`` attention and full-attention layers (Llama, Qwen2, GPT-NeoX, ...).
+    """
+
+    EOS_CHECK_EVERY = 8
+
+    def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 return_logps: bool = True):
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1:
+            raise LitAlignError(f"sampler: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1; "
+                                f"got {temperature}, {top_p}, {top_k}, {max_new_tokens}")
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
+        self.return_logps = return_logps
+
+    def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
+                 eos_token_ids: list[int], pad_token_id: int) -> Rollout:
+        _check_native_model(model)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode():  # a little faster than no_grad; the results are cloned out of it below
+                ids, logps = self._decode(model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id)
+        finally:
+            model.train(was_training)
+        ids, logps = ids.clone(), None if logps is None else logps.clone()  # usable by autograd (training forward)
+        mask, truncated = completion_mask_from_eos(ids, eos_token_ids)
+        width = int(mask.sum(1).max())  # columns after the longest row hold only pad
+        ids, mask = ids[:, :width], mask[:, :width]
+        if logps is not None:
+            logps = logps[:, :width]
+        return Rollout(ids, mask, truncated, logps)
+
+    def _decode(self, model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id):
+        batch, prompt_len = prompt_ids.shape
+        rows, steps, device = batch * num_samples, self.max_new_tokens, prompt_ids.device
+        prompt_mask = prompt_mask.bool()
+        dtype = next(model.parameters()).dtype
+        eager = model.config._attn_implementation == "eager"
+
+        def as_mask(allowed: torch.Tensor) -> torch.Tensor:  # bool for sdpa, additive for eager attention
+            if not eager:
+                return allowed
+            return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+        # prefill: each prompt once; a query attends to earlier real tokens and to itself (pads too: no empty rows)
+        causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril_()
+        allowed = (causal & prompt_mask[:, None, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=device)
+        positions = (prompt_mask.long().cumsum(1) - 1).clamp_(min=0)
+        cache = _SlotCache(num_samples, prompt_len + steps)
+        logits = model(input_ids=prompt_ids, attention_mask=as_mask(allowed), position_ids=positions, cache=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits = logits.repeat_interleave(num_samples, 0)
+
+        # decode: every row attends to its prompt's real tokens and to everything generated
+        valid = torch.cat([prompt_mask.repeat_interleave(num_samples, 0),
+                           torch.ones(rows, steps, dtype=torch.bool, device=device)], 1)
+        step_mask = as_mask(valid[:, None, None, :])
+        next_position = prompt_mask.sum(1).repeat_interleave(num_samples, 0).unsqueeze(1)  # [N, 1]
+
+        ids = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
+        want_logps = self.return_logps and self.temperature != 0
+        logps = torch.zeros(rows, steps, dtype=torch.float32, device=device) if want_logps else None
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        eos = torch.tensor(eos_token_ids, device=device)
+        for t in range(steps):
+            tokens, token_logps = sample_next(logits, self.temperature, self.top_k, self.top_p)
+            tokens = tokens.masked_fill_(finished, pad_token_id)
+            ids[:, t] = tokens
+            if want_logps:
+                logps[:, t] = token_logps.masked_fill_(finished, 0.0)
+            finished |= torch.isin(tokens, eos)
+            if t + 1 == steps or ((t + 1) % self.EOS_CHECK_EVERY == 0 and bool(finished.all())):
+                break
+            logits = model(input_ids=tokens.unsqueeze(1), attention_mask=step_mask[..., : prompt_len + t + 1],
+                           position_ids=next_position + t, cache=cache, use_cache=True).logits[:, -1]
+        return ids, logps

@@ -16,14 +16,14 @@ import torch
 from torchmetrics import MeanMetric
 
 from lit_align.errors import LitAlignError
-from lit_align.generation import HFSampler
+from lit_align.generation import HFSampler, NativeSampler
 from lit_align.losses import (
     GRPO_LOSS_TYPES, SCALE_REWARDS, nanstd, aggregate_grpo_loss, group_advantages, grpo_token_losses, token_logps,
 )
 from lit_align.modules.base import AlignModule, frozen
 from lit_align.rewards import import_reward, reward_name, score
 
-SAMPLERS = {"hf": HFSampler}
+SAMPLERS = {"hf": HFSampler, "native": NativeSampler}
 
 
 def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
@@ -71,7 +71,7 @@ class GRPOModule(AlignModule):
         temperature: sampling temperature; the training log-probs use the same temperature, as TRL does.
         top_p: nucleus sampling (1.0: off).
         top_k: top-k sampling (0: off).
-        engine: sampler: ``hf`` (transformers ``generate``).
+        engine: sampler: ``hf`` (transformers ``generate``) or ``native`` (lit_align's batched decode loop, faster).
     """
 
     def __init__(

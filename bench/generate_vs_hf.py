@@ -1,0 +1,98 @@
+"""Sampling throughput: lit_align's ``NativeSampler`` against ``HFSampler`` (transformers ``generate``), CPU.
+
+    python bench/generate_vs_hf.py                          # builtin:tiny and builtin:small, B*G in 8 64 256
+    python bench/generate_vs_hf.py --rows 64 --models builtin:small --repeats 5 --threads 1
+
+Both engines get the same model object (fp32, sdpa attention, eval), the same left-padded prompts (the built-in sort
+task's, ``rows / num_generations`` of them, each sampled ``num_generations`` times), temperature 1.0, top-k 0,
+top-p 1.0 and ``max_new_tokens``. Every row runs to the full length: the EOS id handed to both engines is one past
+the vocabulary, so it is never sampled (the token count is checked from the returned masks, not assumed).
+
+tokens/s = generated tokens (``rows * max_new_tokens``) / wall time of one ``generate`` call, prefill included.
+Each cell is the median over ``--repeats`` calls after one warm-up call; the engines alternate call by call, so that
+a change in the machine's load hits both alike. The ratio is native / HF. On a machine shared with other jobs, use
+``--threads 1``: with more torch threads than free cores every op waits on OpenMP barriers and the figures mean
+nothing (the load average is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["builtin:tiny", "builtin:small"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[8, 64, 256], help="B*G completions per call")
+    parser.add_argument("--num-generations", type=int, default=4, help="G: samples per prompt (default 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per engine and cell (median)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one native call")
+    args = parser.parse_args()
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    from lit_align.data.tasks import SortTask
+    from lit_align.generation import HFSampler, NativeSampler
+    from lit_align.models import load_model, load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    prompts = SortTask().prompt_rows("train")["prompt"]
+    engines = {"hf": HFSampler, "native": NativeSampler}
+    results = []
+    for name in args.models:
+        model = load_model(name, dtype="float32", attn_implementation="sdpa").eval()
+        tokenizer = load_tokenizer(name)
+        never = model.config.vocab_size  # an id the model cannot emit: every row runs max_new_tokens
+        for rows in args.rows:
+            if rows % args.num_generations:
+                parser.error(f"--rows {rows} is not a multiple of --num-generations {args.num_generations}")
+            batch = prompts[: rows // args.num_generations]
+            enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left")
+            samplers = {k: cls(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0)
+                        for k, cls in engines.items()}
+            times: dict[str, list[float]] = {k: [] for k in engines}
+
+            def call(engine: str):
+                return samplers[engine].generate(model, enc.input_ids, enc.attention_mask, args.num_generations,
+                                                 eos_token_ids=[never], pad_token_id=tokenizer.pad_token_id)
+
+            for engine in engines:  # warm-up
+                rollout = call(engine)
+                generated = int(rollout.completion_mask.sum())
+                if generated != rows * args.max_new_tokens:
+                    raise SystemExit(f"{engine}: {generated} tokens generated, expected {rows * args.max_new_tokens}")
+            for _ in range(args.repeats):
+                for engine in engines:
+                    start = time.perf_counter()
+                    call(engine)
+                    times[engine].append(time.perf_counter() - start)
+            tokens = rows * args.max_new_tokens
+            cell = {k: tokens / statistics.median(v) for k, v in times.items()}
+            results.append((name, rows, cell))
+            print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>12.0f}{cell['native'] / cell['hf']:>9.2f}x",
+                  flush=True)
+            if args.profile and rows == args.rows[-1]:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    call("native")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+    load = os.getloadavg()
+    print(f"\nSampling, B*G rows x {args.max_new_tokens} new tokens (G={args.num_generations}), fp32, CPU, "
+          f"{args.threads} threads, median of {args.repeats}; load average {load[0]:.1f} {load[1]:.1f}\n")
+    header = f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}{'native tok/s':>14}{'native/HF':>11}"
+    print(header)
+    print("-" * len(header))
+    for name, rows, cell in results:
+        print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>14.0f}{cell['native'] / cell['hf']:>10.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,320 @@
+"""lit_align GRPO against TRL's GRPOTrainer: steady-state completions/s and peak RSS, same model, prompts and settings.
+
+    python bench/grpo_vs_trl.py                              # builtin:small, lit (hf engine) and TRL
+    python bench/grpo_vs_trl.py --lit-engine native          # lit_align with its native sampler
+    python bench/grpo_vs_trl.py --lit-engine hf,native --threads 1 --rounds 4
+
+Each run is a fresh process (this script re-invoked with ``--engine lit`` / ``--engine trl``), so the peak RSS
+(``resource.getrusage(RUSAGE_SELF).ru_maxrss`` in that process, after its run) is its own. The parent imports no torch.
+
+What both sides get, so that they do the same work:
+  - the same model directory (fp32, ``sdpa`` attention, dropout off), loaded once as the policy; ``beta=0`` (no
+    reference model), loss ``dapo``, clipping epsilon 0.2, group-scaled advantages, no truncation masking;
+  - the same prompts (the built-in sort task's train prompts, in file order: no shuffling on either side) and the same
+    reward (``lit_align.rewards.sort_accuracy``, which reads the ``answer`` column TRL passes through);
+  - ``--batch-size`` completions per optimizer step, ``--num-generations`` per prompt, ``--steps-per-generation``
+    steps fed by one generation round (so one round = batch_size * steps_per_generation completions), one iteration,
+    no gradient accumulation;
+  - sampling at temperature 1.0, top-k 0, top-p 1.0 (no min-p, no repetition penalty), ``--max-new-tokens``, EOS
+    the tokenizer's, pad the tokenizer's: nothing else stops generation early (the generated tokens are counted on
+    both sides and printed, so a difference would show);
+  - AdamW, constant learning rate, no weight decay, gradient clipping at 1.0, no gradient checkpointing (TRL's
+    default is turned off), no mixed precision (TRL's ``bf16`` default is turned off), CPU,
+    ``torch.set_num_threads(--threads)``;
+  - no logger/report, no checkpoints, no saving, no evaluation, no progress bar.
+
+Where they differ by design (and this is what is measured): lit_align keeps the sampler's own log-probs as the old
+policy's (TRL recomputes them with a forward pass when a round feeds several optimizer steps), and with
+``--lit-engine native`` it samples with ``NativeSampler`` (one prefill per prompt, static KV cache).
+
+Throughput: whole generation rounds after the first (the warm-up): the wall time from the end of the warm-up round's
+last step to the end of the last step (each side's own step-end callback, after the optimizer step), divided into the
+completions of those rounds (``compl/s``). ``compl/CPU-s`` divides by the process's CPU time over the same span:
+on a machine shared with other jobs it leaves out the time the run waited for a core (not the slowdown from shared
+caches and memory), so look at it too when the load average, printed, is above the core count; and with more threads
+than free cores, OpenMP's waits make any figure meaningless (use ``--threads 1`` there).
+``gen s/round`` is the time inside the sampler (lit_align: ``sampler.generate``; TRL:
+``_generate_single_turn``) per timed round, ``gen CPU-s/round`` its CPU time (their ratios are TRL's time over
+lit_align's: the sampler's speed-up). ``tok/compl`` is the mean count of completion tokens (EOS included): it depends
+on where the sampled EOS fell, a matter of chance, while a round's decoding runs until its longest completion ends,
+so it barely moves the times (it is there to show that neither side stops early).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+REWARD = "lit_align.rewards.sort_accuracy"
+
+
+def peak_rss_mib() -> tuple[float, float]:
+    """This process's peak resident set in MiB: ``(getrusage ru_maxrss, /proc VmHWM)``."""
+    import resource
+
+    rusage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    hwm = float("nan")
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    hwm = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return rusage, hwm
+
+
+def prepare(args, workdir: Path) -> dict:
+    """Resolve the model (built once, outside the measured processes) and write the prompts both engines read."""
+    from lit_align.data.tasks import SortTask
+    from lit_align.models import resolve
+
+    model_dir = resolve(args.model)
+    prompts_per_round = args.batch_size * args.steps_per_generation // args.num_generations
+    rows = SortTask().prompt_rows("train").select(range(args.rounds * prompts_per_round))
+    path = workdir / "prompts.jsonl"
+    rows.to_json(path)
+    return {"model_dir": model_dir, "prompts": str(path)}
+
+
+class GenTimer:
+    """Wraps a sampler call: wall time and generated tokens per call."""
+
+    def __init__(self, fn, count_tokens):
+        self.fn, self.count_tokens = fn, count_tokens
+        self.seconds: list[float] = []
+        self.cpu_seconds: list[float] = []
+        self.tokens: list[int] = []
+
+    def __call__(self, *args, **kwargs):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        out = self.fn(*args, **kwargs)
+        self.seconds.append(time.perf_counter() - start)
+        self.cpu_seconds.append(time.process_time() - cpu_start)
+        self.tokens.append(self.count_tokens(out))
+        return out
+
+
+def run_lit(args, spec: dict) -> dict:
+    import lightning as L
+    import torch
+
+    from lit_align.data import PromptDataModule
+    from lit_align.modules.grpo import GRPOModule
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    class Clock(L.Callback):
+        def __init__(self):
+            self.ends: list[float] = []
+            self.threads = None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.ends.append((time.perf_counter(), time.process_time()))
+            self.threads = torch.get_num_threads()
+
+    module = GRPOModule(
+        model=spec["model_dir"], reward_funcs=[REWARD], loss_type="dapo", beta=0.0, epsilon=0.2,
+        scale_rewards="group", max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        engine=args.engine_name, learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0,
+        dtype="float32", attn_implementation="sdpa", gradient_checkpointing=False, disable_dropout=True,
+    )
+    timer = GenTimer(module.sampler.generate, lambda rollout: int(rollout.completion_mask.sum()))
+    module.sampler.generate = timer
+    data = PromptDataModule(path=spec["prompts"], tokenizer=spec["model_dir"], batch_size=args.batch_size,
+                            num_generations=args.num_generations, steps_per_generation=args.steps_per_generation,
+                            val_split=None, shuffle=False)
+    clock = Clock()
+    trainer = L.Trainer(
+        max_steps=args.rounds * args.steps_per_generation, accelerator="cpu", devices=1, precision="32-true",
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=1.0, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
+    )
+    trainer.fit(module, datamodule=data)
+    return {"ends": clock.ends, "threads": clock.threads, "gen_s": timer.seconds, "gen_cpu_s": timer.cpu_seconds,
+            "gen_tokens": timer.tokens,
+            "attn": module.policy.config._attn_implementation, "dtype": str(module.policy.dtype),
+            "loss": float(trainer.callback_metrics["train/loss"])}
+
+
+def run_trl(args, spec: dict) -> dict:
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lit_align.rewards import import_reward
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+            self.threads = None
+
+        def on_step_end(self, targs, state, control, **kwargs):
+            self.ends.append((time.perf_counter(), time.process_time()))
+            self.threads = torch.get_num_threads()
+
+    steps = args.rounds * args.steps_per_generation
+    config = GRPOConfig(
+        output_dir=str(Path(spec["workdir"]) / "trl"), per_device_train_batch_size=args.batch_size,
+        num_generations=args.num_generations, steps_per_generation=args.steps_per_generation, num_iterations=1,
+        gradient_accumulation_steps=1, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0,
+        top_k=0, min_p=None, repetition_penalty=1.0, beta=0.0, loss_type="dapo", epsilon=0.2, scale_rewards="group",
+        mask_truncated_completions=False, max_steps=steps, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0, bf16=False, use_cpu=True,
+        gradient_checkpointing=False, disable_dropout=True, shuffle_dataset=False, report_to="none",
+        save_strategy="no", eval_strategy="no", logging_steps=steps, disable_tqdm=True, log_completions=False,
+        dataloader_num_workers=0, seed=0, model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
+    )
+    prompts = load_dataset("json", data_files=spec["prompts"], split="train")
+    clock = Clock()
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=[import_reward(REWARD)], args=config,
+                          train_dataset=prompts, processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
+                          callbacks=[clock])
+    generation = trainer.generation_config
+    for name, expected in [("do_sample", True), ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0),
+                           ("max_new_tokens", args.max_new_tokens)]:
+        if getattr(generation, name) != expected:
+            raise SystemExit(f"TRL generation config {name}={getattr(generation, name)!r}, expected {expected!r}")
+    for name in ("min_new_tokens", "min_p", "stop_strings"):
+        if getattr(generation, name, None):
+            raise SystemExit(f"TRL generation config sets {name}={getattr(generation, name)!r}")
+    timer = GenTimer(trainer._generate_single_turn, lambda out: sum(len(ids) for ids in out[0]))
+    trainer._generate_single_turn = timer
+    trainer.train()
+    return {"ends": clock.ends, "threads": clock.threads, "gen_s": timer.seconds, "gen_cpu_s": timer.cpu_seconds,
+            "gen_tokens": timer.tokens,
+            "attn": trainer.model.config._attn_implementation, "dtype": str(trainer.model.dtype),
+            "loss": next((h["loss"] for h in reversed(trainer.state.log_history) if "loss" in h), None),
+            "eos": trainer.eos_token_ids}
+
+
+def child(args) -> None:
+    spec = json.loads(args.spec)
+    result = (run_lit if args.engine == "lit" else run_trl)(args, spec)
+    ends = result.pop("ends")
+    steps, spg = args.rounds * args.steps_per_generation, args.steps_per_generation
+    if len(ends) != steps or len(result["gen_s"]) != args.rounds:
+        raise SystemExit(f"{args.engine}: {len(ends)} steps and {len(result['gen_s'])} generation rounds recorded, "
+                         f"expected {steps} and {args.rounds}")
+    per_round = args.batch_size * spg
+    seconds = ends[-1][0] - ends[spg - 1][0]  # rounds 2.. (the first is the warm-up)
+    cpu_seconds = ends[-1][1] - ends[spg - 1][1]
+    timed = args.rounds - 1
+    gen_s, gen_tokens = sum(result["gen_s"][1:]), sum(result["gen_tokens"][1:])
+    gen_cpu_s = sum(result.pop("gen_cpu_s")[1:])
+    rusage, hwm = peak_rss_mib()
+    result.update(completions_per_s=timed * per_round / seconds, s_per_round=seconds / timed,
+                  completions_per_cpu_s=timed * per_round / cpu_seconds,
+                  gen_s_per_round=gen_s / timed, gen_cpu_s_per_round=gen_cpu_s / timed,
+                  gen_tokens_per_s=gen_tokens / gen_s,
+                  tokens_per_completion=gen_tokens / (timed * per_round), peak_rss_mib=rusage, vm_hwm_mib=hwm)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(engine: str, args, spec: dict, lit_engine: str = "hf") -> dict:
+    cmd = [sys.executable, __file__, "--engine", engine, "--spec", json.dumps(spec), "--engine-name", lit_engine,
+           "--model", args.model, "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
+           "--num-generations", str(args.num_generations), "--steps-per-generation", str(args.steps_per_generation),
+           "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--lr", str(args.lr)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
+           "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": str(args.threads),
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"{engine} run failed (exit {proc.returncode})")
+    result = json.loads(lines[-1][len("RESULT ") :])
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:small", help="model name/dir (default builtin:small, ~10M params)")
+    parser.add_argument("--rounds", type=int, default=5, help="generation rounds, the first one warm-up (default 5)")
+    parser.add_argument("--batch-size", type=int, default=16, help="completions per optimizer step (default 16)")
+    parser.add_argument("--num-generations", type=int, default=4, help="completions per prompt (default 4)")
+    parser.add_argument("--steps-per-generation", type=int, default=4, help="steps fed by one round (default 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="max completion tokens (default 32)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    parser.add_argument("--lit-engine", default="hf",
+                        help="lit_align sampler(s): hf, native, or both comma-separated (default hf)")
+    parser.add_argument("--engines", default="lit,trl", help="which to run, in order (default lit,trl)")
+    parser.add_argument("--engine", choices=["lit", "trl", "prepare"], help=argparse.SUPPRESS)
+    parser.add_argument("--engine-name", default="hf", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("need --rounds >= 2 (the first round is the warm-up)")
+    if (args.batch_size * args.steps_per_generation) % args.num_generations:
+        parser.error("--batch-size * --steps-per-generation must be a multiple of --num-generations")
+
+    if args.engine == "prepare":
+        print("RESULT " + json.dumps(prepare(args, Path(json.loads(args.spec)["workdir"]))), flush=True)
+        return
+    if args.engine:
+        child(args)
+        return
+
+    lit_engines = [e.strip() for e in args.lit_engine.split(",") if e.strip()]
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="grpo_vs_trl.") as workdir:
+        spec = {"workdir": workdir}
+        spec.update(launch("prepare", args, spec))
+        results = {}
+        for engine in args.engines.split(","):
+            if engine == "lit":
+                for lit_engine in lit_engines:
+                    results[f"lit-{lit_engine}"] = launch("lit", args, spec, lit_engine)
+            else:
+                results[engine] = launch(engine, args, spec)
+    load_after = os.getloadavg()
+
+    per_round = args.batch_size * args.steps_per_generation
+    print(f"\nGRPO, {args.model} ({spec['model_dir']}), {per_round} completions per round "
+          f"({per_round // args.num_generations} prompts x {args.num_generations}), {args.steps_per_generation} steps "
+          f"of {args.batch_size}, max {args.max_new_tokens} new tokens, {args.rounds} rounds (1 warm-up), fp32, CPU, "
+          f"{args.threads} threads; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
+    header = (f"{'engine':<12}{'compl/s':>9}{'compl/CPU-s':>13}{'gen s/round':>13}{'gen CPU-s/round':>17}"
+              f"{'tok/compl':>11}{'peak RSS MiB':>14}{'threads':>9}{'wall s':>8}")
+    print(header)
+    print("-" * len(header))
+    for engine, r in results.items():
+        print(f"{engine:<12}{r['completions_per_s']:>9.2f}{r['completions_per_cpu_s']:>13.2f}"
+              f"{r['gen_s_per_round']:>13.2f}{r['gen_cpu_s_per_round']:>17.2f}{r['tokens_per_completion']:>11.1f}"
+              f"{r['peak_rss_mib']:>14.0f}{r['threads']:>9}{r['wall_s']:>8.1f}")
+    if "trl" in results:
+        ref = results["trl"]
+        print("-" * len(header))
+        for engine, r in results.items():
+            if engine != "trl":  # throughput ratios lit/TRL; sampler ratios TRL time / lit time; RSS lit/TRL
+                print(f"{engine + '/TRL':<12}{r['completions_per_s'] / ref['completions_per_s']:>8.2f}x"
+                      f"{r['completions_per_cpu_s'] / ref['completions_per_cpu_s']:>12.2f}x"
+                      f"{ref['gen_s_per_round'] / r['gen_s_per_round']:>12.2f}x"
+                      f"{ref['gen_cpu_s_per_round'] / r['gen_cpu_s_per_round']:>16.2f}x{'':>11}"
+                      f"{r['peak_rss_mib'] / ref['peak_rss_mib']:>13.2f}x")
+    for engine, r in results.items():
+        if r["attn"] != "sdpa" or r["dtype"] != "torch.float32":
+            print(f"warning: {engine} ran {r['attn']} attention in {r['dtype']}")
+        if abs(r["vm_hwm_mib"] - r["peak_rss_mib"]) > 0.05 * r["peak_rss_mib"]:
+            print(f"note: {engine} VmHWM {r['vm_hwm_mib']:.0f} MiB differs from ru_maxrss {r['peak_rss_mib']:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
