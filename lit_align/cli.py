@@ -24,14 +24,14 @@ class AlignCLI(LightningCLI):
         parser.add_lightning_class_args(HFExport, "export")
 
 
-def main(args: list[str] | None = None) -> None:
-    """Entry point: ``lit-align {fit,validate,test} -c CONFIG [--key value ...]``."""
+def main(args: list[str] | None = None) -> LightningCLI:
+    """Entry point: ``lit-align {fit,validate,test} -c CONFIG [--key value ...]``; returns the finished CLI."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lit_align.data import AlignDataModule  # importing the packages registers every subclass by short name
     from lit_align.modules import AlignModule
 
     try:
-        AlignCLI(
+        return AlignCLI(
             AlignModule,
             AlignDataModule,
             subclass_mode_model=True,

@@ -3,5 +3,6 @@
 from lit_align.modules.base import AlignModule
 from lit_align.modules.dpo import DPOModule
 from lit_align.modules.grpo import GRPOModule
+from lit_align.modules.sft import SFTModule
 
-__all__ = ["AlignModule", "DPOModule", "GRPOModule"]
+__all__ = ["AlignModule", "DPOModule", "GRPOModule", "SFTModule"]

@@ -1,0 +1,263 @@
+"""lit_align DPO against TRL's DPOTrainer: steady-state pairs/s and peak RSS, same model, data and settings.
+
+    python bench/dpo_vs_trl.py                      # builtin:small, 8 pairs/step, 60 steps (10 warmup), 2 threads,
+                                                    # each engine twice, alternating (~1.5 min on 2 idle cores)
+    python bench/dpo_vs_trl.py --steps 100 --batch-size 16 --model builtin:tiny
+    python bench/dpo_vs_trl.py --repeat 3           # alternate the engines 3 times, report the fastest of each
+    python bench/dpo_vs_trl.py --no-share-prompt    # lit_align on TRL's exact [chosen; rejected] layout
+
+Each engine runs in its own fresh process (this script re-invoked with ``--engine lit`` / ``--engine trl``), so the
+peak RSS (``VmHWM`` of the process, i.e. its own high-water mark, not inherited from the parent) is measured apart.
+
+What both sides get, so that they do the same work:
+  - the same model directory, loaded in fp32 with the ``sdpa`` attention (TRL's default for this model; checked and
+    printed), as policy and as the reference (a second copy: TRL loads it again, lit_align deep-copies the policy);
+  - the same rows (the built-in sort preference pairs), the same batches in the same order (no shuffling), the same
+    ``max_length``, tokenization and right padding;
+  - AdamW (``torch.optim.AdamW``, TRL's ``optim="adamw_torch"``), the same constant learning rate, no weight decay,
+    gradient clipping at 1.0 (TRL's default, set on Lightning), no gradient checkpointing, no mixed precision (TRL's
+    ``bf16`` default is turned off), CPU, ``torch.set_num_threads(--threads)``;
+  - no logger/report, no checkpoints, no progress bar, no HF export, no evaluation.
+The one difference in how the work is laid out: lit_align's ``DPOModule(share_prompt=True)`` (its default) runs each
+pair as one sequence ``[prompt, chosen, rejected]``, so the prompt goes through the policy and the reference once per
+pair instead of twice (same log-probs, see tests/test_trl_parity.py); ``--no-share-prompt`` turns that off.
+
+Throughput: the wall time from the end of step ``--warmup`` to the end of the last step (each side's own step-end
+callback, after the optimizer step), divided into the pairs of those steps. The CPU time of the process over the same
+steps is reported beside it: on a machine shared with other jobs it is the steadier measure of the work each side does
+(with more than one thread it also counts the threads' spin-waiting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rss_mib(field: str = "VmHWM") -> float:
+    """This process's peak (``VmHWM``) or current (``VmRSS``) resident set, in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prepare(args, workdir: Path) -> dict:
+    """Resolve the model (built once, outside the measured processes) and write the rows both engines read."""
+    from lit_align.data.tasks import SortTask
+    from lit_align.models import resolve
+
+    model_dir = resolve(args.model)
+    needed = args.steps * args.batch_size
+    rows = SortTask(num_train=max(4000, needed)).preference_rows("train").select(range(needed))
+    rows_path = workdir / "rows.jsonl"
+    rows.to_json(rows_path)
+    return {"model_dir": model_dir, "rows": str(rows_path)}
+
+
+def run_lit(args, spec: dict, on_step=lambda step: None) -> dict:
+    import lightning as L
+    import torch
+
+    from lit_align.data.preference import PreferenceDataModule
+    from lit_align.modules.dpo import DPOModule
+
+    rss_imports = rss_mib("VmRSS")
+    torch.set_num_threads(args.threads)
+
+    class Clock(L.Callback):
+        def __init__(self):
+            self.ends: list[float] = []
+            self.threads = self.rss_at_start = None
+
+        def on_train_start(self, trainer, pl_module):
+            self.rss_at_start = rss_mib("VmRSS")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.ends.append((time.perf_counter(), time.process_time()))
+            self.threads = torch.get_num_threads()
+            on_step(len(self.ends))
+
+    module = DPOModule(model=spec["model_dir"], beta=0.1, learning_rate=args.lr, lr_scheduler_type="constant",
+                       weight_decay=0.0, attn_implementation="sdpa", dtype="float32", gradient_checkpointing=False,
+                       share_prompt=not args.no_share_prompt)
+    data = PreferenceDataModule(path=spec["rows"], tokenizer=spec["model_dir"], batch_size=args.batch_size,
+                                max_length=args.max_length, val_split=None, shuffle=False)
+    clock = Clock()
+    trainer = L.Trainer(
+        max_steps=args.steps, accelerator="cpu", devices=1, precision="32-true", logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=1.0, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
+    )
+    trainer.fit(module, datamodule=data)
+    return {"ends": clock.ends, "threads": clock.threads, "rss_at_start_mib": clock.rss_at_start,
+            "rss_imports_mib": rss_imports,
+            "attn": module.policy.config._attn_implementation,
+            "ref_attn": module.ref_model.config._attn_implementation, "dtype": str(module.policy.dtype),
+            "loss": float(trainer.callback_metrics["train/loss"])}
+
+
+def run_trl(args, spec: dict, on_step=lambda step: None) -> dict:
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    rss_imports = rss_mib("VmRSS")
+    torch.set_num_threads(args.threads)
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+            self.threads = self.rss_at_start = None
+
+        def on_train_begin(self, targs, state, control, **kwargs):
+            self.rss_at_start = rss_mib("VmRSS")
+
+        def on_step_end(self, targs, state, control, **kwargs):
+            self.ends.append((time.perf_counter(), time.process_time()))
+            self.threads = torch.get_num_threads()
+            on_step(len(self.ends))
+
+    config = DPOConfig(
+        output_dir=str(Path(spec["workdir"]) / "trl"), beta=0.1, max_length=args.max_length,
+        per_device_train_batch_size=args.batch_size, max_steps=args.steps, learning_rate=args.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0,
+        train_sampling_strategy="sequential", bf16=False, use_cpu=True, gradient_checkpointing=False,
+        report_to="none", save_strategy="no", eval_strategy="no", logging_steps=args.steps, disable_tqdm=True,
+        dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"},  # attention: TRL's default
+    )
+    rows = load_dataset("json", data_files=spec["rows"], split="train")
+    clock = Clock()
+    trainer = DPOTrainer(model=spec["model_dir"], args=config, train_dataset=rows,
+                         processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]), callbacks=[clock])
+    trainer.train()
+    return {"ends": clock.ends, "threads": clock.threads, "rss_at_start_mib": clock.rss_at_start,
+            "rss_imports_mib": rss_imports,
+            "attn": trainer.model.config._attn_implementation,
+            "ref_attn": trainer.ref_model.config._attn_implementation, "dtype": str(trainer.model.dtype),
+            "loss": trainer.state.log_history[-2].get("loss") if len(trainer.state.log_history) > 1 else None}
+
+
+def child(args) -> None:
+    spec = json.loads(args.spec)
+    result = (run_lit if args.engine == "lit" else run_trl)(args, spec)
+    ends = result.pop("ends")
+    if len(ends) != args.steps:
+        raise SystemExit(f"{args.engine}: {len(ends)} steps recorded, expected {args.steps}")
+    timed = args.steps - args.warmup
+    seconds = ends[-1][0] - ends[args.warmup - 1][0]
+    cpu_seconds = ends[-1][1] - ends[args.warmup - 1][1]
+    result.update(pairs_per_s=timed * args.batch_size / seconds, s_per_step=seconds / timed,
+                  cpu_s_per_step=cpu_seconds / timed, peak_rss_mib=rss_mib("VmHWM"), load=os.getloadavg()[0])
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def launch(engine: str, args, spec: dict) -> dict:
+    cmd = [sys.executable, __file__, "--engine", engine, "--spec", json.dumps(spec), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+           "--threads", str(args.threads), "--lr", str(args.lr), "--model", args.model]
+    if args.no_share_prompt:
+        cmd.append("--no-share-prompt")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+           "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"{engine} run failed (exit {proc.returncode})")
+    result = json.loads(lines[-1][len("RESULT ") :])
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:small", help="model name/dir (default builtin:small, ~10M params)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per engine (default 60)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (default 10)")
+    parser.add_argument("--batch-size", type=int, default=8, help="preference pairs per step (default 8)")
+    parser.add_argument("--max-length", type=int, default=64, help="max tokens per sequence (default 64)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    parser.add_argument("--engines", default="lit,trl", help="which to run, in order (default lit,trl)")
+    parser.add_argument("--repeat", type=int, default=2,
+                        help="runs per engine, alternating; the fastest is reported (default 2)")
+    parser.add_argument("--no-share-prompt", action="store_true",
+                        help="lit_align: run the plain [chosen; rejected] batch, the prompt twice per pair, as TRL does")
+    parser.add_argument("--engine", choices=["lit", "trl", "prepare"], help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.warmup < 1 or args.steps <= args.warmup:
+        parser.error("need 1 <= --warmup < --steps")
+
+    if args.engine == "prepare":
+        print("RESULT " + json.dumps(prepare(args, Path(json.loads(args.spec)["workdir"]))), flush=True)
+        return
+    if args.engine:
+        child(args)
+        return
+
+    # The parent imports no torch: the children's peak RSS is theirs alone.
+    with tempfile.TemporaryDirectory(prefix="dpo_vs_trl.") as workdir:
+        spec = {"workdir": workdir}
+        spec.update(launch("prepare", args, spec))
+        runs: dict[str, list[dict]] = {engine: [] for engine in args.engines.split(",")}
+        for _ in range(args.repeat):  # alternate the engines, so that a busy spell hits both
+            for engine in runs:
+                runs[engine].append(launch(engine, args, spec))
+    # best of the repeats: the fastest run; the highest peak RSS of all (memory does not depend on luck)
+    results = {}
+    for engine, rs in runs.items():
+        best = dict(max(rs, key=lambda r: r["pairs_per_s"]))
+        best["cpu_s_per_step"] = min(r["cpu_s_per_step"] for r in rs)
+        best["peak_rss_mib"] = max(r["peak_rss_mib"] for r in rs)
+        results[engine] = best
+
+    print(f"\nDPO, {args.model} ({spec['model_dir']}), {args.batch_size} pairs/step, max_length {args.max_length}, "
+          f"{args.steps} steps ({args.warmup} warmup), fp32, CPU, {args.threads} threads, "
+          f"{'plain [chosen; rejected] batches' if args.no_share_prompt else 'shared prompt'} on lit_align"
+          f"{f', best of {args.repeat}' if args.repeat > 1 else ''}\n")
+    header = (f"{'engine':<9}{'pairs/s':>9}{'s/step':>8}{'CPU s/step':>11}{'peak RSS':>10}{'RSS@start':>11}"
+              f"{'imports':>9}{'threads':>8}{'load':>6}{'wall s':>8}")
+    print(header)
+    print("-" * len(header))
+    for engine, r in results.items():
+        print(f"{engine:<9}{r['pairs_per_s']:>9.2f}{r['s_per_step']:>8.3f}{r['cpu_s_per_step']:>11.3f}"
+              f"{r['peak_rss_mib']:>10.0f}{r['rss_at_start_mib']:>11.0f}{r['rss_imports_mib']:>9.0f}{r['threads']:>8}"
+              f"{r['load']:>6.1f}"
+              f"{r['wall_s']:>8.1f}")
+    if {"lit", "trl"} <= results.keys():
+        lit, ref = results["lit"], results["trl"]
+        print("-" * len(header))
+        print(f"{'lit/TRL':<9}{lit['pairs_per_s'] / ref['pairs_per_s']:>8.2f}x{'':>8}"
+              f"{ref['cpu_s_per_step'] / lit['cpu_s_per_step']:>10.2f}x{lit['peak_rss_mib'] / ref['peak_rss_mib']:>9.2f}x"
+              f"{lit['rss_at_start_mib'] / ref['rss_at_start_mib']:>10.2f}x{lit['rss_imports_mib'] / ref['rss_imports_mib']:>8.2f}x")
+    print("\npairs/s, s/step: wall clock, steady state. CPU s/step: process CPU time per step (all threads; less "
+          "sensitive to other load on the machine); its ratio is TRL/lit. peak RSS: VmHWM of the engine's process, MiB. "
+          "RSS@start: VmRSS when training starts (imports, models, data), MiB; imports: VmRSS after the imports alone. "
+          "load: 1-min load average at the end (2 cores: above ~2 means other processes took CPU from the run).")
+    busy = max(r["load"] for rs in runs.values() for r in rs)
+    if busy > (os.cpu_count() or 1):
+        print(f"warning: the machine was busy (1-min load up to {busy:.1f} on {os.cpu_count()} cores): other processes "
+              "took CPU from these runs, so the wall-clock figures mostly measure the contention; rerun on an idle "
+              "machine (the CPU-time column is less affected)")
+    for engine, r in results.items():
+        if r["attn"] != "sdpa" or r["ref_attn"] != r["attn"] or r["dtype"] != "torch.float32":
+            print(f"warning: {engine} ran {r['attn']}/{r['ref_attn']} attention in {r['dtype']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Supervised fine-tuning as a LightningModule: next-token cross-entropy on the completion tokens.
+
+One step: a forward of the policy over the right-padded ``prompt + completion`` batch (the model gets no labels and
+returns logits), per-token log-probs of the next tokens from ``lit_align.losses.token_logps`` (the one log-prob
+gathering function every recipe uses), and the negative log-likelihood averaged over the loss tokens of the batch:
+completion tokens only by default, every real token with ``completion_only_loss: false``. Metrics carry TRL's names.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torchmetrics import MeanMetric
+
+from lit_align.generation import HFSampler
+from lit_align.losses import token_logps
+from lit_align.modules.base import AlignModule
+from lit_align.rewards import sort_exact
+
+
+def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], completion_only_loss: bool = True):
+    """``(loss, correct, count)`` for one batch: the mean NLL over loss tokens (with gradient), how many of them the
+    argmax predicts, and how many there are.
+
+    Loss tokens are completion tokens (``completion_only_loss``) or all attended tokens; the first token of a
+    sequence is never one (nothing predicts it). Only positions from the batch's first loss token on need logits, so
+    the LM head skips the prefix before it (``logits_to_keep``).
+    """
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    loss_mask = batch["completion_mask"] if completion_only_loss else attention_mask
+    has_tokens = loss_mask[:, 1:].any(1)
+    first = loss_mask[:, 1:].int().argmax(1)[has_tokens] + 1
+    start = int(first.min()) if first.numel() else 1  # first position whose token is a label
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        logits = model(**kwargs, logits_to_keep=input_ids.shape[1] - start + 1).logits[:, :-1]
+    else:
+        logits = model(**kwargs).logits[:, start - 1 : -1]
+    labels, mask = input_ids[:, start:], loss_mask[:, start:].bool()
+    logps = token_logps(logits, labels)  # pad labels are valid ids; the mask drops them
+    count = mask.sum()
+    loss = -(logps * mask).sum() / count.clamp(min=1)
+    with torch.no_grad():
+        correct = ((logits.argmax(-1) == labels) & mask).sum()
+    return loss, correct, count
+
+
+class SFTModule(AlignModule):
+    """Supervised fine-tuning (TRL's ``SFTTrainer`` loss): cross-entropy on completion tokens, token-averaged.
+
+    The loss is the mean over the loss tokens of each (micro-)batch, as TRL averages over the tokens of a batch.
+    Logged: ``train/loss``, ``train/mean_token_accuracy`` (argmax == label over loss tokens), ``train/num_tokens``
+    (attended tokens trained on so far, all ranks); ``val/loss`` and ``val/mean_token_accuracy`` (token-weighted over
+    the whole validation set) and, with ``val_exact_match``, ``val/exact_match``.
+
+    Args:
+        completion_only_loss: train on completion tokens only (TRL's default for prompt/completion rows); false:
+            on the prompt tokens too.
+        val_exact_match: at validation, also complete each prompt greedily and log the fraction whose text equals
+            the reference completion (whitespace-stripped; ``lit_align.rewards.sort_exact``).
+        val_max_new_tokens: generation cap for ``val_exact_match``.
+        learning_rate: AdamW learning rate (TRL's SFT default: 2e-5, for pretrained models).
+    """
+
+    def __init__(self, model: str = "builtin:tiny", completion_only_loss: bool = True, val_exact_match: bool = False,
+                 val_max_new_tokens: int = 64, learning_rate: float = 2e-5, **kwargs):
+        super().__init__(model=model, learning_rate=learning_rate, **kwargs)
+        self.completion_only_loss = completion_only_loss
+        self.val_exact_match = val_exact_match
+        self.greedy = HFSampler(max_new_tokens=val_max_new_tokens, temperature=0.0)
+        self.num_tokens = 0.0  # attended training tokens so far, all ranks (TRL's num_tokens)
+        self.val_metrics = torch.nn.ModuleDict(
+            {name: MeanMetric() for name in ("loss", "mean_token_accuracy", "exact_match")})
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, correct, count = sft_token_stats(self.policy, batch, self.completion_only_loss)
+        # one all-reduce: loss averaged over ranks, accuracy as a ratio of sums (as TRL gathers it)
+        stats = torch.stack([loss.detach(), correct.float(), count.float(), batch["attention_mask"].sum().float()])
+        stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
+        self.num_tokens += float(stats[3])
+        self.log("train/loss", stats[0] / self.trainer.world_size, prog_bar=True)
+        self.log("train/mean_token_accuracy", stats[1] / stats[2].clamp(min=1))
+        self.log("train/num_tokens", self.num_tokens)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss, correct, count = sft_token_stats(self.policy, batch, self.completion_only_loss)
+        self.val_metrics["loss"].update(loss, count)
+        self.val_metrics["mean_token_accuracy"].update(correct / count.clamp(min=1), count)
+        self.log("val/loss", self.val_metrics["loss"], prog_bar=True)
+        self.log("val/mean_token_accuracy", self.val_metrics["mean_token_accuracy"])
+        if self.val_exact_match:
+            self.val_metrics["exact_match"].update(torch.tensor(self.exact_match(batch), device=self.device))
+            self.log("val/exact_match", self.val_metrics["exact_match"], prog_bar=True)
+
+    test_step = validation_step
+
+    @torch.no_grad()
+    def exact_match(self, batch: dict[str, torch.Tensor]) -> list[float]:
+        """Greedy-complete each row's prompt; 1.0 where the text equals the row's (decoded) reference completion."""
+        tok = self.tokenizer
+        input_ids, completion_mask = batch["input_ids"], batch["completion_mask"]
+        starts = completion_mask.int().argmax(1).tolist()
+        prompts = [row[:s] for row, s in zip(input_ids, starts)]
+        references = tok.batch_decode([row[m.bool()] for row, m in zip(input_ids, completion_mask)],
+                                      skip_special_tokens=True)
+        width = max(len(p) for p in prompts)
+        prompt_ids = torch.stack([torch.cat([p.new_full((width - len(p),), tok.pad_token_id), p]) for p in prompts])
+        prompt_mask = torch.stack([torch.cat([p.new_zeros(width - len(p)), torch.ones_like(p)]) for p in prompts])
+        rollout = self.greedy.generate(self.policy, prompt_ids, prompt_mask, 1, eos_token_ids=[tok.eos_token_id],
+                                       pad_token_id=tok.pad_token_id)
+        texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        return sort_exact(texts, [r.strip() for r in references])
+
+    # -- TRL's num_tokens counts on across a resume -------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["lit_align_num_tokens"] = self.num_tokens
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.num_tokens = checkpoint.get("lit_align_num_tokens", 0.0)

@@ -1,0 +1,36 @@
+"""The three-stage pipeline chains real `lit-align fit` runs: a quick version here, the full one under `slow`."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from lit_align import pipeline
+
+
+def test_quick_pipeline_chains_stages_and_reports(tmp_path, capsys):
+    pipeline.main(["--quick", "--root", str(tmp_path)])
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line.split()[:1] in (["sft"], ["dpo"], ["grpo"])]
+    assert [row[0] for row in table] == ["sft", "dpo", "grpo"]
+    for row in table:
+        assert 0.0 <= float(row[1]) <= 1.0 and 0.0 <= float(row[2]) <= 1.0
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    # each stage started from the previous export: its saved config names it
+    assert f"model: {tmp_path}/sft/hf_model" in (tmp_path / "dpo" / "run" / "config.yaml").read_text()
+    assert f"model: {tmp_path}/dpo/hf_model" in (tmp_path / "grpo" / "run" / "config.yaml").read_text()
+    AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / "hf_model")
+
+
+@pytest.mark.slow
+def test_full_pipeline_meets_its_targets(tmp_path, capsys):
+    pipeline.main(["--root", str(tmp_path)])
+    out = capsys.readouterr().out
+    print(out)
+    rows = {line.split()[0]: [float(x) for x in line.split()[1:4]]
+            for line in out.splitlines() if line.split()[:1] in (["sft"], ["dpo"], ["grpo"])}
+    assert rows["sft"][0] > 0.1, "SFT should solve some held-out prompts"
+    assert rows["grpo"][1] > rows["dpo"][1] - 0.02, "GRPO should not lose held-out partial credit"
+    dpo_accuracy = float(out.split("DPO held-out preference (reward) accuracy:")[1].split()[0])
+    assert dpo_accuracy >= 0.85
+    assert Path(tmp_path / "curves.png").exists()

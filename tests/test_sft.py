@@ -1,0 +1,230 @@
+"""SFT: CompletionDataModule rows and batches, SFTModule's loss against hand computations, a short run that learns."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from helpers import read_metrics
+
+from lit_align.data.completions import CompletionDataModule, collate_completions, tokenize_completion
+from lit_align.errors import LitAlignError
+from lit_align.modules.sft import SFTModule, sft_token_stats
+
+
+def ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"]
+
+
+def datamodule(path: str, **kw) -> CompletionDataModule:
+    kw.setdefault("val_split", None)
+    return CompletionDataModule(path, tokenizer="builtin:tiny", **kw)
+
+
+# -- rows and batches --------------------------------------------------------------------------------------------------
+
+
+def test_standard_row_appends_eos_and_masks_the_prompt(tokenizer):
+    out = tokenize_completion(tokenizer, "sort 31:", "13", conversational=False)
+    prompt, completion = ids(tokenizer, "sort 31:"), ids(tokenizer, "13") + [tokenizer.eos_token_id]
+    assert out["input_ids"] == prompt + completion
+    assert out["completion_mask"] == [0] * len(prompt) + [1] * len(completion)
+    # a completion that already ends with EOS gets no second one
+    assert tokenize_completion(tokenizer, "sort 31:", "13</s>", False) == out
+
+
+def test_conversational_rows_use_the_chat_template(tokenizer):
+    prompt = [{"role": "user", "content": "sort 31:"}]
+    completion = [{"role": "assistant", "content": "13"}]
+    out = tokenize_completion(tokenizer, prompt, completion, conversational=True)
+    head = tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=True, add_generation_prompt=True)
+    head = list(head["input_ids"])
+    assert tokenizer.decode(head) == "<|user|>sort 31:\n<|assistant|>"
+    assert out["input_ids"] == head + ids(tokenizer, "13") + [tokenizer.eos_token_id]  # the template closes the turn
+    assert out["completion_mask"] == [0] * len(head) + [1] * 3
+
+
+def test_all_formats_through_a_file(write_jsonl, tokenizer):
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort 31:"},
+                    {"role": "assistant", "content": "13"}]
+    rows = [
+        {"prompt": "sort 31:", "completion": "13"},
+        {"prompt": conversation[:2], "completion": conversation[2:]},
+    ]
+    standard = datamodule(write_jsonl(rows[:1]))
+    standard.setup("fit")
+    conversational = datamodule(write_jsonl(rows[1:], name="chat.jsonl"))
+    conversational.setup("fit")
+    messages = datamodule(write_jsonl([{"messages": conversation}], name="messages.jsonl"))
+    messages.setup("fit")
+    assert standard.train_data[0] == tokenize_completion(tokenizer, "sort 31:", "13", False)
+    expected = tokenize_completion(tokenizer, conversation[:2], conversation[2:], True)
+    assert conversational.train_data[0] == expected
+    assert messages.train_data[0] == expected  # the last assistant turn of `messages` is the completion
+
+
+def test_collate_right_pads_and_truncation_keeps_the_start(write_jsonl, tokenizer):
+    path = write_jsonl([{"prompt": "sort 31:", "completion": "13"}, {"prompt": "sort 9:", "completion": "9"},
+                        {"prompt": "sort 4321:", "completion": "1234"}])
+    dm = datamodule(path, max_length=11, shuffle=False, batch_size=3)
+    dm.setup("fit")
+    assert dm.truncation_report == {"truncated": 1, "dropped": 0}
+    batch = next(iter(dm.train_dataloader()))
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    assert batch["input_ids"].tolist() == [
+        ids(tokenizer, "sort 31:13") + [eos],
+        ids(tokenizer, "sort 9:9") + [eos] + [pad] * 2,
+        ids(tokenizer, "sort 4321:1"),  # 10 prompt tokens + the first completion token: the EOS is cut
+    ]
+    assert batch["attention_mask"].tolist() == [[1] * 11, [1] * 9 + [0] * 2, [1] * 11]
+    assert batch["completion_mask"].tolist() == [[0] * 8 + [1] * 3, [0] * 7 + [1] * 2 + [0] * 2, [0] * 10 + [1]]
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ([{"prompt": "sort 1:", "completion": "1"}, {"prompt": "sort 2:", "completion": None}],
+         "FILE row 1: field 'completion' is missing or null"),
+        ([{"prompt": "sort 1:", "completion": "1"}, {"prompt": "  ", "completion": "2"}],
+         "FILE row 1: field 'prompt' is empty"),
+        ([{"prompt": "sort 1:", "completion": "1"}, {"prompt": "sort 2:", "completion": ""}],
+         "FILE row 1: field 'completion' is empty"),
+        ([{"prompt": [{"role": "user", "content": "sort 1:"}], "completion": "1"}],
+         "FILE row 0: field 'completion' must be a non-empty list of {role, content} messages"),
+        ([{"prompt": [{"role": "user", "content": "sort 1:"}], "completion": [{"role": "bot", "content": "1"}]}],
+         "FILE row 0: completion[0] has role 'bot'"),
+        ([{"messages": [{"role": "user", "content": "sort 1:"}, {"role": "assistant", "content": "1"}]},
+          {"messages": [{"role": "user", "content": "sort 1:"}]}],
+         "FILE row 1: field 'messages' must end with an assistant turn"),
+        ([{"prompt": "sort 1:", "answer": "1"}],
+         "FILE: columns ['answer', 'prompt']: expected 'prompt' and 'completion', or 'messages'"),
+        ([{"prompt": "sort 1234567890123:", "completion": "1"}],
+         "FILE row 0: the prompt alone is 19 tokens, max_length is 16"),
+    ],
+)
+def test_bad_rows_name_file_row_and_field(write_jsonl, rows, match):
+    path = write_jsonl(rows)
+    with pytest.raises(LitAlignError) as info:
+        datamodule(path, max_length=16).setup("fit")
+    message = str(info.value).replace(path, "FILE")
+    assert "\n" not in message
+    assert message.startswith(match), message
+
+
+# -- the loss --------------------------------------------------------------------------------------------------------
+
+
+class FixedLogits(torch.nn.Module):
+    """A stand-in causal LM whose logits are a fixed ``[N, T, V]`` tensor (honours ``logits_to_keep``)."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.logits = torch.nn.Parameter(logits)
+
+    def forward(self, input_ids, attention_mask=None, use_cache=None, logits_to_keep: int = 0):
+        return SimpleNamespace(logits=self.logits[:, -logits_to_keep:] if logits_to_keep else self.logits)
+
+
+def small_batch():
+    """Two right-padded rows over a vocabulary of 5: prompt lengths 2 and 3, completion lengths 2 and 1."""
+    return {
+        "input_ids": torch.tensor([[1, 2, 3, 4, 0], [2, 2, 1, 4, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0]]),
+        "completion_mask": torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 1, 0]]),
+    }
+
+
+def hand_loss(logits: torch.Tensor, batch, positions) -> tuple[float, int]:
+    """Mean of -log_softmax(logits[n, t - 1])[input_ids[n, t]] over ``positions`` (n, t), in float64, by hand."""
+    terms = []
+    for n, t in positions:
+        row = [float(x) for x in logits[n, t - 1]]
+        label = int(batch["input_ids"][n, t])
+        terms.append(-(row[label] - math.log(sum(math.exp(x) for x in row))))
+    return sum(terms) / len(terms), len(terms)
+
+
+def test_sft_loss_equals_a_hand_computation():
+    batch = small_batch()
+    logits = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(0))
+    model = FixedLogits(logits)
+    loss, correct, count = sft_token_stats(model, batch, completion_only_loss=True)
+    expected, n = hand_loss(logits, batch, [(0, 2), (0, 3), (1, 3)])  # the three completion tokens
+    assert count == n == 3
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    argmax_hits = sum(int(logits[i, t - 1].argmax() == batch["input_ids"][i, t]) for i, t in [(0, 2), (0, 3), (1, 3)])
+    assert correct == argmax_hits
+    loss.backward()  # the gradient reaches exactly the positions that predict completion tokens
+    touched = (model.logits.grad.abs().sum(-1) > 0).tolist()
+    assert touched == [[False, True, True, False, False], [False, False, True, False, False]]
+
+    # completion_only_loss=False: every attended token but the first of each row
+    loss, _, count = sft_token_stats(model, batch, completion_only_loss=False)
+    expected, n = hand_loss(logits, batch, [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)])
+    assert count == n == 6
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_prompt_tokens_are_masked_when_completion_only_loss():
+    batch = small_batch()
+    logits = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(1))
+    scrambled = logits.clone()
+    scrambled[0, 0] = torch.tensor([9.0, -9.0, 3.0, 0.0, 1.0])  # predicts prompt token 1 of row 0
+    scrambled[1, :2] = torch.tensor([-5.0, 5.0, 0.0, 2.0, -1.0])  # predict prompt tokens of row 1
+    scrambled[:, 4] = 100.0  # predicts nothing (last position)
+
+    def loss(x, only):
+        return sft_token_stats(FixedLogits(x), batch, only)[0].item()
+
+    assert loss(scrambled, True) == loss(logits, True)
+    assert loss(scrambled, False) != pytest.approx(loss(logits, False))
+
+
+def test_sft_loss_equals_the_hf_labels_loss_on_the_tiny_model(write_jsonl, tiny_path):
+    """The model's own cross-entropy (labels, -100 on ignored tokens) agrees, completion-only and on all tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_jsonl([{"prompt": f"sort {d}:", "completion": "".join(sorted(d))} for d in ("31", "96420", "7", "5151")])
+    dm = datamodule(path, shuffle=False, batch_size=4)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    for only in (True, False):
+        keep = batch["completion_mask"] if only else batch["attention_mask"]
+        labels = batch["input_ids"].masked_fill(keep == 0, -100)
+        with torch.no_grad():
+            reference = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
+            loss, _, count = sft_token_stats(model, batch, only)
+        assert count == (labels[:, 1:] != -100).sum()
+        assert loss.item() == pytest.approx(reference.item(), abs=1e-5)
+
+
+# -- a short run -------------------------------------------------------------------------------------------------------
+
+
+def test_short_sft_run_lowers_the_loss(tmp_path, tiny_path):
+    """40 steps from scratch on the built-in task: the completion loss falls from about ln(vocab) to about 1."""
+    L.seed_everything(0)
+    module = SFTModule("builtin:tiny", learning_rate=3e-3, warmup_steps=5, val_exact_match=True, val_max_new_tokens=8)
+    data = CompletionDataModule("builtin:sort", batch_size=32, val_batch_size=100, max_length=64)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=40, val_check_interval=40, limit_val_batches=1, log_every_n_steps=1,
+        num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="sft"), default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=data)
+    rows = read_metrics(tmp_path / "sft" / "version_0" / "metrics.csv")
+    train = {int(r["step"]): r for r in rows if "train/loss" in r}
+    first, last = train[0]["train/loss"], train[39]["train/loss"]
+    assert first == pytest.approx(math.log(len(module.tokenizer)), abs=0.25)  # a random model: about ln(104) = 4.64
+    assert last < 1.3 and last < 0.3 * first  # measured: 4.56 -> 1.08
+    assert train[39]["train/mean_token_accuracy"] > 0.55 > 0.2 > train[0]["train/mean_token_accuracy"]  # 0.06 -> 0.69
+    # 32 rows of ~17 tokens per step, counted cumulatively
+    assert train[0]["train/num_tokens"] < train[1]["train/num_tokens"] < train[39]["train/num_tokens"]
+    val = next(r for r in rows if "val/loss" in r)
+    assert val["val/loss"] < 1.3  # measured: 1.02
+    assert 0.55 < val["val/mean_token_accuracy"] <= 1.0  # measured: 0.67
+    assert 0.0 <= val["val/exact_match"] <= 1.0
