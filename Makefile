@@ -15,8 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-demo: setup  ## the main job: DPO on the built-in task, offline, CPU
-	$(VENV)/bin/lit-align fit -c configs/dpo.yaml
+demo: setup  ## the main job: SFT -> DPO -> GRPO on the built-in task, offline, CPU; prints a table, plots curves
+	$(PY) -m lit_align.pipeline
 
 test: setup  ## the test suite (no slow end-to-end runs): a few minutes on 2 cores
 	$(PY) -m pytest -q
@@ -24,8 +24,10 @@ test: setup  ## the test suite (no slow end-to-end runs): a few minutes on 2 cor
 test-slow: setup  ## slow end-to-end runs (CI runs these too)
 	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 5 ] && echo "no slow tests" && exit 0; exit $$rc
 
-bench: setup
+bench: setup  ## side-by-side benchmarks against TRL and HF generate (figures are load-sensitive: run on a quiet machine)
 	$(PY) bench/dpo_vs_trl.py
+	$(PY) bench/grpo_vs_trl.py
+	$(PY) bench/generate_vs_hf.py
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

@@ -9,6 +9,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lit_align.errors import LitAlignError
+
 
 def run_dir(trainer: L.Trainer) -> Path:
     """The run's directory: the logger's version directory, or ``default_root_dir`` without a logger."""
@@ -36,6 +38,9 @@ class HFExport(L.Callback):
         if not self.enabled or not trainer.is_global_zero:
             return
         target = Path(self.path) if self.path else run_dir(trainer) / self.dirname
+        if target.exists() and not (target / "config.json").exists():
+            raise LitAlignError(f"export path {target} exists and is not a Hugging Face model directory; "
+                                "refusing to replace it (choose another export.path)")
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.with_name(f".{target.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)

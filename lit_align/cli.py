@@ -24,8 +24,13 @@ class AlignCLI(LightningCLI):
         parser.add_lightning_class_args(HFExport, "export")
 
 
-def main(args: list[str] | None = None) -> LightningCLI:
-    """Entry point: ``lit-align {fit,validate,test} -c CONFIG [--key value ...]``; returns the finished CLI."""
+def main(args: list[str] | None = None) -> None:
+    """Entry point: ``lit-align {fit,validate,test} -c CONFIG [--key value ...]``."""
+    run(args)
+
+
+def run(args: list[str] | None = None) -> LightningCLI:
+    """Run the CLI in this process and return it (``cli.trainer``, ``cli.model``); user errors exit with status 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from lit_align.data import AlignDataModule  # importing the packages registers every subclass by short name
     from lit_align.modules import AlignModule

@@ -3,7 +3,7 @@
     python -m lit_align.pipeline                 # the README's main job; a table and runs/pipeline/curves.png
     python -m lit_align.pipeline --quick         # a few steps per stage (what CI runs)
 
-Each stage is an ordinary ``lit-align fit -c configs/<stage>.yaml`` (run in this process through ``cli.main``) whose
+Each stage is an ordinary ``lit-align fit -c configs/<stage>.yaml`` (run in this process through ``cli.run``) whose
 model starts from the previous stage's export; after each, ``lit-align validate -c configs/eval_sort.yaml`` measures
 held-out greedy exact-match accuracy on the 200 test prompts. Nothing here computes anything a stage does not: this
 file only chains configs, reads their ``metrics.csv`` and plots them.
@@ -16,9 +16,12 @@ import csv
 import time
 from pathlib import Path
 
-from lit_align.cli import main as cli
+from lit_align.cli import run as cli
 
 STAGES = ("sft", "dpo", "grpo")
+# Stage settings that differ from the standalone configs: DPO there starts from a random model; here it starts from
+# the SFT model, whose greedy answers a from-scratch learning rate (1e-3) would wreck.
+OVERRIDES = {"dpo": ["--model.init_args.learning_rate", "1.0e-4"]}
 QUICK = ["--trainer.max_steps", "4", "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "1"]
 
 
@@ -30,7 +33,7 @@ def run_stage(stage: str, root: Path, model: str | None, quick: bool) -> Path:
             "--trainer.enable_progress_bar", "false", "--export.path", str(export)]
     if model is not None:
         args += ["--model.init_args.model", model]
-    cli(args + (QUICK if quick else []))
+    cli(args + OVERRIDES.get(stage, []) + (QUICK if quick else []))
     return export
 
 

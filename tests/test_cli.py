@@ -117,6 +117,19 @@ def test_export_path_override(tmp_path, capfd):
     assert (target / "config.json").exists() and (target / "tokenizer.json").exists()
 
 
+def test_export_never_replaces_a_directory_that_is_not_a_model(tmp_path, capfd):
+    target = tmp_path / "precious"
+    target.mkdir()
+    (target / "notes.txt").write_text("keep me")
+    code, _, err = run_main([
+        "fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
+        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.enable_checkpointing",
+        "false", "--trainer.default_root_dir", str(tmp_path), "--export.path", str(target),
+    ], capfd)
+    assert_one_line_error(code, err, str(target), "not a Hugging Face model directory")
+    assert (target / "notes.txt").read_text() == "keep me"
+
+
 # -- mistakes: exit status 2, one `error:` line naming the culprit, no traceback -------------------------------------
 
 
@@ -201,6 +214,9 @@ def test_console_script_errors_in_subprocesses(tmp_path):
         "typo": [sys.executable, "-m", "lit_align", "fit", "-c", DPO, "-c", str(typo)],
         # a class's __init__ rejecting a value: jsonargparse wraps the LitAlignError in a ValueError
         "setting": [str(script), "fit", "-c", DPO, "--data.init_args.batch_size", "0"],
+        # and a run that works exits 0 (the console-script wrapper does sys.exit(main()))
+        "ok": [str(script), "fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
+               "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", "--export.enabled", "false"],
     }
     procs = {k: subprocess.Popen(v, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
              for k, v in runs.items()}
@@ -218,6 +234,10 @@ def test_console_script_errors_in_subprocesses(tmp_path):
     assert rc == 2, err
     assert "Traceback" not in err
     assert "Option 'betaa' is not accepted" in err
+
+    (out, err), rc = results["ok"]
+    assert rc == 0, err
+    assert "AlignCLI object" not in out + err
 
     (out, err), rc = results["setting"]
     assert rc == 2, err

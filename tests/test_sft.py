@@ -202,6 +202,42 @@ def test_sft_loss_equals_the_hf_labels_loss_on_the_tiny_model(write_jsonl, tiny_
         assert loss.item() == pytest.approx(reference.item(), abs=1e-5)
 
 
+def test_tokens_loss_and_token_accuracy_match_trl_sft_trainer(tmp_path, tiny_path, tokenizer):
+    """TRL's SFTTrainer on the same rows: the same input_ids, the same trained positions (labels != -100), the same
+    loss from its own compute_loss and the same mean_token_accuracy."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from lit_align.data.tasks import SortTask
+
+    chat = [{"role": "user", "content": "sort 31:"}]
+    cases = [
+        (SortTask().completion_rows("train").select(range(8)), False),
+        (Dataset.from_list([{"prompt": chat, "completion": [{"role": "assistant", "content": "13"}]}]), True),
+    ]
+    for i, (rows, conversational) in enumerate(cases):
+        args = trl.SFTConfig(output_dir=str(tmp_path / str(i)), max_length=64, report_to="none", use_cpu=True,
+                             bf16=False)
+        trainer = trl.SFTTrainer(model=tiny_path, args=args, train_dataset=rows, processing_class=tokenizer)
+        ours = [tokenize_completion(tokenizer, r["prompt"], r["completion"], conversational) for r in rows]
+        theirs = list(trainer.train_dataset)
+        assert [r["input_ids"] for r in theirs] == [r["input_ids"] for r in ours]
+        assert [[int(x != -100) for x in r["labels"]] for r in theirs] == [r["completion_mask"] for r in ours]
+
+    # the loss and token accuracy on the 8 standard rows, one batch, TRL's collator and compute_loss vs ours
+    rows = cases[0][0]
+    trainer = trl.SFTTrainer(model=tiny_path, args=args, train_dataset=rows, processing_class=tokenizer)
+    trainer.model.eval()
+    batch = trainer.data_collator([{k: r[k] for k in ("input_ids", "labels")} for r in trainer.train_dataset])
+    ours = collate_completions([tokenize_completion(tokenizer, r["prompt"], r["completion"], False) for r in rows],
+                               tokenizer.pad_token_id)
+    with torch.no_grad():
+        expected = trainer.compute_loss(trainer.model, batch).item()
+        loss, correct, count = sft_token_stats(trainer.model, ours)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert (correct / count).item() == pytest.approx(trainer._metrics["eval"]["mean_token_accuracy"][-1], abs=1e-6)
+
+
 # -- a short run -------------------------------------------------------------------------------------------------------
 
 

@@ -80,11 +80,15 @@ class AlignDataModule(L.LightningDataModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self.train_data is not None or self.val_data is not None:
+        need_train = stage == "fit" and self.train_data is None
+        need_val = self.val_data is None and (self.val_fraction > 0 or self.val_split is not None)
+        if not (need_train or need_val):
             return
-        self.tokenizer = load_tokenizer(self._tokenizer_name())
-        train_rows = self._load(self.path, self.train_split)
-        val_rows, val_source = None, None
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self._tokenizer_name())
+        train_rows = val_rows = val_source = None
+        if need_train or self.val_fraction > 0:
+            train_rows = self._load(self.path, self.train_split)
         if self.val_fraction > 0:
             parts = train_rows.train_test_split(test_size=self.val_fraction, seed=self.seed)
             train_rows, val_rows, val_source = parts["train"], parts["test"], f"{self.path} (held-out)"
@@ -94,10 +98,10 @@ class AlignDataModule(L.LightningDataModule):
             if self.val_path and not self.val_path.startswith("builtin:") and "." in self.val_path.rsplit("/", 1)[-1]:
                 split = "train"  # a single file has one split
             val_rows = self._load(val_source, split)
-        if stage == "fit":
+        if need_train:
             self.train_data = self.process(train_rows, self.path)
             rank_zero_info(f"lit_align: {len(self.train_data)} training rows from {self.path}")
-        if val_rows is not None:
+        if need_val and val_rows is not None:
             self.val_data = self.process(val_rows, val_source)
 
     def _load(self, source: str, split: str):
