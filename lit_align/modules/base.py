@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from pathlib import Path
 
 import lightning as L
@@ -63,6 +65,7 @@ class AlignModule(L.LightningModule):
         self.save_hyperparameters()
         self.model_name = model
         self.policy: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None  # set by recipes that need a reference (load_reference)
         self.tokenizer = None
 
     def load(self, name: str) -> torch.nn.Module:
@@ -81,6 +84,32 @@ class AlignModule(L.LightningModule):
         self.policy.config.use_cache = False
         if self.hparams.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def load_reference(self, name: str | None) -> torch.nn.Module:
+        """A frozen reference: the model ``name``, or (None) a copy of the freshly loaded policy."""
+        if name is not None:
+            return frozen(self.load(name))
+        ref = copy.deepcopy(self.policy)
+        if self.hparams.gradient_checkpointing:
+            ref.gradient_checkpointing_disable()
+        return frozen(ref)
+
+    # -- a reference stays frozen, in eval mode, and is never part of a checkpoint ----------------------------------
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.ref_model is not None:
+            self.ref_model.eval()
+        return self
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        skip = prefix + "ref_model."
+        return OrderedDict((k, v) for k, v in state.items() if not k.startswith(skip))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self.ref_model is not None:  # refill the reference from itself: checkpoints do not carry it
+            state_dict = {**state_dict, **{f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()}}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -13,16 +13,14 @@ through the network once per pair instead of twice.
 
 from __future__ import annotations
 
-import copy
 import inspect
-from collections import OrderedDict
 
 import torch
 from torchmetrics import MeanMetric
 
 from lit_align.errors import LitAlignError
 from lit_align.losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
-from lit_align.modules.base import AlignModule, frozen
+from lit_align.modules.base import AlignModule
 
 METRICS = (
     "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -201,37 +199,13 @@ class DPOModule(AlignModule):
             raise LitAlignError(f"model.loss_type {loss_type!r}: expected one of {DPO_LOSS_TYPES}")
         self.ref_model_name, self.beta, self.loss_type = ref_model, beta, loss_type
         self.share_prompt = share_prompt
-        self.ref_model: torch.nn.Module | None = None
         self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in METRICS})
 
     def configure_model(self) -> None:
         if self.policy is not None:
             return
         super().configure_model()
-        if self.ref_model_name is None:
-            ref = copy.deepcopy(self.policy)
-            if self.hparams.gradient_checkpointing:
-                ref.gradient_checkpointing_disable()
-        else:
-            ref = self.load(self.ref_model_name)
-        self.ref_model = frozen(ref)
-
-    # -- the reference is frozen, in eval mode, and never part of a checkpoint ----------------------------------------
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if self.ref_model is not None:
-            self.ref_model.eval()
-        return self
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        skip = prefix + "ref_model."
-        return OrderedDict((k, v) for k, v in state.items() if not k.startswith(skip))
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if self.ref_model is not None:  # refill the reference from itself: checkpoints do not carry it
-            state_dict = {**state_dict, **{f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()}}
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.ref_model = self.load_reference(self.ref_model_name)
 
     # -- what is computed -------------------------------------------------------------------------------------------
     def pair_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -9,7 +9,6 @@ and reference log-probs only when the loss needs them. Every step then takes its
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from lit_align.generation import HFSampler, NativeSampler
 from lit_align.losses import (
     GRPO_LOSS_TYPES, SCALE_REWARDS, nanstd, aggregate_grpo_loss, group_advantages, grpo_token_losses, token_logps,
 )
-from lit_align.modules.base import AlignModule, frozen
+from lit_align.modules.base import AlignModule
 from lit_align.rewards import import_reward, reward_name, score
 
 SAMPLERS = {"hf": HFSampler, "native": NativeSampler}
@@ -116,7 +115,6 @@ class GRPOModule(AlignModule):
         self.sampler = SAMPLERS[engine](max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
                                         top_k=top_k)
         self.greedy = SAMPLERS[engine](max_new_tokens=max_completion_length, temperature=0.0)
-        self.ref_model: torch.nn.Module | None = None
         self.round: dict[str, Any] | None = None  # the current generation round's buffer
         self.generation_rounds = 0
         self.val_metrics = torch.nn.ModuleDict(
@@ -127,24 +125,7 @@ class GRPOModule(AlignModule):
             return
         super().configure_model()
         if self.beta != 0.0:
-            ref = copy.deepcopy(self.policy) if self.ref_model_name is None else self.load(self.ref_model_name)
-            self.ref_model = frozen(ref)
-
-    # -- the reference is frozen, in eval mode, and never part of a checkpoint (as in DPOModule) ------------------
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if self.ref_model is not None:
-            self.ref_model.eval()
-        return self
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        return type(state)((k, v) for k, v in state.items() if not k.startswith(prefix + "ref_model."))
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if self.ref_model is not None:
-            state_dict = {**state_dict, **{f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()}}
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+            self.ref_model = self.load_reference(self.ref_model_name)
 
     # -- generation rounds -----------------------------------------------------------------------------------------
     def sample(self, sampler, batch: dict[str, Any], num_samples: int):
