@@ -12,15 +12,6 @@ from lit_align.modules.grpo import completion_token_logps
 PROMPTS = ["sort 1:", "sort 123456:", "sort 42:", "s"]  # different lengths: the batch is left-padded
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two cores shared with other test runs: one intra-op thread avoids oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model(tiny_path):
     return load_model("builtin:tiny").train()

@@ -79,15 +79,6 @@ class GenerationProbe(L.Callback):
         }))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two cores shared with other test runs: one intra-op thread avoids oversubscription stalls (10x here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> str:
     digits = [f"{(i * 7919) % 100000:05d}"[: 3 + i % 3] for i in range(48)]

@@ -23,15 +23,6 @@ PROMPTS = ["sort 1:", "sort 123456:", "sort 42:", "s"]  # different lengths: the
 NEG = float("-inf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two cores shared with other test runs: one intra-op thread avoids oversubscription stalls."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def left_padded(tokenizer, prompts):
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     width = max(map(len, ids))
