@@ -73,6 +73,24 @@ def tokenizer(tiny_path):
     return load_tokenizer("builtin:tiny")
 
 
+@pytest.fixture(scope="module")
+def eos_heavy_model(tiny_path, tokenizer):
+    """The tiny model with an lm_head bias towards EOS: some completions end early, others run to the cap."""
+    import torch  # not at the top: OMP_NUM_THREADS must be set (pytest_configure) before torch loads
+
+    from lit_align.models import load_model
+
+    model = load_model("builtin:tiny")
+    head = model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[tokenizer.eos_token_id] = 2.0
+    model.lm_head = biased
+    return model.train()
+
+
 @pytest.fixture
 def write_jsonl(tmp_path):
     """``write_jsonl(rows, name="rows.jsonl") -> path``: one JSON object per line, in ``tmp_path``."""

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import lightning as L
+import torch
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -44,3 +45,12 @@ class RecordBatches(L.Callback):
         (out / f"rank{trainer.global_rank}.json").write_text(json.dumps({
             "world_size": trainer.world_size, "batches": self.seen,
         }))
+
+
+def left_padded(tokenizer, prompts):
+    """Left-padded ``(prompt_ids, prompt_mask)`` of several prompt strings, as PromptDataModule collates them."""
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    width = max(map(len, ids))
+    pad = tokenizer.pad_token_id
+    return (torch.tensor([[pad] * (width - len(i)) + i for i in ids]),
+            torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]))

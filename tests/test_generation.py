@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import left_padded
 
 from lit_align.generation import HFSampler, completion_mask_from_eos
 from lit_align.models import load_model
@@ -15,28 +16,6 @@ PROMPTS = ["sort 1:", "sort 123456:", "sort 42:", "s"]  # different lengths: the
 @pytest.fixture(scope="module")
 def model(tiny_path):
     return load_model("builtin:tiny").train()
-
-
-@pytest.fixture(scope="module")
-def eos_heavy_model(tiny_path, tokenizer):
-    """The tiny model with an lm_head bias towards EOS: some completions end early, others run to the cap."""
-    model = load_model("builtin:tiny")
-    head = model.lm_head
-    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    with torch.no_grad():
-        biased.weight.copy_(head.weight)
-        biased.bias.zero_()
-        biased.bias[tokenizer.eos_token_id] = 2.0
-    model.lm_head = biased
-    return model.train()
-
-
-def left_padded(tokenizer, prompts):
-    ids = [tokenizer(p)["input_ids"] for p in prompts]
-    width = max(map(len, ids))
-    pad = tokenizer.pad_token_id
-    return (torch.tensor([[pad] * (width - len(i)) + i for i in ids]),
-            torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]))
 
 
 def test_completion_mask_from_eos_by_hand():

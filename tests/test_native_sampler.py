@@ -11,6 +11,7 @@ import math
 import lightning as L
 import pytest
 import torch
+from helpers import left_padded
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_align.data import PromptDataModule
@@ -21,14 +22,6 @@ from lit_align.modules.grpo import SAMPLERS, GRPOModule, completion_token_logps
 
 PROMPTS = ["sort 1:", "sort 123456:", "sort 42:", "s"]  # different lengths: the batch is left-padded
 NEG = float("-inf")
-
-
-def left_padded(tokenizer, prompts):
-    ids = [tokenizer(p)["input_ids"] for p in prompts]
-    width = max(map(len, ids))
-    pad = tokenizer.pad_token_id
-    return (torch.tensor([[pad] * (width - len(i)) + i for i in ids]),
-            torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]))
 
 
 def tiny_random(kind: str, vocab_size: int, attn: str = "sdpa", init: float = 0.2, **extra):
@@ -49,20 +42,6 @@ ARCHITECTURES = {
     "qwen2": lambda tok, attn: tiny_random("qwen2", len(tok), attn, num_key_value_heads=2),  # GQA, qkv bias
     "gpt_neox": lambda tok, attn: tiny_random("gpt_neox", len(tok), attn, rotary_pct=0.5),  # partial rotary
 }
-
-
-@pytest.fixture(scope="module")
-def eos_heavy_model(tiny_path, tokenizer):
-    """The tiny model with an lm_head bias towards EOS: some completions end early, others run to the cap."""
-    model = load_model("builtin:tiny")
-    head = model.lm_head
-    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    with torch.no_grad():
-        biased.weight.copy_(head.weight)
-        biased.bias.zero_()
-        biased.bias[tokenizer.eos_token_id] = 2.0
-    model.lm_head = biased
-    return model.train()
 
 
 # -- the filter, by hand -------------------------------------------------------------------------------------------
