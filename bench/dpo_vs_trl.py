@@ -33,13 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from child import run_child
 
 
 def rss_mib(field: str = "VmHWM") -> float:
@@ -170,17 +169,7 @@ def launch(engine: str, args, spec: dict) -> dict:
            "--threads", str(args.threads), "--lr", str(args.lr), "--model", args.model]
     if args.no_share_prompt:
         cmd.append("--no-share-prompt")
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-           "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"{engine} run failed (exit {proc.returncode})")
-    result = json.loads(lines[-1][len("RESULT ") :])
-    result["wall_s"] = time.perf_counter() - start
-    return result
+    return run_child(cmd, args.threads, engine)
 
 
 def main() -> None:

@@ -45,13 +45,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from child import run_child
+
 REWARD = "lit_align.rewards.sort_accuracy"
 
 
@@ -228,19 +228,7 @@ def launch(engine: str, args, spec: dict, lit_engine: str = "hf") -> dict:
            "--model", args.model, "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
            "--num-generations", str(args.num_generations), "--steps-per-generation", str(args.steps_per_generation),
            "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--lr", str(args.lr)]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1",
-           "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": str(args.threads),
-           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"{engine} run failed (exit {proc.returncode})")
-    result = json.loads(lines[-1][len("RESULT ") :])
-    result["wall_s"] = time.perf_counter() - start
-    return result
+    return run_child(cmd, args.threads, engine)
 
 
 def main() -> None:
