@@ -14,6 +14,7 @@ import torch
 from helpers import left_padded
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lit_align import generation
 from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
 from lit_align.generation import HFSampler, NativeSampler, filter_logits, sample_next
@@ -139,6 +140,23 @@ def test_sampling_logps_equal_a_fresh_forward(arch, temperature, tokenizer, eos_
     logps.sum().backward()  # the rollout's tensors are ordinary tensors (not inference-mode ones): autograd takes them
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_llama_decode_step_equals_decoding_through_the_forward(arch, tokenizer, monkeypatch):
+    """The fast decode step (Llama-like models) samples the same tokens with the same log-probs as decoding through
+    the model's forward; other architectures always decode through the forward."""
+    model = ARCHITECTURES[arch](tokenizer, "sdpa")
+    assert generation._LlamaDecodeStep.supports(model) == (arch != "gpt_neox")
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    rollouts = {}
+    for fast in (True, False):
+        monkeypatch.setattr(NativeSampler, "FAST_DECODE", fast)
+        torch.manual_seed(0)
+        rollouts[fast] = NativeSampler(max_new_tokens=10).generate(model, prompt_ids, prompt_mask, 3, **kwargs)
+    assert rollouts[True].completion_ids.tolist() == rollouts[False].completion_ids.tolist()
+    torch.testing.assert_close(rollouts[True].logps, rollouts[False].logps, atol=1e-5, rtol=0)
+
+
 def test_eos_mask_through_first_eos_pad_after_rows_ending_early(eos_heavy_model, tokenizer):
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     eos = tokenizer.eos_token_id
@@ -159,30 +177,21 @@ def test_eos_mask_through_first_eos_pad_after_rows_ending_early(eos_heavy_model,
             assert ids[length:] == [0] * (len(ids) - length)  # pad after the EOS
 
 
-def test_all_rows_ending_early_stop_the_loop_and_several_eos_ids(eos_heavy_model, tokenizer):
+def test_all_rows_ending_early_stop_the_loop_and_several_eos_ids(eos_heavy_model, tokenizer, monkeypatch):
     """Every row has ended within a few tokens: the loop stops at its next check, the result is as wide as the
     longest row. A second EOS id ends rows too."""
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
-    calls = []
-    forward = eos_heavy_model.forward
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return forward(*args, **kwargs)
-
-    eos_heavy_model.forward = counted
-    try:
-        torch.manual_seed(0)
-        never = NativeSampler(max_new_tokens=40).generate(eos_heavy_model, prompt_ids, prompt_mask, 2,
-                                                          eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
-        calls.clear()
-        everything = list(range(len(tokenizer)))  # every token ends a row: each row is one token long
-        rollout = NativeSampler(max_new_tokens=40).generate(eos_heavy_model, prompt_ids, prompt_mask, 2,
-                                                            eos_token_ids=everything, pad_token_id=0)
-    finally:
-        del eos_heavy_model.forward
+    torch.manual_seed(0)
+    never = NativeSampler(max_new_tokens=40).generate(eos_heavy_model, prompt_ids, prompt_mask, 2,
+                                                      eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
+    steps = []
+    sample_next = generation.sample_next
+    monkeypatch.setattr(generation, "sample_next", lambda *args, **kwargs: steps.append(1) or sample_next(*args, **kwargs))
+    everything = list(range(len(tokenizer)))  # every token ends a row: each row is one token long
+    rollout = NativeSampler(max_new_tokens=40).generate(eos_heavy_model, prompt_ids, prompt_mask, 2,
+                                                        eos_token_ids=everything, pad_token_id=0)
     assert rollout.completion_ids.shape == (8, 1) and rollout.completion_mask.all() and not rollout.truncated.any()
-    assert len(calls) == 1 + NativeSampler.EOS_CHECK_EVERY - 1  # the prefill, then decode steps up to the first check
+    assert len(steps) == NativeSampler.EOS_CHECK_EVERY  # tokens sampled up to the first check, then the loop stops
     assert never.completion_ids.shape[1] == never.completion_mask.sum(1).max()
 
 
