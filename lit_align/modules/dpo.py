@@ -1,8 +1,9 @@
 """DPO as a LightningModule: what is computed lives in ``training_step``; the math lives in ``lit_align.losses``.
 
 One step: a single forward of the policy over the batch's pairs (the model gets no labels and returns logits), a
-no-grad forward of the frozen reference over the same pairs, summed completion log-probs, and
-``-logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` averaged over pairs. Metrics carry TRL's names and meanings.
+no-grad forward of the frozen reference over the same pairs, per-token completion log-probs summed per sequence (or
+LD-DPO-weighted), and ``loss_type``'s loss averaged over pairs: by default ``-logsigmoid(beta * ((pi_c - ref_c) -
+(pi_r - ref_r)))``, or any of TRL's family (``lit_align.dpo_losses``). Metrics carry TRL's names and meanings.
 
 The batch is TRL's ``[chosen_1..B; rejected_1..B]`` (right-padded, ``completion_mask``). By default each pair is run as
 one sequence ``[prompt, chosen, rejected]`` instead (``share_prompt``): the rejected tokens attend to the prompt and
