@@ -182,8 +182,9 @@ def test_training_reference_frozen_checkpoint_and_resume(tmp_path, original):
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"loss_type": "dpo"}, r"model.loss_type \['dpo'\]: expected one or more of \('sigmoid', 'hinge', 'ipo', "),
-    ({"loss_type": []}, r"model.loss_type \[\]: expected one or more of"),
+    ({"loss_type": "dpo"}, r"model.loss_type 'dpo': expected one or a list of \('sigmoid', 'hinge', 'ipo', "),
+    ({"loss_type": ["sigmoid", "kto"]}, r"model.loss_type 'kto': expected one or a list of \('sigmoid', "),
+    ({"loss_type": []}, r"model.loss_type \[\]: expected one or a list of"),
     ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]},
      r"model.loss_weights \[1.0\]: expected one weight per loss_type \['sigmoid', 'sft'\]"),
     ({"f_divergence_type": "kl"}, r"model.f_divergence_type 'kl': expected one of \('reverse_kl', "),

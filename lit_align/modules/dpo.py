@@ -202,8 +202,10 @@ def check_loss_options(loss_types: list[str], loss_weights: list[float] | None, 
                        f_divergence_type: str, ld_alpha: float | None, use_weighting: bool,
                        discopop_tau: float) -> None:
     """Raise ``LitAlignError`` for a loss setting TRL would reject or that has no meaning."""
-    if not loss_types or any(name not in DPO_LOSS_TYPES for name in loss_types):
-        raise LitAlignError(f"model.loss_type {loss_types}: expected one or more of {DPO_LOSS_TYPES}")
+    unknown = [name for name in loss_types if name not in DPO_LOSS_TYPES]
+    if not loss_types or unknown:
+        given = repr(unknown[0]) if unknown else "[]"
+        raise LitAlignError(f"model.loss_type {given}: expected one or a list of {DPO_LOSS_TYPES}")
     if loss_weights is not None and len(loss_weights) != len(loss_types):
         raise LitAlignError(f"model.loss_weights {loss_weights}: expected one weight per loss_type {loss_types}")
     if f_divergence_type not in F_DIVERGENCE_TYPES:
