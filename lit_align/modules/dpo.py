@@ -257,7 +257,8 @@ class DPOModule(AlignModule):
             ``exo_pair``, ``robust``, ``discopop``, ``sft``.
         f_alpha_divergence_coef: alpha of ``alpha_divergence``.
         ld_alpha: LD-DPO: completion tokens past the shorter completion of the pair count this much (in [0, 1]) in
-            the summed log-probs of policy and reference; None: all count fully (plain DPO).
+            the summed log-probs of policy and reference (precomputed ``ref_*_logps`` columns must be weighted
+            alike); None: all count fully (plain DPO).
         use_weighting: WPO: weight each pair's loss by the policy's length-normalized probability of both
             completions (not with ``aot`` / ``aot_unpaired``, which do not keep pairs together).
         discopop_tau: the temperature of ``discopop``'s logistic/exponential blend (TRL's default 0.05).
