@@ -203,8 +203,8 @@ def test_loss_and_metrics_match_trl(setup, tmp_path, case, share_prompt):
     assert abs(theirs["rewards/margins"]) > 1e-4 and abs(theirs["rewards/chosen"]) > 1e-4
     if options:  # and the option did change the numbers (it reached both sides)
         with torch.no_grad():
-            plain = lit_metrics(lit_module(setup, share_prompt), lit_batch)
-        assert abs(plain["loss"] - ours["loss"]) > 1e-4 or abs(plain["logps/chosen"] - ours["logps/chosen"]) > 1e-4
+            default = lit_metrics(lit_module(setup, share_prompt), lit_batch)
+        assert abs(default["loss"] - ours["loss"]) > 1e-4 or abs(default["logps/chosen"] - ours["logps/chosen"]) > 1e-4
     if case in TRL_BACKWARD_FAILS:
         return
 
