@@ -85,7 +85,8 @@ def test_step0_loss_is_ln2_on_a_real_batch(original):
 
 
 def test_completion_logps_match_a_plain_forward(original):
-    """The summed completion log-probs (with logits_to_keep) equal a full forward + log_softmax by hand."""
+    """The per-token completion log-probs (with logits_to_keep), and WPO's log sum_v p(v)^2, equal a full forward +
+    log_softmax by hand."""
     from lit_align.modules.dpo import completion_logps
 
     module = DPOModule(model="builtin:tiny")
@@ -93,18 +94,22 @@ def test_completion_logps_match_a_plain_forward(original):
     dm = data(tokenizer="builtin:tiny")
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
-    logps, _ = completion_logps(module.policy, batch)
+    result = completion_logps(module.policy, batch, log_sum_sq_probs=True)
+    assert result.mask.sum(1).tolist() == batch["completion_mask"].sum(1).tolist()
     with torch.no_grad():
         logits = module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     logprobs = torch.log_softmax(logits[:, :-1].float(), -1)
-    expected = []
+    expected, expected_sum_sq, got_sum_sq = [], [], []
     for n in range(batch["input_ids"].shape[0]):
         total = 0.0
         for t in range(1, batch["input_ids"].shape[1]):
             if batch["completion_mask"][n, t]:
                 total += logprobs[n, t - 1, batch["input_ids"][n, t]].item()
+                expected_sum_sq.append(math.log((logprobs[n, t - 1].exp() ** 2).sum().item()))
         expected.append(total)
-    assert logps.tolist() == pytest.approx(expected, abs=1e-4)
+        got_sum_sq += result.log_sum_sq_probs[n][result.mask[n]].tolist()
+    assert result.tokens.sum(1).tolist() == pytest.approx(expected, abs=1e-4)
+    assert got_sum_sq == pytest.approx(expected_sum_sq, abs=1e-5)
 
 
 def test_share_prompt_gives_the_plain_batch_numbers(tmp_path, tiny_path):
@@ -176,9 +181,46 @@ def test_training_reference_frozen_checkpoint_and_resume(tmp_path, original):
     assert not same(params(resumed.policy), policy_after)
 
 
-def test_bad_loss_type():
-    with pytest.raises(LitAlignError, match=r"model.loss_type 'dpo': expected one of \('sigmoid', 'hinge', 'ipo'\)"):
-        DPOModule(loss_type="dpo")
+@pytest.mark.parametrize("options,message", [
+    ({"loss_type": "dpo"}, r"model.loss_type 'dpo': expected one or a list of \('sigmoid', 'hinge', 'ipo', "),
+    ({"loss_type": ["sigmoid", "kto"]}, r"model.loss_type 'kto': expected one or a list of \('sigmoid', "),
+    ({"loss_type": []}, r"model.loss_type \[\]: expected one or a list of"),
+    ({"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0]},
+     r"model.loss_weights \[1.0\]: expected one weight per loss_type \['sigmoid', 'sft'\]"),
+    ({"f_divergence_type": "kl"}, r"model.f_divergence_type 'kl': expected one of \('reverse_kl', "),
+    ({"loss_type": ["sigmoid", "bco_pair"], "f_divergence_type": "js_divergence"},
+     r"model.f_divergence_type 'js_divergence' with loss_type \['sigmoid', 'bco_pair'\]: expected 'reverse_kl'"),
+    ({"loss_type": "robust", "label_smoothing": 0.5}, r"model.label_smoothing 0.5: expected a value in \[0, 0.5\)"),
+    ({"loss_type": "exo_pair"}, r"model.label_smoothing 0.0: expected a value in \(0, 1\) for 'exo_pair'"),
+    ({"label_smoothing": -0.1}, r"model.label_smoothing -0.1: expected a value in \[0, 1\]"),
+    ({"ld_alpha": 1.5}, r"model.ld_alpha 1.5: expected None or a value in \[0, 1\]"),
+    ({"loss_type": "aot", "use_weighting": True}, r"model.use_weighting: not available with loss_type 'aot'"),
+    ({"discopop_tau": 0.0}, r"model.discopop_tau 0.0: expected a value > 0"),
+])
+def test_bad_loss_options(options, message):
+    with pytest.raises(LitAlignError, match=message):
+        DPOModule(**options)
+
+
+def test_loss_options_reach_the_loss(tmp_path, tiny_path):
+    """A list-valued loss_type with weights, through pair_outputs: the weighted sum of the single losses."""
+    dm = data(tokenizer="builtin:tiny", batch_size=4)
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    noisy = AutoModelForCausalLM.from_pretrained(tiny_path)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(0.01)
+    noisy.save_pretrained(tmp_path / "ref")
+    losses = {}
+    for loss_type, weights in [("sigmoid", None), ("sft", None), (["sigmoid", "sft"], [0.8, 0.2])]:
+        module = DPOModule(model="builtin:tiny", ref_model=str(tmp_path / "ref"), loss_type=loss_type,
+                           loss_weights=weights)
+        module.configure_model()
+        with torch.no_grad():
+            losses[str(loss_type)] = module.pair_outputs(batch)[0]["loss"]
+    torch.testing.assert_close(losses["['sigmoid', 'sft']"], 0.8 * losses["sigmoid"] + 0.2 * losses["sft"])
+    assert not torch.allclose(losses["sigmoid"], losses["sft"])
 
 
 def test_explicit_ref_model(tmp_path, tiny_path, original):

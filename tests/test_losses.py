@@ -1,4 +1,4 @@
-"""lit_align.losses against hand computations on small known numbers."""
+"""lit_align.losses against hand computations on small known numbers (the DPO family: test_dpo_losses.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lit_align.losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps, token_logps
+from lit_align.losses import sequence_logps, token_logps
 
 # [N=2, T=3, V=4] logits and their labels; labels at masked positions are garbage (out of vocabulary).
 LOGITS = [
@@ -68,66 +68,3 @@ def test_token_logps_bf16_close_to_fp32():
     assert (out - reference).abs().max() < 0.06
     assert not torch.equal(out, reference)  # the rounding is really there (the comparison is not vacuous)
 
-
-BETA = 0.1
-PI_C, PI_R, REF_C, REF_R = [-10.0, -3.0], [-12.0, -30.0], [-11.0, -4.0], [-11.5, -11.0]
-# log-ratios: chosen [1.0, 1.0], rejected [-0.5, -19.0]; delta [1.5, 20.0]
-
-
-def _dpo(loss_type, **kw):
-    return dpo_loss(
-        torch.tensor(PI_C), torch.tensor(PI_R), torch.tensor(REF_C), torch.tensor(REF_R),
-        beta=BETA, loss_type=loss_type, **kw,
-    )
-
-
-def test_dpo_sigmoid_loss_formula():
-    losses, chosen, rejected = _dpo("sigmoid")
-    # -log(sigmoid(beta * delta)) = log(1 + exp(-beta * delta))
-    assert losses.tolist() == pytest.approx([math.log(1 + math.exp(-0.15)), math.log(1 + math.exp(-2.0))], abs=1e-6)
-    assert chosen.tolist() == pytest.approx([0.1, 0.1], abs=1e-6)
-    assert rejected.tolist() == pytest.approx([-0.05, -1.9], abs=1e-6)
-
-
-def test_dpo_hinge_loss_formula():
-    losses, chosen, rejected = _dpo("hinge")
-    assert losses.tolist() == pytest.approx([1 - 0.15, 0.0], abs=1e-6)  # relu(1 - beta * delta)
-    assert chosen.tolist() == pytest.approx([0.1, 0.1], abs=1e-6)
-    assert rejected.tolist() == pytest.approx([-0.05, -1.9], abs=1e-6)
-
-
-def test_dpo_ipo_loss_formula():
-    losses, chosen, rejected = _dpo("ipo", chosen_lengths=torch.tensor([4, 2]), rejected_lengths=torch.tensor([2, 0]))
-    # (chosen_logratio / len_c - rejected_logratio / len_r - 1 / (2 beta))^2, a zero length counts as 1
-    expected = [(1.0 / 4 - (-0.5) / 2 - 5.0) ** 2, (1.0 / 2 - (-19.0) / 1 - 5.0) ** 2]
-    assert expected == [20.25, 210.25]
-    assert losses.tolist() == pytest.approx(expected, abs=1e-4)
-    assert chosen.tolist() == pytest.approx([0.1, 0.1], abs=1e-6)
-    assert rejected.tolist() == pytest.approx([-0.05, -1.9], abs=1e-6)
-
-
-def test_dpo_rewards_are_detached_and_gradient_matches_formula():
-    pi_c = torch.tensor(PI_C, requires_grad=True)
-    pi_r = torch.tensor(PI_R, requires_grad=True)
-    losses, chosen, rejected = dpo_loss(pi_c, pi_r, torch.tensor(REF_C), torch.tensor(REF_R), beta=BETA)
-    assert not chosen.requires_grad and not rejected.requires_grad
-    losses.sum().backward()
-    # d/d pi_c of -logsigmoid(beta * delta) = -beta * sigmoid(-beta * delta); d/d pi_r is its negative
-    sig = [1 / (1 + math.exp(0.15)), 1 / (1 + math.exp(2.0))]
-    assert pi_c.grad.tolist() == pytest.approx([-BETA * s for s in sig], abs=1e-6)
-    assert pi_r.grad.tolist() == pytest.approx([BETA * s for s in sig], abs=1e-6)
-
-
-def test_dpo_loss_at_identical_policy_and_reference_is_ln2():
-    x = torch.tensor([-5.0, -17.25])
-    losses, chosen, rejected = dpo_loss(x, x - 1, x, x - 1, beta=0.3)
-    assert losses.tolist() == [torch.tensor(math.log(2)).item()] * 2
-    assert chosen.tolist() == [0.0, 0.0] and rejected.tolist() == [0.0, 0.0]
-
-
-def test_dpo_loss_rejects_bad_arguments():
-    assert DPO_LOSS_TYPES == ("sigmoid", "hinge", "ipo")
-    with pytest.raises(ValueError, match="unknown DPO loss_type 'kto'"):
-        _dpo("kto")
-    with pytest.raises(ValueError, match="needs chosen_lengths"):
-        _dpo("ipo")

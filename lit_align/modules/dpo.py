@@ -1,8 +1,9 @@
 """DPO as a LightningModule: what is computed lives in ``training_step``; the math lives in ``lit_align.losses``.
 
 One step: a single forward of the policy over the batch's pairs (the model gets no labels and returns logits), a
-no-grad forward of the frozen reference over the same pairs, summed completion log-probs, and
-``-logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` averaged over pairs. Metrics carry TRL's names and meanings.
+no-grad forward of the frozen reference over the same pairs, per-token completion log-probs summed per sequence (or
+LD-DPO-weighted), and ``loss_type``'s loss averaged over pairs: by default ``-logsigmoid(beta * ((pi_c - ref_c) -
+(pi_r - ref_r)))``, or any of TRL's family (``lit_align.dpo_losses``). Metrics carry TRL's names and meanings.
 
 The batch is TRL's ``[chosen_1..B; rejected_1..B]`` (right-padded, ``completion_mask``). By default each pair is run as
 one sequence ``[prompt, chosen, rejected]`` instead (``share_prompt``): the rejected tokens attend to the prompt and
@@ -14,12 +15,22 @@ through the network once per pair instead of twice.
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import torch
 from torchmetrics import MeanMetric
 
 from lit_align.errors import LitAlignError
-from lit_align.losses import DPO_LOSS_TYPES, dpo_loss, sequence_logps
+from lit_align.dpo_losses import (
+    DPO_LOSS_TYPES,
+    F_DIVERGENCE_LOSS_TYPES,
+    F_DIVERGENCE_TYPES,
+    dpo_loss,
+    ld_sequence_logps,
+    sft_nll,
+    wpo_weights,
+)
+from lit_align.losses import token_logps
 from lit_align.modules.base import AlignModule
 
 METRICS = (
@@ -28,8 +39,18 @@ METRICS = (
 )
 
 
-def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward over a right-padded batch: ``(summed completion log-probs [N], mean logit per sequence [N])``.
+class CompletionLogps(NamedTuple):
+    """Per-token results of one forward, rows ``[chosen_1..B; rejected_1..B]`` (``[2B, T]``, any ``T``)."""
+
+    tokens: torch.Tensor  # log-prob of each completion token (fp32, 0 where ``mask`` is 0)
+    mask: torch.Tensor  # bool: which positions are this row's completion tokens, in order
+    logit_sums: torch.Tensor  # [2B] sum over completion tokens of the mean logit (no gradient)
+    log_sum_sq_probs: torch.Tensor | None = None  # log sum_v p(v)^2 per token (WPO; no gradient), when asked
+
+
+def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
+                     log_sum_sq_probs: bool = False) -> CompletionLogps:
+    """One forward over a right-padded batch: per-token completion log-probs (see ``CompletionLogps``).
 
     Only positions that predict a completion token need logits: with ``logits_to_keep`` the LM head skips the
     prompt prefix shared by the batch (a large saving with real vocabularies).
@@ -43,11 +64,12 @@ def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
         logits = model(**kwargs, logits_to_keep=input_ids.shape[1] - start + 1).logits[:, :-1]
     else:
         logits = model(**kwargs).logits[:, start - 1 : -1]
-    labels, mask = input_ids[:, start:], completion_mask[:, start:]
-    logps = sequence_logps(logits, labels, mask)
+    labels, mask = input_ids[:, start:], completion_mask[:, start:].bool()
+    tokens = token_logps(logits, labels.masked_fill(~mask, 0)).masked_fill(~mask, 0)
     with torch.no_grad():
-        mean_logits = (logits.mean(-1).float() * mask).sum(-1)
-    return logps, mean_logits
+        logit_sums = (logits.mean(-1).float() * mask).sum(-1)
+        sum_sq = _log_sum_sq_probs(logits) if log_sum_sq_probs else None
+    return CompletionLogps(tokens, mask, logit_sums, sum_sq)
 
 
 # Architectures whose forward honours a custom 4D attention mask and explicit ``position_ids`` with their usual meaning
@@ -128,9 +150,10 @@ def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     }
 
 
-def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``completion_logps`` over the rows of ``shared_prompt_layout``: ``(summed log-probs [2B], summed mean logit
-    [2B])``, ordered ``[chosen_1..B; rejected_1..B]`` like the batch it was made from."""
+def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor],
+                        log_sum_sq_probs: bool = False) -> CompletionLogps:
+    """``completion_logps`` over the rows of ``shared_prompt_layout``, ordered ``[chosen_1..B; rejected_1..B]`` like
+    the batch it was made from (each pair's row appears twice, once under its chosen mask, once under its rejected)."""
     input_ids, first = layout["input_ids"], layout["first"]
     dtype = next(model.parameters()).dtype
     mask = layout["allowed"]
@@ -148,11 +171,12 @@ def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor])
     picked = logits[rows, source, labels].float()
     tokens = picked - _logsumexp(logits).gather(1, source)
     chosen, rejected = layout["chosen"][:, first:], layout["rejected"][:, first:]
-    logps = torch.cat([tokens.masked_fill(~chosen, 0).sum(1), tokens.masked_fill(~rejected, 0).sum(1)])
+    masks = torch.cat([chosen, rejected])
+    tokens = tokens.repeat(2, 1).masked_fill(~masks, 0)
     with torch.no_grad():
-        token_means = logits.mean(-1).float().gather(1, source)
-        mean_logits = torch.cat([(token_means * chosen).sum(1), (token_means * rejected).sum(1)])
-    return logps, mean_logits
+        token_means = logits.mean(-1).float().gather(1, source).repeat(2, 1)
+        sum_sq = _log_sum_sq_probs(logits).gather(1, source).repeat(2, 1) if log_sum_sq_probs else None
+    return CompletionLogps(tokens, masks, (token_means * masks).sum(1), sum_sq)
 
 
 def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
@@ -162,11 +186,47 @@ def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])
 
 
+def _log_sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:
+    """``log sum_v p(v)^2`` per position (WPO's normalizer): ``[N, T, V] -> [N, T]``, fp32."""
+    return _logsumexp(2 * logits) - 2 * _logsumexp(logits)
+
+
 def _use_shared_prompt(model: torch.nn.Module, layout: dict[str, torch.Tensor] | None) -> bool:
     if layout is None or not supports_shared_prompt(model):
         return False
     window = getattr(model.config, "sliding_window", None)  # a custom mask replaces the sliding-window mask
     return not window or layout["window"] <= window
+
+
+def check_loss_options(loss_types: list[str], loss_weights: list[float] | None, label_smoothing: float,
+                       f_divergence_type: str, ld_alpha: float | None, use_weighting: bool,
+                       discopop_tau: float) -> None:
+    """Raise ``LitAlignError`` for a loss setting TRL would reject or that has no meaning."""
+    unknown = [name for name in loss_types if name not in DPO_LOSS_TYPES]
+    if not loss_types or unknown:
+        given = repr(unknown[0]) if unknown else "[]"
+        raise LitAlignError(f"model.loss_type {given}: expected one or a list of {DPO_LOSS_TYPES}")
+    if loss_weights is not None and len(loss_weights) != len(loss_types):
+        raise LitAlignError(f"model.loss_weights {loss_weights}: expected one weight per loss_type {loss_types}")
+    if f_divergence_type not in F_DIVERGENCE_TYPES:
+        raise LitAlignError(f"model.f_divergence_type {f_divergence_type!r}: expected one of {F_DIVERGENCE_TYPES}")
+    if f_divergence_type != "reverse_kl" and not set(loss_types) <= set(F_DIVERGENCE_LOSS_TYPES):
+        raise LitAlignError(f"model.f_divergence_type {f_divergence_type!r} with loss_type {loss_types}: expected "
+                            f"'reverse_kl', or only loss types from {F_DIVERGENCE_LOSS_TYPES}")
+    if "robust" in loss_types and not 0 <= label_smoothing < 0.5:
+        raise LitAlignError(f"model.label_smoothing {label_smoothing}: expected a value in [0, 0.5) for 'robust'")
+    if "exo_pair" in loss_types and not 0 < label_smoothing < 1:
+        raise LitAlignError(f"model.label_smoothing {label_smoothing}: expected a value in (0, 1) for 'exo_pair' "
+                            "(the EXO paper suggests 1e-3)")
+    if not 0 <= label_smoothing <= 1:
+        raise LitAlignError(f"model.label_smoothing {label_smoothing}: expected a value in [0, 1]")
+    if ld_alpha is not None and not 0 <= ld_alpha <= 1:
+        raise LitAlignError(f"model.ld_alpha {ld_alpha}: expected None or a value in [0, 1]")
+    if use_weighting and {"aot", "aot_unpaired"} & set(loss_types):
+        raise LitAlignError("model.use_weighting: not available with loss_type 'aot' or 'aot_unpaired' "
+                            "(they sort the batch, so per-pair weights would not match their pairs)")
+    if not discopop_tau > 0:
+        raise LitAlignError(f"model.discopop_tau {discopop_tau}: expected a value > 0")
 
 
 def _mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -185,19 +245,44 @@ class DPOModule(AlignModule):
 
     Args:
         ref_model: the reference: a model name/path, or None for a frozen copy of the policy at step 0 (TRL's default).
-        beta: the DPO temperature (TRL's default 0.1); higher keeps the policy closer to the reference.
-        loss_type: ``sigmoid`` (DPO), ``hinge`` or ``ipo``.
+        beta: the DPO temperature (TRL's default 0.1); higher keeps the policy closer to the reference (IPO's tau).
+        loss_type: one of TRL's loss types, or a list of them summed with ``loss_weights``: ``sigmoid`` (DPO),
+            ``hinge``, ``ipo``, ``exo_pair``, ``nca_pair``, ``robust``, ``bco_pair``, ``sppo_hard``, ``aot``,
+            ``aot_unpaired``, ``apo_zero``, ``apo_down``, ``discopop``, ``sft``, ``sigmoid_norm``.
+        loss_weights: one weight per entry of ``loss_type`` (default: 1.0 each), e.g. ``[0.8, 0.2, 1.0]`` for MPO.
+        label_smoothing: for ``robust`` the probability that a label is flipped, in [0, 0.5); for ``exo_pair`` its
+            epsilon, > 0 (the paper suggests 1e-3); for ``aot`` / ``aot_unpaired`` the smoothing of their sigmoid loss.
+        f_divergence_type: the f-DPO regularizer: ``reverse_kl`` (DPO), ``forward_kl``, ``js_divergence``,
+            ``alpha_divergence``; non-default only with ``sigmoid``, ``sigmoid_norm``, ``hinge``, ``ipo``,
+            ``exo_pair``, ``robust``, ``discopop``, ``sft``.
+        f_alpha_divergence_coef: alpha of ``alpha_divergence``.
+        ld_alpha: LD-DPO: completion tokens past the shorter completion of the pair count this much (in [0, 1]) in
+            the summed log-probs of policy and reference (precomputed ``ref_*_logps`` columns must be weighted
+            alike); None: all count fully (plain DPO).
+        use_weighting: WPO: weight each pair's loss by the policy's length-normalized probability of both
+            completions (not with ``aot`` / ``aot_unpaired``, which do not keep pairs together).
+        discopop_tau: the temperature of ``discopop``'s logistic/exponential blend (TRL's default 0.05).
         share_prompt: run each pair as one sequence ``[prompt, chosen, rejected]`` so the prompt is computed once,
             not twice (same log-probs up to float rounding). Used where the architecture supports it (Llama, Mistral,
             Qwen, Gemma, Phi-3, ... with ``sdpa`` or ``eager`` attention); elsewhere the plain batch runs.
     """
 
     def __init__(self, model: str = "builtin:tiny", ref_model: str | None = None, beta: float = 0.1,
-                 loss_type: str = "sigmoid", share_prompt: bool = True, **kwargs):
+                 loss_type: str | list[str] = "sigmoid", loss_weights: list[float] | None = None,
+                 label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
+                 f_alpha_divergence_coef: float = 0.5, ld_alpha: float | None = None, use_weighting: bool = False,
+                 discopop_tau: float = 0.05, share_prompt: bool = True, **kwargs):
         super().__init__(model=model, **kwargs)
-        if loss_type not in DPO_LOSS_TYPES:
-            raise LitAlignError(f"model.loss_type {loss_type!r}: expected one of {DPO_LOSS_TYPES}")
-        self.ref_model_name, self.beta, self.loss_type = ref_model, beta, loss_type
+        self.loss_types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+        check_loss_options(self.loss_types, loss_weights, label_smoothing, f_divergence_type, ld_alpha,
+                           use_weighting, discopop_tau)
+        self.ref_model_name, self.beta = ref_model, beta
+        self.loss_options = {
+            "loss_type": self.loss_types, "loss_weights": loss_weights, "label_smoothing": label_smoothing,
+            "f_divergence_type": f_divergence_type, "f_alpha_divergence_coef": f_alpha_divergence_coef,
+            "discopop_tau": discopop_tau,
+        }
+        self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
         self.share_prompt = share_prompt
         self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in METRICS})
 
@@ -213,24 +298,30 @@ class DPOModule(AlignModule):
         of the token-level ones (``logits/*`` average over completion tokens, as TRL does)."""
         layout = shared_prompt_layout(batch) if self.share_prompt and supports_shared_prompt(self.policy) else None
 
-        def logps_of(model):
+        def logps_of(model, **kwargs):
             if _use_shared_prompt(model, layout):
-                return shared_prompt_logps(model, layout)
-            return completion_logps(model, batch)
+                return shared_prompt_logps(model, layout, **kwargs)
+            return completion_logps(model, batch, **kwargs)
 
-        logps, mean_logits = logps_of(self.policy)
+        policy = logps_of(self.policy, log_sum_sq_probs=self.use_weighting)
+        chosen, rejected = ld_sequence_logps(policy.tokens, policy.mask, self.ld_alpha).chunk(2)
         if "ref_chosen_logps" in batch:  # precomputed reference log-probs
             ref_chosen, ref_rejected = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
         else:
             with torch.no_grad():
-                ref_chosen, ref_rejected = logps_of(self.ref_model)[0].chunk(2)
-        chosen, rejected = logps.chunk(2)
+                ref = logps_of(self.ref_model)
+                ref_chosen, ref_rejected = ld_sequence_logps(ref.tokens, ref.mask, self.ld_alpha).chunk(2)
         lengths = batch["completion_mask"].sum(1)
+        pair_weights = None
+        if self.use_weighting:
+            pair_weights = wpo_weights(policy.tokens, policy.log_sum_sq_probs, policy.mask)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            chosen, rejected, ref_chosen, ref_rejected, beta=self.beta, loss_type=self.loss_type,
+            chosen, rejected, ref_chosen, ref_rejected, beta=self.beta, **self.loss_options,
             chosen_lengths=lengths.chunk(2)[0], rejected_lengths=lengths.chunk(2)[1],
+            sft_nll=sft_nll(policy.tokens, policy.mask) if "sft" in self.loss_types else None,
+            pair_weights=pair_weights,
         )
-        token_logits = mean_logits / lengths.clamp(min=1)
+        token_logits = policy.logit_sums / lengths.clamp(min=1)
         return {
             "loss": losses,
             "rewards/chosen": chosen_rewards,
