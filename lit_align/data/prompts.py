@@ -22,18 +22,24 @@ generated and scored on that rank, so group statistics never cross ranks. The sa
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lit_align.data.base import AlignDataModule
+from lit_align.data.base import AlignDataModule, ResumableLoader
 from lit_align.data.preference import ROLES
 from lit_align.errors import LitAlignError
 
 
 class RoundSampler(DistributedSampler):
-    """Yields ``(index, round_pos)``: each round's prompts, ``repeats`` times; rounds drawn without replacement."""
+    """Yields ``(index, round_pos)``: each round's prompts, ``repeats`` times; rounds drawn without replacement.
+
+    ``skip``: the next iteration starts that many yields in (set by ``ResumableLoader`` on a mid-epoch resume).
+    """
+
+    skip = 0
 
     def __init__(self, dataset, prompts_per_round: int, repeats: int, num_replicas: int = 1, rank: int = 0,
                  shuffle: bool = True, seed: int = 0):
@@ -42,6 +48,10 @@ class RoundSampler(DistributedSampler):
         self.num_rounds = len(dataset) // (prompts_per_round * num_replicas)
 
     def __iter__(self):
+        skip, self.skip = self.skip, 0
+        return itertools.islice(self._yields(), skip, None)
+
+    def _yields(self):
         n = len(self.dataset)
         if self.shuffle:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
@@ -164,5 +174,5 @@ class PromptDataModule(AlignDataModule):
                 f"{self.path}: {len(self.train_data)} prompts, but one generation round needs "
                 f"{self.prompts_per_round * world} (batch_size * steps_per_generation / num_generations * devices)"
             )
-        return DataLoader(_RoundItems(self.train_data), batch_size=self.prompts_per_round, sampler=sampler,
-                          collate_fn=self.collate, num_workers=self.num_workers)
+        return ResumableLoader(_RoundItems(self.train_data), batch_size=self.prompts_per_round, sampler=sampler,
+                               collate_fn=self.collate, num_workers=self.num_workers, trainer=trainer)
