@@ -111,7 +111,7 @@ def test_all_formats_through_a_file(write_jsonl):
         dm.setup("fit")
         row = dm.train_data[0]
         assert (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]) == expected
-        assert set(dm.train_data.column_names) == {"prompt_ids", "chosen_ids", "rejected_ids"}
+        assert set(dm.train_data.column_names) == {"prompt_ids", "chosen_ids", "rejected_ids", "row"}
 
 
 def test_csv_keeps_digit_strings(tmp_path):

@@ -76,7 +76,7 @@ class _RoundItems(Dataset):
 
     def __getitem__(self, key):
         index, pos = key if isinstance(key, tuple) else (key, 0)
-        return {**self.data[index], "round_pos": pos}
+        return {**self.data[index], "round_pos": pos, "row": index}
 
 
 def check_prompt(prompt: Any, where: str) -> bool:
@@ -147,18 +147,20 @@ class PromptDataModule(AlignDataModule):
         return rows.map(tokenize, with_indices=True, desc=f"Tokenizing {source}")
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Left-padded ``prompt_ids``/``prompt_mask``, the raw ``prompts``, extra ``columns`` and the ``round_pos``."""
+        """Left-padded ``prompt_ids``/``prompt_mask``, the raw ``prompts``, extra ``columns``, the ``round_pos`` and the
+        prompts' dataset ``rows`` (training only)."""
         width = max(len(r["prompt_ids"]) for r in rows)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in rows])
         mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in rows])
-        skip = {"prompt", "prompt_ids", "round_pos"}
+        skip = {"prompt", "prompt_ids", "round_pos", "row"}
         return {
             "prompt_ids": ids,
             "prompt_mask": mask,
             "prompts": [r["prompt"] for r in rows],
             "columns": {k: [r[k] for r in rows] for k in rows[0] if k not in skip},
             "round_pos": rows[0].get("round_pos", 0),
+            "rows": [r["row"] for r in rows] if "row" in rows[0] else None,  # dataset indices (numeric guard)
             "num_generations": self.num_generations,
             "steps_per_generation": self.steps_per_generation,
             "num_iterations": self.num_iterations,

@@ -216,9 +216,11 @@ class GRPOModule(AlignModule):
         self.generation_seed = torch.initial_seed()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint["lit_align_grpo"] = {"round": self.round, "generation_rounds": self.generation_rounds}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("lit_align_grpo", {})
         self.generation_rounds = state.get("generation_rounds", 0)
         self.round = state.get("round")
@@ -248,6 +250,11 @@ class GRPOModule(AlignModule):
         token_losses, info = grpo_token_losses(logps, take("old_logps"), take("advantages"), self.epsilon,
                                                self.epsilon_high, take("ref_logps"), self.beta)
         loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length, r["num_tokens"])
+        prompt_rows = batch.get("rows")  # dataset index of each prompt; completion i of the round is of prompt i // G
+        dataset_rows = None if prompt_rows is None else [prompt_rows[i // batch["num_generations"]] for i in rows.tolist()]
+        loss = self.guard_loss(loss, (token_losses * mask).sum(1), batch_idx, dataset_rows)
+        if loss is None:  # skipped (on_nonfinite_loss: skip)
+            return None
 
         denominator = mask.sum().clamp(min=1)
         masked_mean = lambda x: (x * mask).sum() / denominator  # noqa: E731
