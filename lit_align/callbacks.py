@@ -117,8 +117,9 @@ class SigtermCheckpoint(L.Callback):
         if (not isinstance(exception, SIGTERMException) or checkpoint is None or trainer.state.fn != TrainerFn.FITTING
                 or trainer.sanity_checking):
             return
-        directory = Path(checkpoint.dirpath) if getattr(checkpoint, "dirpath", None) else run_dir(trainer) / "checkpoints"
-        path = directory / "last.ckpt"
+        directory = getattr(checkpoint, "dirpath", None) or run_dir(trainer) / "checkpoints"
+        path = Path(directory) / "last.ckpt"
         trainer.save_checkpoint(path)
         self.saved_to = path
-        rank_zero_info(f"lit_align: SIGTERM at step {trainer.global_step}: saved {path} (resume with --ckpt_path {path})")
+        rank_zero_info(f"lit_align: SIGTERM at step {trainer.global_step}: saved {path} "
+                       f"(resume with --ckpt_path {path})")

@@ -29,7 +29,7 @@ class AlignCLI(LightningCLI):
         parser.add_lightning_class_args(HFExport, "export")
 
     def instantiate_trainer(self, **kwargs):
-        """The trainer, plus crash safety: atomic checkpoint writes and a checkpoint on SIGTERM (README: Reliability)."""
+        """The trainer, plus crash safety: atomic checkpoint writes, a checkpoint on SIGTERM (README: Reliability)."""
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # keep any other CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()

@@ -283,7 +283,7 @@ def test_mixed_standard_and_conversational_rows(write_jsonl):
 def test_unreadable_file(tmp_path):
     path = tmp_path / "garbage.jsonl"
     path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x00binary")
-    assert error_of(path).startswith("FILE: could not read as json: ")
+    assert error_of(path) == "FILE line 1: not valid UTF-8 (byte 0x89); save the file as UTF-8"
     path = tmp_path / "broken.jsonl"
     path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": \n')
     assert error_of(path).startswith("FILE: could not read as json: ")

@@ -175,8 +175,7 @@ class AlignDataModule(L.LightningDataModule):
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         # seeded per epoch (not the global RNG), so a resumed run replays the same order (same as Lightning's own
         # DistributedSampler under DDP, but honouring ``shuffle: false`` there too)
-        sampler = SkippingSampler(self.train_data, num_replicas=world, rank=rank, shuffle=self.shuffle,
-                                     seed=self.seed)
+        sampler = SkippingSampler(self.train_data, num_replicas=world, rank=rank, shuffle=self.shuffle, seed=self.seed)
         return ResumableLoader(self.train_data, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate,
                                num_workers=self.num_workers, drop_last=False, trainer=trainer)
 

@@ -216,14 +216,22 @@ class GRPOModule(AlignModule):
         self.generation_seed = torch.initial_seed()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Every rank's round (each generated from its own prompts): gathered, as only rank 0 writes the file."""
         super().on_save_checkpoint(checkpoint)
-        checkpoint["lit_align_grpo"] = {"round": self.round, "generation_rounds": self.generation_rounds}
+        rounds = [apply_to_collection(self.round, torch.Tensor, lambda t: t.cpu())]
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.trainer.world_size > 1:
+            rounds = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(rounds, apply_to_collection(self.round, torch.Tensor, lambda t: t.cpu()))
+        checkpoint["lit_align_grpo"] = {"rounds": rounds, "generation_rounds": self.generation_rounds}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("lit_align_grpo", {})
         self.generation_rounds = state.get("generation_rounds", 0)
-        self.round = state.get("round")
+        rounds = state.get("rounds", [])
+        # another world size: the round is regenerated (the resume is then not exact mid-round)
+        world, rank = (self._trainer.world_size, self._trainer.global_rank) if self._trainer is not None else (1, 0)
+        self.round = rounds[rank] if len(rounds) == world else None
 
     def on_train_start(self) -> None:
         if self.round is not None:  # restored from a checkpoint (on the CPU)
@@ -251,7 +259,8 @@ class GRPOModule(AlignModule):
                                                self.epsilon_high, take("ref_logps"), self.beta)
         loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length, r["num_tokens"])
         prompt_rows = batch.get("rows")  # dataset index of each prompt; completion i of the round is of prompt i // G
-        dataset_rows = None if prompt_rows is None else [prompt_rows[i // batch["num_generations"]] for i in rows.tolist()]
+        group = batch["num_generations"]
+        dataset_rows = None if prompt_rows is None else [prompt_rows[i // group] for i in rows.tolist()]
         loss = self.guard_loss(loss, (token_losses * mask).sum(1), batch_idx, dataset_rows)
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
