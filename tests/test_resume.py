@@ -7,15 +7,22 @@ completions). Two runs of one seeded config give one loss trajectory.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from helpers import read_metrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_align.data import PreferenceDataModule, PromptDataModule
 from lit_align.modules import DPOModule, GRPOModule
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 
 
 class Losses(L.Callback):
@@ -128,3 +135,39 @@ def test_grpo_resume_mid_round_is_exact(tmp_path, prompts_file, tiny_path):
     assert resumed.firsts == {s: full.firsts[s] for s in resumed.firsts}
     assert resumed.by_step == {s: full.by_step[s] for s in resumed.by_step}
     assert_same_weights(resumed_weights, full_weights)
+
+
+@pytest.mark.slow
+def test_grpo_ddp_resume_mid_round_is_exact(tmp_path, prompts_file, lit_align_cache, tiny_path):
+    """2 processes: each rank's round (from its own prompts) comes back from the checkpoint rank 0 wrote."""
+    def cmd(root: Path, *extra: str) -> list[str]:
+        return [
+            sys.executable, "-m", "lit_align", "fit", "-c", str(REPO / "configs" / "grpo.yaml"),
+            "--seed_everything", "0", "--model.init_args.model", "builtin:tiny",
+            "--model.init_args.reward_funcs", json.dumps(GRPO_MODEL["reward_funcs"]),
+            "--model.init_args.max_completion_length", "4", "--model.init_args.learning_rate", "1e-3",
+            "--data.init_args.path", prompts_file, "--data.init_args.val_split", "null",
+            "--data.init_args.batch_size", "2", "--data.init_args.num_generations", "2",
+            "--data.init_args.steps_per_generation", "3",
+            "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2",
+            "--trainer.max_steps", "5", "--trainer.val_check_interval", "1.0", "--trainer.log_every_n_steps", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(root),
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            "--trainer.callbacks.dirpath", str(root / "ckpt"), "--trainer.callbacks.filename", "{step}",
+            "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_top_k", "-1",
+            "--export.enabled", "false", *extra,
+        ]
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "LIT_ALIGN_CACHE": str(lit_align_cache)}
+
+    def run(args):
+        proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    run(cmd(tmp_path))  # rounds of 3 steps: the step-2 checkpoint is mid-round
+    run(cmd(tmp_path, "--ckpt_path", str(tmp_path / "ckpt" / "step=2.ckpt")))
+    runs = [{int(r["step"]): r["train/loss"] for r in read_metrics(p) if "train/loss" in r}
+            for p in sorted((tmp_path / "grpo").glob("version_*/metrics.csv"))]
+    assert sorted(runs[0]) == list(range(5)) and sorted(runs[1]) == [2, 3, 4]
+    assert runs[1] == {s: runs[0][s] for s in runs[1]}
