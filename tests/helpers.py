@@ -104,3 +104,16 @@ class HangInCheckpointWrite(L.Callback):
             time.sleep(600)
 
         torch.save = hanging_save
+
+
+def write_sort_rows(path: Path, n: int, kind: str) -> str:
+    """``n`` sort-task rows as JSONL at ``path``: ``kind`` ``prompts`` (prompt, answer) or ``pairs`` (prompt, chosen,
+    rejected); digit strings of 3-5 characters, distinct and in no order."""
+    digits = [f"{(i * 7919) % 100000:05d}"[: 3 + i % 3] for i in range(n)]
+    if kind == "prompts":
+        rows = [{"prompt": f"sort {d}:", "answer": "".join(sorted(d))} for d in digits]
+    else:
+        rows = [{"prompt": f"sort {d}:", "chosen": " " + "".join(sorted(d)), "rejected": " " + d[::-1] + "0"}
+                for d in digits]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)

@@ -7,12 +7,11 @@ The README's "Reliability" section and the issue's closing note list each input 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from lit_align.cli import main
+from test_cli import run_main
 
 TESTS = Path(__file__).resolve().parent
 BAD = TESTS / "data" / "bad"
@@ -82,18 +81,6 @@ USAGE_CASES = [
 ]
 
 
-def run_main(args: list[str], capfd) -> tuple[int, str]:
-    argv, sys.argv = sys.argv, ["lit-align"]
-    code = 0
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        sys.argv = argv
-    return code, capfd.readouterr().err
-
-
 @pytest.fixture
 def earlier_run(tmp_path) -> Path:
     """A previous run's files, which a failing run must leave alone."""
@@ -106,7 +93,7 @@ def earlier_run(tmp_path) -> Path:
 @pytest.mark.parametrize("name,args,expected", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_clear_error(name, args, expected, earlier_run, capfd, monkeypatch, tiny_path):
     monkeypatch.syspath_prepend(str(BAD))  # bad_rewards
-    code, err = run_main([*args, "--trainer.logger.init_args.save_dir", str(earlier_run)], capfd)
+    code, _, err = run_main([*args, "--trainer.logger.init_args.save_dir", str(earlier_run)], capfd)
     assert code == 2, err
     assert "Traceback" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
@@ -129,14 +116,14 @@ NEEDLES = {
 
 @pytest.mark.parametrize("name,args,needle", USAGE_CASES, ids=[c[0] for c in USAGE_CASES])
 def test_config_mistake_is_a_usage_error(name, args, needle, capfd):
-    code, err = run_main(args, capfd)
+    code, _, err = run_main(args, capfd)
     assert code == 2 and "Traceback" not in err, err
     assert needle in err
 
 
 def test_tokenizer_without_a_pad_token_uses_eos(tmp_path, capfd, tiny_path):
     """Not an error: like TRL, the EOS token pads."""
-    code, err = run_main(dpo("builtin:sort", "--data.init_args.tokenizer", str(BAD / "tokenizer_no_pad"),
+    code, _, err = run_main(dpo("builtin:sort", "--data.init_args.tokenizer", str(BAD / "tokenizer_no_pad"),
                              "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing",
                              "false", "--export.enabled", "false", "--trainer.default_root_dir", str(tmp_path)), capfd)
     assert code == 0, err

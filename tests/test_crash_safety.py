@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics
+from helpers import read_metrics, write_sort_rows
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lit_align.checkpoint_io import AtomicCheckpointIO
@@ -33,12 +32,7 @@ DPO = str(TESTS.parent / "configs" / "dpo.yaml")
 
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory) -> str:
-    digits = [f"{(i * 7919) % 100000:05d}"[: 3 + i % 3] for i in range(40)]
-    rows = [{"prompt": f"sort {d}:", "chosen": " " + "".join(sorted(d)), "rejected": " " + d[::-1] + "0"}
-            for d in digits]
-    path = tmp_path_factory.mktemp("crash_pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return write_sort_rows(tmp_path_factory.mktemp("crash_pairs") / "pairs.jsonl", 40, "pairs")
 
 
 def fit_args(pairs: str, root: Path, max_steps: int, *extra: str, every: int = 1) -> list[str]:

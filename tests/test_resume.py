@@ -15,7 +15,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import read_metrics
+from helpers import read_metrics, write_sort_rows
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_align.data import PreferenceDataModule, PromptDataModule
@@ -67,21 +67,12 @@ def assert_same_weights(a, b):
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory) -> str:
     """18 pairs: with batch_size 4, 5 batches per epoch (the last one short)."""
-    digits = [f"{(i * 7919) % 100000:05d}"[: 3 + i % 3] for i in range(18)]
-    rows = [{"prompt": f"sort {d}:", "chosen": " " + "".join(sorted(d)), "rejected": " " + d[::-1] + "0"}
-            for d in digits]
-    path = tmp_path_factory.mktemp("resume_pairs") / "pairs.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return write_sort_rows(tmp_path_factory.mktemp("resume_pairs") / "pairs.jsonl", 18, "pairs")
 
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> str:
-    digits = [f"{(i * 7919) % 100000:05d}"[: 3 + i % 3] for i in range(24)]
-    rows = [{"prompt": f"sort {d}:", "answer": "".join(sorted(d))} for d in digits]
-    path = tmp_path_factory.mktemp("resume_prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return write_sort_rows(tmp_path_factory.mktemp("resume_prompts") / "prompts.jsonl", 24, "prompts")
 
 
 DPO_DATA = {"batch_size": 4, "max_length": 32}
