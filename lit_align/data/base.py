@@ -33,6 +33,8 @@ class ResumableLoader(DataLoader):
         if self.trainer is None:
             return {"epoch": 0, "batches": 0}
         done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if done >= self.trainer.num_training_batches:  # the epoch is over (``limit_train_batches`` counts too)
+            return {"epoch": self.trainer.current_epoch + 1, "batches": 0}
         return {"epoch": self.trainer.current_epoch, "batches": done}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
