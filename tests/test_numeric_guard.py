@@ -84,3 +84,38 @@ def test_grpo_names_the_completions_prompts_dataset_rows(tmp_path, tiny_path, mo
     with pytest.raises(LitAlignError, match=r"at step 0, batch 0, rows \[1\] \(dataset rows \[\d\]\)"):
         trainer.fit(module, dm)
     assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+class NanGradient(L.Callback):
+    """From step ``step`` on, the LM head's gradient is NaN (the loss stays finite)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_start(self, trainer, pl_module):
+        weight = pl_module.policy.lm_head.weight
+        weight.register_hook(lambda g: g * math.nan if trainer.global_step >= self.step else g)
+
+
+def fit_sort(module, callbacks, max_steps=3):
+    dm = PreferenceDataModule(path="builtin:sort", val_split=None, batch_size=4, shuffle=False, max_length=32)
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks)
+    trainer.fit(module, dm)
+    return trainer
+
+
+def test_nonfinite_gradients_stop_before_the_update(tiny_path):
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3)
+    # the tiny model ties its LM head to the embeddings: the parameter's name is the embeddings'
+    with pytest.raises(LitAlignError, match=r"^non-finite gradients at step 1 \(policy\.model\.embed_tokens\.weight\); "):
+        fit_sort(module, [NanGradient(step=1)])
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+def test_nonfinite_gradients_skip(tiny_path):
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3, on_nonfinite_loss="skip")
+    with pytest.warns(UserWarning, match=r"non-finite gradients at step 1 .*update skipped \(1 so far\)"):
+        trainer = fit_sort(module, [NanGradient(step=1)])
+    assert trainer.global_step == 3 and module.skipped_batches == 2
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())

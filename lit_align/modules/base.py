@@ -47,9 +47,9 @@ class AlignModule(L.LightningModule):
         warmup_ratio: fraction of the run's optimizer steps spent warming up (used when ``warmup_steps`` is 0).
         warmup_steps: optimizer steps of linear warmup.
         on_nonfinite_loss: ``error`` (default): stop at a NaN/inf loss with the step and the batch's offending rows
-            (and their dataset rows where the batch carries them); ``skip``: skip that batch (no backward, no
-            optimizer update), warn, and count it in ``train/skipped_batches``. Under DDP every rank skips the same
-            batches (the check is all-reduced).
+            (and their dataset rows where the batch carries them), or at non-finite gradients naming the parameters;
+            ``skip``: skip that batch or update instead, warn, and count it in ``train/skipped_batches``. Under DDP
+            every rank skips the same batches (the check is all-reduced).
     """
 
     def __init__(
@@ -152,6 +152,25 @@ class AlignModule(L.LightningModule):
             return None
         raise LitAlignError(f"non-finite training loss ({loss.detach().float().item()}) at step {self.global_step}, "
                             f"{where}; nothing was updated (set model.on_nonfinite_loss: skip to skip such batches)")
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """The second half of the guard: a finite loss can still give non-finite gradients; never step with them.
+        (Gradients are already all-reduced here, so every rank decides alike. fp16's GradScaler does its own check.)"""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads or getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            return
+        if torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+            return
+        names = [n for n, p in self.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        if self.hparams.on_nonfinite_loss == "skip":
+            optimizer.zero_grad(set_to_none=True)  # AdamW leaves parameters without a gradient untouched
+            self.skipped_batches += 1
+            rank_zero_warn(f"lit_align: non-finite gradients at step {self.global_step} ({shown}): update skipped "
+                           f"({self.skipped_batches} so far)")
+            return
+        raise LitAlignError(f"non-finite gradients at step {self.global_step} ({shown}); nothing was updated "
+                            "(set model.on_nonfinite_loss: skip to skip such updates)")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_align_skipped_batches"] = self.skipped_batches
