@@ -7,7 +7,9 @@ import shutil
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_align.errors import LitAlignError
 
@@ -95,3 +97,29 @@ class CompletionsLogger(L.Callback):
             if hasattr(logger, "log_table"):
                 logger.log_table(key="completions", columns=["step", "prompt", "completion", "reward"],
                                  data=[[trainer.global_step, str(p), c, r] for p, c, r in rows])
+
+
+class SigtermCheckpoint(L.Callback):
+    """On SIGTERM (preemption, ``kill``, a scheduler's time limit), save ``last.ckpt`` before the run exits.
+
+    Lightning already handles the signal: it lets the current batch finish, stops every rank (the flag is broadcast
+    under DDP) and raises ``SIGTERMException``; outside SLURM it saves nothing. This callback saves a checkpoint at
+    that point, a clean step boundary, into the ``ModelCheckpoint``'s directory, so
+    ``lit-align fit -c CONFIG --ckpt_path <dir>/last.ckpt`` resumes exactly. ``lit-align`` adds it to every run that
+    checkpoints, and then exits with status 143 (128 + SIGTERM: the run is not finished).
+    """
+
+    def __init__(self) -> None:
+        self.saved_to: Path | None = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        checkpoint = trainer.checkpoint_callback
+        if (not isinstance(exception, SIGTERMException) or checkpoint is None or trainer.state.fn != TrainerFn.FITTING
+                or trainer.sanity_checking):
+            return
+        directory = getattr(checkpoint, "dirpath", None) or run_dir(trainer) / "checkpoints"
+        path = Path(directory) / "last.ckpt"
+        trainer.save_checkpoint(path)
+        self.saved_to = path
+        rank_zero_info(f"lit_align: SIGTERM at step {trainer.global_step}: saved {path} "
+                       f"(resume with --ckpt_path {path})")

@@ -13,15 +13,29 @@ import os
 import sys
 
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_align.callbacks import HFExport
+from lit_align.callbacks import HFExport, SigtermCheckpoint
+from lit_align.checkpoint_io import AtomicCheckpointIO
 from lit_align.errors import LitAlignError
+
+SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process the signal ended: the run is not finished
 
 
 class AlignCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # always on, configured under `export:` (like any callback, but no need to list it in every config)
         parser.add_lightning_class_args(HFExport, "export")
+
+    def instantiate_trainer(self, **kwargs):
+        """The trainer, plus crash safety: atomic checkpoint writes, a checkpoint on SIGTERM (README: Reliability)."""
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # keep any other CheckpointIO the user chose
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if trainer.checkpoint_callback is not None:
+            trainer.callbacks.append(SigtermCheckpoint())
+        return trainer
 
 
 def main(args: list[str] | None = None) -> None:
@@ -45,6 +59,8 @@ def run(args: list[str] | None = None) -> LightningCLI:
             auto_configure_optimizers=False,
             args=args,
         )
+    except SIGTERMException:  # Lightning stopped at a step boundary; SigtermCheckpoint saved the state
+        sys.exit(SIGTERM_EXIT)
     except Exception as exc:  # noqa: BLE001
         error = _user_error(exc)
         if error is None:

@@ -153,7 +153,7 @@ def test_garbage_data_file(tmp_path, capfd):
         "fit", "-c", DPO, "--data.init_args.path", str(path), "--data.init_args.val_split", "null",
         "--trainer.logger.init_args.save_dir", str(tmp_path),
     ], capfd)
-    assert_one_line_error(code, err, str(path), "could not read as json")
+    assert_one_line_error(code, err, str(path), "line 1: not valid UTF-8")
 
 
 def test_nonexistent_data_file(tmp_path, capfd):

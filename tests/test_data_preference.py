@@ -111,7 +111,7 @@ def test_all_formats_through_a_file(write_jsonl):
         dm.setup("fit")
         row = dm.train_data[0]
         assert (row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]) == expected
-        assert set(dm.train_data.column_names) == {"prompt_ids", "chosen_ids", "rejected_ids"}
+        assert set(dm.train_data.column_names) == {"prompt_ids", "chosen_ids", "rejected_ids", "row"}
 
 
 def test_csv_keeps_digit_strings(tmp_path):
@@ -283,7 +283,7 @@ def test_mixed_standard_and_conversational_rows(write_jsonl):
 def test_unreadable_file(tmp_path):
     path = tmp_path / "garbage.jsonl"
     path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe\x00binary")
-    assert error_of(path).startswith("FILE: could not read as json: ")
+    assert error_of(path) == "FILE line 1: not valid UTF-8 (byte 0x89); save the file as UTF-8"
     path = tmp_path / "broken.jsonl"
     path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": \n')
     assert error_of(path).startswith("FILE: could not read as json: ")

@@ -19,6 +19,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from helpers import write_sort_rows
 from lightning.pytorch.loggers import CSVLogger
 
 import lit_align.modules.grpo as grpo_mod
@@ -81,11 +82,7 @@ class GenerationProbe(L.Callback):
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> str:
-    digits = [f"{(i * 7919) % 100000:05d}"[: 3 + i % 3] for i in range(48)]
-    rows = [{"prompt": f"sort {d}:", "answer": "".join(sorted(d))} for d in digits]
-    path = tmp_path_factory.mktemp("grpo_prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+    return write_sort_rows(tmp_path_factory.mktemp("grpo_prompts") / "prompts.jsonl", 48, "prompts")
 
 
 def fit_grpo(root: Path, prompts: str, max_steps: int, model: dict | None = None, data: dict | None = None,
@@ -211,7 +208,7 @@ class LogpsSampler:
 def stub_round(module: GRPOModule, tokenizer, spg: int = 1, iterations: int = 1, accumulate: int = 1) -> dict:
     """``generate_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device Trainer."""
     module.tokenizer, module.sampler = tokenizer, LogpsSampler()
-    module._trainer = SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0,
+    module._trainer = SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
                                       strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t))
     batch = {"prompt_ids": torch.tensor([[30, 31], [0, 32]]), "prompt_mask": torch.tensor([[1, 1], [0, 1]]),
              "prompts": ["ab", "c"], "columns": {}, "round_pos": 0, "num_generations": 2,

@@ -160,7 +160,7 @@ class FixedSampler:
 
 def stub_trainer(accumulate: int = 1):
     """What generate_round asks of the Trainer, single device."""
-    return SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0,
+    return SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
                            strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t))
 
 

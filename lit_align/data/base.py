@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -11,6 +12,56 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lit_align.data.sources import load_rows
 from lit_align.errors import LitAlignError
 from lit_align.models import load_tokenizer
+
+
+class ResumableLoader(DataLoader):
+    """A training DataLoader that Lightning can resume mid-epoch.
+
+    Lightning stores a loader's ``state_dict()`` in each checkpoint when it has one and hands it back through
+    ``load_state_dict`` before iterating again; a plain DataLoader would restart the interrupted epoch from its first
+    batch (Lightning only warns). The state is the epoch and how many batches of it were trained on (the trainer's
+    own count, so prefetched batches do not count); on resume the sampler skips those rows without loading them.
+    The sampler must replay the same order: a ``DistributedSampler`` (seeded per epoch) or a subclass of it.
+    """
+
+    def __init__(self, *args, trainer: L.Trainer | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.trainer = trainer
+        self._resume: dict[str, int] | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        if self.trainer is None:
+            return {"epoch": 0, "batches": 0}
+        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if done >= self.trainer.num_training_batches:  # the epoch is over (``limit_train_batches`` counts too)
+            return {"epoch": self.trainer.current_epoch + 1, "batches": 0}
+        return {"epoch": self.trainer.current_epoch, "batches": done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume = dict(state)
+
+    def __iter__(self) -> Iterator:
+        if self._resume is not None:
+            epoch, batches = self._resume["epoch"], self._resume["batches"]
+            self._resume = None
+            if batches >= len(self):  # saved at the end of an epoch: the next one starts from its beginning
+                epoch, batches = epoch + 1, 0
+            self.sampler.set_epoch(epoch)  # Lightning sets it only after this first iteration has begun
+            self.sampler.skip = batches * self.batch_size
+        return super().__iter__()
+
+
+class SkippingSampler(DistributedSampler):
+    """``DistributedSampler`` whose next iteration can start ``skip`` indices in (set by ``ResumableLoader``)."""
+
+    skip = 0
+
+    def __iter__(self) -> Iterator:
+        skip, self.skip = self.skip, 0
+        indices = super().__iter__()
+        for _ in range(skip):
+            next(indices, None)
+        return indices
 
 
 class AlignDataModule(L.LightningDataModule):
@@ -122,16 +173,13 @@ class AlignDataModule(L.LightningDataModule):
         return name
 
     def train_dataloader(self) -> DataLoader:
-        sampler = None
         trainer = self.trainer
-        if not self.shuffle and trainer is not None and trainer.world_size > 1:
-            # Lightning's own DistributedSampler always shuffles training data; an unshuffled one is kept as is
-            sampler = DistributedSampler(self.train_data, num_replicas=trainer.world_size, rank=trainer.global_rank,
-                                         shuffle=False)
-        return DataLoader(
-            self.train_data, batch_size=self.batch_size, shuffle=self.shuffle and sampler is None, sampler=sampler,
-            collate_fn=self.collate, num_workers=self.num_workers, drop_last=False,
-        )
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+        # seeded per epoch (not the global RNG), so a resumed run replays the same order (same as Lightning's own
+        # DistributedSampler under DDP, but honouring ``shuffle: false`` there too)
+        sampler = SkippingSampler(self.train_data, num_replicas=world, rank=rank, shuffle=self.shuffle, seed=self.seed)
+        return ResumableLoader(self.train_data, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate,
+                               num_workers=self.num_workers, drop_last=False, trainer=trainer)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_data is None:

@@ -101,7 +101,8 @@ def collate_pairs(rows: list[dict[str, Any]], pad_token_id: int, max_length: int
     """Stack ``B`` pairs as ``[chosen_1..B; rejected_1..B]``, right-padded, keep-start truncated to ``max_length``.
 
     Returns ``input_ids``, ``attention_mask`` and ``completion_mask`` (1 on completion tokens), each ``[2B, T]``,
-    plus any precomputed ``ref_chosen_logps`` / ``ref_rejected_logps`` columns as ``[B]`` tensors.
+    plus any precomputed ``ref_chosen_logps`` / ``ref_rejected_logps`` columns and the dataset ``rows`` as ``[B]``
+    tensors.
     """
     seqs, masks = [], []
     for side in ("chosen_ids", "rejected_ids"):
@@ -115,6 +116,8 @@ def collate_pairs(rows: list[dict[str, Any]], pad_token_id: int, max_length: int
         "attention_mask": pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True, padding_value=0),
         "completion_mask": pad_sequence(masks, batch_first=True, padding_value=0),
     }
+    if "row" in rows[0]:
+        batch["rows"] = torch.tensor([row["row"] for row in rows])
     for key in ("ref_chosen_logps", "ref_rejected_logps"):
         if key in rows[0]:
             batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)
@@ -148,7 +151,7 @@ class PreferenceDataModule(AlignDataModule):
                     f"{where}: the prompt alone is {len(out['prompt_ids'])} tokens, max_length is {max_length} "
                     "(raise data.max_length, or set data.drop_long_prompts: true)"
                 )
-            return out
+            return {**out, "row": index}  # the dataset index travels with the row (numeric guard messages)
 
         keep = [c for c in rows.column_names if c.startswith("ref_") and c.endswith("_logps")]
         tokenized = rows.map(

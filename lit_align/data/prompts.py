@@ -22,18 +22,24 @@ generated and scored on that rank, so group statistics never cross ranks. The sa
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lit_align.data.base import AlignDataModule
+from lit_align.data.base import AlignDataModule, ResumableLoader
 from lit_align.data.preference import ROLES
 from lit_align.errors import LitAlignError
 
 
 class RoundSampler(DistributedSampler):
-    """Yields ``(index, round_pos)``: each round's prompts, ``repeats`` times; rounds drawn without replacement."""
+    """Yields ``(index, round_pos)``: each round's prompts, ``repeats`` times; rounds drawn without replacement.
+
+    ``skip``: the next iteration starts that many yields in (set by ``ResumableLoader`` on a mid-epoch resume).
+    """
+
+    skip = 0
 
     def __init__(self, dataset, prompts_per_round: int, repeats: int, num_replicas: int = 1, rank: int = 0,
                  shuffle: bool = True, seed: int = 0):
@@ -42,6 +48,10 @@ class RoundSampler(DistributedSampler):
         self.num_rounds = len(dataset) // (prompts_per_round * num_replicas)
 
     def __iter__(self):
+        skip, self.skip = self.skip, 0
+        return itertools.islice(self._yields(), skip, None)
+
+    def _yields(self):
         n = len(self.dataset)
         if self.shuffle:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
@@ -66,7 +76,7 @@ class _RoundItems(Dataset):
 
     def __getitem__(self, key):
         index, pos = key if isinstance(key, tuple) else (key, 0)
-        return {**self.data[index], "round_pos": pos}
+        return {**self.data[index], "round_pos": pos, "row": index}
 
 
 def check_prompt(prompt: Any, where: str) -> bool:
@@ -137,18 +147,20 @@ class PromptDataModule(AlignDataModule):
         return rows.map(tokenize, with_indices=True, desc=f"Tokenizing {source}")
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Left-padded ``prompt_ids``/``prompt_mask``, the raw ``prompts``, extra ``columns`` and the ``round_pos``."""
+        """Left-padded ``prompt_ids``/``prompt_mask``, the raw ``prompts``, extra ``columns``, the ``round_pos`` and the
+        prompts' dataset ``rows`` (training only)."""
         width = max(len(r["prompt_ids"]) for r in rows)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in rows])
         mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in rows])
-        skip = {"prompt", "prompt_ids", "round_pos"}
+        skip = {"prompt", "prompt_ids", "round_pos", "row"}
         return {
             "prompt_ids": ids,
             "prompt_mask": mask,
             "prompts": [r["prompt"] for r in rows],
             "columns": {k: [r[k] for r in rows] for k in rows[0] if k not in skip},
             "round_pos": rows[0].get("round_pos", 0),
+            "rows": [r["row"] for r in rows] if "row" in rows[0] else None,  # dataset indices (numeric guard)
             "num_generations": self.num_generations,
             "steps_per_generation": self.steps_per_generation,
             "num_iterations": self.num_iterations,
@@ -164,5 +176,5 @@ class PromptDataModule(AlignDataModule):
                 f"{self.path}: {len(self.train_data)} prompts, but one generation round needs "
                 f"{self.prompts_per_round * world} (batch_size * steps_per_generation / num_generations * devices)"
             )
-        return DataLoader(_RoundItems(self.train_data), batch_size=self.prompts_per_round, sampler=sampler,
-                          collate_fn=self.collate, num_workers=self.num_workers)
+        return ResumableLoader(_RoundItems(self.train_data), batch_size=self.prompts_per_round, sampler=sampler,
+                               collate_fn=self.collate, num_workers=self.num_workers, trainer=trainer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 from pathlib import Path
@@ -61,6 +62,8 @@ def _load_file(path: Path, split: str) -> datasets.Dataset:
     size = path.stat().st_size
     if size == 0 or (size < 4096 and not path.read_bytes().strip()):
         raise LitAlignError(f"{path}: the file is empty")
+    if builder in ("json", "csv"):
+        _check_utf8(path)  # pyarrow keeps invalid bytes and fails only when a row is read, with a traceback
     kwargs = {}
     if builder == "csv":
         kwargs["converters"] = {c: str for c in _csv_header(path) if c in TEXT_COLUMNS}
@@ -76,6 +79,26 @@ def _load_file(path: Path, split: str) -> datasets.Dataset:
         if mixed:  # datasets re-reads such a column as JSON text, which turns the string "13" into the number 13
             _raise_on_mixed_types(path, mixed)
     return rows
+
+
+def _check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
+    """Raise naming the line of the first byte that is not UTF-8 (read in chunks: files can be large)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    with path.open("rb") as f:
+        while chunk := f.read(chunk_size):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                start = max(exc.start - len(exc.object) + len(chunk), 0)  # the decoder may hold a partial character
+                line += chunk[:start].count(b"\n")
+                raise LitAlignError(f"{path} line {line}: not valid UTF-8 (byte {chunk[start]:#04x}); "
+                                    "save the file as UTF-8") from None
+            line += chunk.count(b"\n")
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise LitAlignError(f"{path} line {line}: not valid UTF-8 (the file ends inside a character)") from None
 
 
 def _csv_header(path: Path) -> list[str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from transformers import get_scheduler
 
 from lit_align.errors import LitAlignError
@@ -45,6 +46,10 @@ class AlignModule(L.LightningModule):
             ``constant``, ``constant_with_warmup``, ...
         warmup_ratio: fraction of the run's optimizer steps spent warming up (used when ``warmup_steps`` is 0).
         warmup_steps: optimizer steps of linear warmup.
+        on_nonfinite_loss: ``error`` (default): stop at a NaN/inf loss with the step and the batch's offending rows
+            (and their dataset rows where the batch carries them), or at non-finite gradients naming the parameters;
+            ``skip``: skip that batch or update instead, warn, and count it in ``train/skipped_batches``. Under DDP
+            every rank skips the same batches (the check is all-reduced).
     """
 
     def __init__(
@@ -60,13 +65,17 @@ class AlignModule(L.LightningModule):
         lr_scheduler_type: str = "linear",
         warmup_ratio: float = 0.0,
         warmup_steps: int = 0,
+        on_nonfinite_loss: str = "error",
     ):
         super().__init__()
+        if on_nonfinite_loss not in ("error", "skip"):
+            raise LitAlignError(f"model.on_nonfinite_loss {on_nonfinite_loss!r}: expected 'error' or 'skip'")
         self.save_hyperparameters()
         self.model_name = model
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None  # set by recipes that need a reference (load_reference)
         self.tokenizer = None
+        self.skipped_batches = 0
 
     def load(self, name: str) -> torch.nn.Module:
         hp = self.hparams
@@ -110,6 +119,64 @@ class AlignModule(L.LightningModule):
         if self.ref_model is not None:  # refill the reference from itself: checkpoints do not carry it
             state_dict = {**state_dict, **{f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()}}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # -- the numeric guard: one place, called by every training_step before it returns its loss ------------------------
+    def guard_loss(self, loss: torch.Tensor, row_losses: torch.Tensor | None, batch_idx: int,
+                   rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
+        """``loss`` if it is finite; else stop (``on_nonfinite_loss: error``) or return None, which makes Lightning
+        skip the batch (``skip``). ``row_losses``: per-row losses ``[B]`` to name the offending rows; ``rows``: the
+        dataset index of each batch row, when the batch carries one."""
+        bad = ~torch.isfinite(loss.detach()).all()
+        bad_rows = None
+        if row_losses is not None:
+            bad_rows = ~torch.isfinite(row_losses.detach())
+            bad = bad | bad_rows.any()
+        skip = self.hparams.on_nonfinite_loss == "skip"
+        if not self.trainer.strategy.reduce(bad.float(), reduce_op="sum") > 0:  # every rank takes the same branch
+            if skip:
+                self.log("train/skipped_batches", float(self.skipped_batches))
+            return loss
+        where = f"batch {batch_idx}"
+        if not bad:
+            where += " (on another rank)"
+        elif bad_rows is not None and bad_rows.any():
+            positions = bad_rows.nonzero().flatten().tolist()
+            where += f", rows {positions}"
+            if rows is not None:
+                where += f" (dataset rows {[int(rows[i]) for i in positions]})"
+        if skip:
+            self.skipped_batches += 1
+            rank_zero_warn(f"lit_align: non-finite loss at step {self.global_step}, {where}: batch skipped "
+                           f"({self.skipped_batches} so far)")
+            self.log("train/skipped_batches", float(self.skipped_batches))
+            return None
+        raise LitAlignError(f"non-finite training loss ({loss.detach().float().item()}) at step {self.global_step}, "
+                            f"{where}; nothing was updated (set model.on_nonfinite_loss: skip to skip such batches)")
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """The second half of the guard: a finite loss can still give non-finite gradients; never step with them.
+        (Gradients are already all-reduced here, so every rank decides alike. fp16's GradScaler does its own check.)"""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads or getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+            return
+        if torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+            return
+        names = [n for n, p in self.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        if self.hparams.on_nonfinite_loss == "skip":
+            optimizer.zero_grad(set_to_none=True)  # AdamW leaves parameters without a gradient untouched
+            self.skipped_batches += 1
+            rank_zero_warn(f"lit_align: non-finite gradients at step {self.global_step} ({shown}): update skipped "
+                           f"({self.skipped_batches} so far)")
+            return
+        raise LitAlignError(f"non-finite gradients at step {self.global_step} ({shown}); nothing was updated "
+                            "(set model.on_nonfinite_loss: skip to skip such updates)")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lit_align_skipped_batches"] = self.skipped_batches
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.skipped_batches = checkpoint.get("lit_align_skipped_batches", 0)
 
     def configure_optimizers(self):
         hp = self.hparams

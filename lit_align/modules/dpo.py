@@ -336,7 +336,9 @@ class DPOModule(AlignModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out, weights = self.pair_outputs(batch)
-        loss = out["loss"].mean()
+        loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("rows"))
+        if loss is None:  # skipped (on_nonfinite_loss: skip)
+            return None
         # one all-reduce for every metric (mean over ranks of per-rank means)
         stats = torch.stack([_mean(out[name].detach().float(), weights.get(name)) for name in METRICS])
         stats = self.trainer.strategy.reduce(stats, reduce_op="mean")

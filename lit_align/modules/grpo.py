@@ -9,9 +9,11 @@ and reference log-probs only when the loss needs them. Every step then takes its
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from torchmetrics import MeanMetric
 
 from lit_align.errors import LitAlignError
@@ -117,6 +119,7 @@ class GRPOModule(AlignModule):
         self.greedy = SAMPLERS[engine](max_new_tokens=max_completion_length, temperature=0.0)
         self.round: dict[str, Any] | None = None  # the current generation round's buffer
         self.generation_rounds = 0
+        self.generation_seed = torch.initial_seed()  # re-read at fit start (after ``seed_everything``)
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names)]})
 
@@ -147,7 +150,8 @@ class GRPOModule(AlignModule):
     @torch.no_grad()
     def generate_round(self, batch: dict[str, Any]) -> dict[str, Any]:
         num_generations, steps = batch["num_generations"], batch["steps_per_generation"]
-        rollout, prompts, completions, per_func = self.sample(self.sampler, batch, num_generations)
+        with self.round_rng():
+            rollout, prompts, completions, per_func = self.sample(self.sampler, batch, num_generations)
         weighted = per_func * self.reward_weights
         rewards = torch.where(per_func.isnan().all(1), torch.nan, weighted.nansum(1))
         advantages = group_advantages(rewards, num_generations, self.scale_rewards)
@@ -197,6 +201,42 @@ class GRPOModule(AlignModule):
                     "rewards": rewards.tolist()},
         }
 
+    @contextmanager
+    def round_rng(self):
+        """Sample from an RNG seeded by (run seed, step, rank), not from the global stream: a round's completions then
+        depend only on the policy and the step, so a resumed run regenerates exactly what the uninterrupted run did
+        (the global stream also feeds DataLoader workers, validation, ... and is not in checkpoints)."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed((self.generation_seed + 1_000_003 * self.global_step + 7_919 * self.global_rank) % 2**63)
+            yield
+
+    # -- a resume mid-round continues on the saved round (its completions came from an earlier policy) -----------------
+    def on_fit_start(self) -> None:
+        self.generation_seed = torch.initial_seed()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Every rank's round (each generated from its own prompts): gathered, as only rank 0 writes the file."""
+        super().on_save_checkpoint(checkpoint)
+        rounds = [apply_to_collection(self.round, torch.Tensor, lambda t: t.cpu())]
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.trainer.world_size > 1:
+            rounds = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(rounds, apply_to_collection(self.round, torch.Tensor, lambda t: t.cpu()))
+        checkpoint["lit_align_grpo"] = {"rounds": rounds, "generation_rounds": self.generation_rounds}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint.get("lit_align_grpo", {})
+        self.generation_rounds = state.get("generation_rounds", 0)
+        rounds = state.get("rounds", [])
+        # another world size: the round is regenerated (the resume is then not exact mid-round)
+        world, rank = (self._trainer.world_size, self._trainer.global_rank) if self._trainer is not None else (1, 0)
+        self.round = rounds[rank] if len(rounds) == world else None
+
+    def on_train_start(self) -> None:
+        if self.round is not None:  # restored from a checkpoint (on the CPU)
+            self.round = apply_to_collection(self.round, torch.Tensor, lambda t: t.to(self.device))
+
     def _logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
         return completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                       self.temperature)[0]
@@ -218,6 +258,12 @@ class GRPOModule(AlignModule):
         token_losses, info = grpo_token_losses(logps, take("old_logps"), take("advantages"), self.epsilon,
                                                self.epsilon_high, take("ref_logps"), self.beta)
         loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length, r["num_tokens"])
+        prompt_rows = batch.get("rows")  # dataset index of each prompt; completion i of the round is of prompt i // G
+        group = batch["num_generations"]
+        dataset_rows = None if prompt_rows is None else [prompt_rows[i // group] for i in rows.tolist()]
+        loss = self.guard_loss(loss, (token_losses * mask).sum(1), batch_idx, dataset_rows)
+        if loss is None:  # skipped (on_nonfinite_loss: skip)
+            return None
 
         denominator = mask.sum().clamp(min=1)
         masked_mean = lambda x: (x * mask).sum() / denominator  # noqa: E731

@@ -76,6 +76,8 @@ class SFTModule(AlignModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, correct, count = sft_token_stats(self.policy, batch, self.completion_only_loss)
+        if self.guard_loss(loss, None, batch_idx) is None:
+            return None
         # one all-reduce: loss averaged over ranks, accuracy as a ratio of sums (as TRL gathers it)
         stats = torch.stack([loss.detach(), correct.float(), count.float(), batch["attention_mask"].sum().float()])
         stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
@@ -116,7 +118,9 @@ class SFTModule(AlignModule):
 
     # -- TRL's num_tokens counts on across a resume -------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint["lit_align_num_tokens"] = self.num_tokens
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         self.num_tokens = checkpoint.get("lit_align_num_tokens", 0.0)

@@ -1,0 +1,129 @@
+"""The bad-input corpus (``tests/data/bad/``) through the real CLI entry: each input ends the run with exit status 2,
+one ``error:`` line naming the file, row or field (or jsonargparse's usage error for a config mistake), no traceback,
+and nothing an earlier run wrote is touched.
+
+The README's "Reliability" section and the issue's closing note list each input with its message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_cli import run_main
+
+TESTS = Path(__file__).resolve().parent
+BAD = TESTS / "data" / "bad"
+DPO = str(TESTS.parent / "configs" / "dpo.yaml")
+GRPO = str(TESTS.parent / "configs" / "grpo.yaml")
+
+
+def dpo(path: str | Path, *extra: str) -> list[str]:
+    return ["fit", "-c", DPO, "--data.init_args.path", str(path), "--data.init_args.val_split", "null",
+            "--trainer.val_check_interval", "1.0", "--trainer.max_steps", "2", *extra]
+
+
+def grpo(reward: str, *extra: str) -> list[str]:
+    return ["fit", "-c", GRPO, "--model.init_args.model", "builtin:tiny", "--model.init_args.reward_funcs",
+            f"[bad_rewards.{reward}]", "--model.init_args.max_completion_length", "4", "--data.init_args.batch_size",
+            "4", "--data.init_args.num_generations", "2", "--data.init_args.steps_per_generation", "1",
+            "--data.init_args.val_split", "null", "--trainer.val_check_interval", "1.0", "--trainer.max_steps", "1",
+            *extra]
+
+
+# (id, CLI arguments, the error line exactly; {bad} is tests/data/bad)
+CASES = [
+    ("empty file", dpo(BAD / "empty.jsonl"), "error: {bad}/empty.jsonl: the file is empty"),
+    ("wrong columns", dpo(BAD / "wrong_columns.jsonl"),
+     "error: {bad}/wrong_columns.jsonl row 0: missing column 'chosen' (expected prompt/chosen/rejected, or "
+     "chosen/rejected)"),
+    ("wrong columns (csv)", dpo(BAD / "wrong_columns.csv"),
+     "error: {bad}/wrong_columns.csv row 0: missing column 'chosen' (expected prompt/chosen/rejected, or "
+     "chosen/rejected)"),
+    ("missing column", dpo(BAD / "missing_rejected.jsonl"),
+     "error: {bad}/missing_rejected.jsonl row 0: missing column 'rejected' (expected prompt/chosen/rejected, or "
+     "chosen/rejected)"),
+    ("null field", dpo(BAD / "null_field.jsonl"),
+     "error: {bad}/null_field.jsonl row 1: field 'chosen' is missing or null"),
+    ("non-UTF-8 bytes", dpo(BAD / "non_utf8.jsonl"),
+     "error: {bad}/non_utf8.jsonl line 2: not valid UTF-8 (byte 0xff); save the file as UTF-8"),
+    ("mixed row formats", dpo(BAD / "mixed_formats.jsonl"), None),
+    ("huge prompt", dpo(BAD / "huge_prompt.jsonl"), None),
+    ("empty chosen", dpo(BAD / "empty_chosen.jsonl"),
+     "error: {bad}/empty_chosen.jsonl row 2: field 'chosen' is empty"),
+    ("unknown role", dpo(BAD / "unknown_role.jsonl"),
+     "error: {bad}/unknown_role.jsonl row 0: prompt[0] has role 'narrator', expected one of ('system', 'user', "
+     "'assistant', 'tool')"),
+    ("prompts without a prompt column", ["fit", "-c", GRPO, "--model.init_args.model", "builtin:tiny",
+                                         "--data.init_args.path", str(BAD / "prompts_wrong_column.jsonl"),
+                                         "--data.init_args.val_split", "null"],
+     "error: {bad}/prompts_wrong_column.jsonl: missing column 'prompt' (expected prompt-only rows)"),
+    ("tokenizer with neither pad nor EOS token",
+     dpo("builtin:sort", "--data.init_args.tokenizer", str(BAD / "tokenizer_no_pad_no_eos")), None),
+    ("nonexistent model path", dpo("builtin:sort", "--model.init_args.model", str(BAD / "no_such_model")), None),
+    ("NaN in a precomputed reference log-prob", dpo(BAD / "nan_ref_logps.jsonl", "--data.init_args.batch_size", "4",
+                                                     "--data.init_args.shuffle", "false"),
+     "error: non-finite training loss (nan) at step 1, batch 1, rows [1] (dataset rows [5]); nothing was updated "
+     "(set model.on_nonfinite_loss: skip to skip such batches)"),
+    ("reward function raises", grpo("raises"), "error: reward function 'raises' raised ValueError: no answer key"),
+    ("reward function returns NaN", grpo("returns_nan"),
+     "error: reward function 'returns_nan' returned nan for completion 0 (use None to skip)"),
+    ("reward function returns the wrong length", grpo("wrong_length"),
+     "error: reward function 'wrong_length' returned 3 values for 4 completions (expected a list of floats, one per "
+     "completion)"),
+]
+
+# config mistakes: jsonargparse's usage error (exit 2), naming the key
+USAGE_CASES = [
+    ("config typo", ["fit", "-c", DPO, "-c", str(BAD / "typo.yaml")], "Option 'betaa' is not accepted"),
+    ("unknown config key", ["fit", "-c", DPO, "-c", str(BAD / "unknown_key.yaml")], "modle"),
+]
+
+
+@pytest.fixture
+def earlier_run(tmp_path) -> Path:
+    """A previous run's files, which a failing run must leave alone."""
+    ckpt = tmp_path / "dpo" / "version_0" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"an earlier checkpoint")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name,args,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_error(name, args, expected, earlier_run, capfd, monkeypatch, tiny_path):
+    monkeypatch.syspath_prepend(str(BAD))  # bad_rewards
+    code, _, err = run_main([*args, "--trainer.logger.init_args.save_dir", str(earlier_run)], capfd)
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    if expected is not None:
+        assert errors[0] == expected.format(bad=BAD)
+    else:
+        assert NEEDLES[name] in errors[0], errors[0]
+    assert (earlier_run / "dpo" / "version_0" / "checkpoints" / "last.ckpt").read_bytes() == b"an earlier checkpoint"
+
+
+# messages with parts that vary by library version: what they must contain
+NEEDLES = {
+    "mixed row formats": f"{BAD}/mixed_formats.jsonl row 1",
+    "huge prompt": f"{BAD}/huge_prompt.jsonl row 1: the prompt alone is",
+    "tokenizer with neither pad nor EOS token": "has neither a pad token nor an EOS token",
+    "nonexistent model path": str(BAD / "no_such_model"),
+}
+
+
+@pytest.mark.parametrize("name,args,needle", USAGE_CASES, ids=[c[0] for c in USAGE_CASES])
+def test_config_mistake_is_a_usage_error(name, args, needle, capfd):
+    code, _, err = run_main(args, capfd)
+    assert code == 2 and "Traceback" not in err, err
+    assert needle in err
+
+
+def test_tokenizer_without_a_pad_token_uses_eos(tmp_path, capfd, tiny_path):
+    """Not an error: like TRL, the EOS token pads."""
+    code, _, err = run_main(dpo("builtin:sort", "--data.init_args.tokenizer", str(BAD / "tokenizer_no_pad"),
+                             "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing",
+                             "false", "--export.enabled", "false", "--trainer.default_root_dir", str(tmp_path)), capfd)
+    assert code == 0, err

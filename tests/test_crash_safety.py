@@ -1,0 +1,145 @@
+"""Crash safety of ``lit-align fit``, with real processes and real signals.
+
+- ``kill -9`` in the middle of a checkpoint write leaves the previous ``last.ckpt`` whole, and the run resumes from it.
+- SIGTERM: the current step finishes, ``last.ckpt`` is saved, the process exits with status 143 and no traceback, and
+  resuming from that checkpoint gives the uninterrupted run's losses.
+- Why ``AtomicCheckpointIO`` exists: Lightning's own local save stages the file in the *system* temp directory and
+  moves it into place (a copy, not a rename, whenever that is another filesystem).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import read_metrics, write_sort_rows
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from lit_align.checkpoint_io import AtomicCheckpointIO
+from lit_align.cli import main
+
+TESTS = Path(__file__).resolve().parent
+DPO = str(TESTS.parent / "configs" / "dpo.yaml")
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> str:
+    return write_sort_rows(tmp_path_factory.mktemp("crash_pairs") / "pairs.jsonl", 40, "pairs")
+
+
+def fit_args(pairs: str, root: Path, max_steps: int, *extra: str, every: int = 1) -> list[str]:
+    """configs/dpo.yaml on ``pairs``: 4 pairs a step, a loss logged every step, ``last.ckpt`` every ``every`` steps."""
+    return [
+        "fit", "-c", DPO, "--data.init_args.path", pairs, "--data.init_args.val_split", "null",
+        "--data.init_args.batch_size", "4", "--trainer.max_steps", str(max_steps), "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(root),
+        "--export.enabled", "false", "--trainer.val_check_interval", "1.0",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.dirpath", str(root / "ckpt"), "--trainer.callbacks.every_n_train_steps", str(every),
+        "--trainer.callbacks.save_last", "true", *extra,
+    ]
+
+
+def run_cli(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, "-m", "lit_align", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def run_in_process(args: list[str]) -> None:
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        main(args)
+    finally:
+        sys.argv = argv
+
+
+def losses(root: Path) -> dict[int, float]:
+    """``{step: train/loss}`` over every version directory under ``root/dpo`` (a resume logs into a new one)."""
+    out = {}
+    for path in sorted((root / "dpo").glob("version_*/metrics.csv")):
+        out.update({int(r["step"]): r["train/loss"] for r in read_metrics(path) if "train/loss" in r})
+    return out
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_resumable(tmp_path, pairs_file, tiny_path):
+    marker = tmp_path / "writing"
+    proc = run_cli(fit_args(pairs_file, tmp_path, 6, "--trainer.callbacks+=helpers.HangInCheckpointWrite",
+                            "--trainer.callbacks.step", "2", "--trainer.callbacks.marker", str(marker)))
+    deadline = time.time() + 240
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), proc.communicate()[1]
+    proc.send_signal(signal.SIGKILL)  # half of step 3's checkpoint is on disk
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 2  # the previous one, whole
+    leftovers = [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".tmp")]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".")  # the half-written temp file, hidden beside it
+
+    run_in_process(fit_args(pairs_file, tmp_path, 4, "--ckpt_path", str(last)))
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 4
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, pairs_file, tiny_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    proc = run_cli(fit_args(pairs_file, cut, 6, "--trainer.callbacks+=helpers.SigtermAt", "--trainer.callbacks.step",
+                            "3", every=100))  # no regular checkpoint before the signal
+    run_in_process(fit_args(pairs_file, full, 6))  # the uninterrupted run, meanwhile
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err
+    last = cut / "ckpt" / "last.ckpt"
+    assert f"saved {last}" in err + out
+    assert [p.name for p in last.parent.iterdir()] == ["last.ckpt"]
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 4  # step 3 finished first
+
+    run_in_process(fit_args(pairs_file, cut, 6, "--ckpt_path", str(last)))
+    reference = losses(full)
+    assert sorted(reference) == list(range(6))
+    assert losses(cut) == reference
+
+
+def test_lightning_stages_local_checkpoints_in_the_system_temp_dir(tmp_path, monkeypatch):
+    """The gap AtomicCheckpointIO closes: TorchCheckpointIO writes to tempfile.mkstemp() and moves the file into the
+    checkpoint directory (``shutil.move``: a copy into the final name across filesystems)."""
+    system_tmp, target = tmp_path / "system_tmp", tmp_path / "ckpt" / "a.ckpt"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    moves = []
+    real_move = shutil.move
+    monkeypatch.setattr(shutil, "move", lambda src, dst, *a, **k: moves.append((src, dst)) or real_move(src, dst, *a, **k))
+    TorchCheckpointIO().save_checkpoint({"x": 1}, target)
+    assert [(Path(src).parent, Path(dst)) for src, dst in moves] == [(system_tmp, target)]
+
+    moves.clear()
+    AtomicCheckpointIO().save_checkpoint({"x": 2}, target)
+    assert moves == [] and not list(system_tmp.iterdir())
+    assert torch.load(target, weights_only=True) == {"x": 2}
+    assert [p.name for p in target.parent.iterdir()] == ["a.ckpt"]
+
+
+def test_cli_installs_atomic_checkpoint_io_and_the_sigterm_callback(tmp_path, pairs_file, tiny_path):
+    from lit_align.callbacks import SigtermCheckpoint
+    from lit_align.cli import run
+
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        cli = run(fit_args(pairs_file, tmp_path, 1))
+    finally:
+        sys.argv = argv
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    assert any(isinstance(c, SigtermCheckpoint) for c in cli.trainer.callbacks)
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 1

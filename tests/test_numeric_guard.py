@@ -1,0 +1,121 @@
+"""The numeric guard: a non-finite loss stops the run naming the step and the offending rows (batch positions and
+dataset rows), before any update; with ``on_nonfinite_loss: skip`` the batch is skipped, warned about and counted.
+Either way the weights stay finite."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from datasets import Dataset
+from lightning.pytorch.loggers import CSVLogger
+
+import lit_align.modules.grpo as grpo_mod
+from helpers import read_metrics
+from lit_align.data import PreferenceDataModule, PromptDataModule
+from lit_align.errors import LitAlignError
+from lit_align.modules import DPOModule, GRPOModule
+
+
+@pytest.fixture(scope="module")
+def nan_pairs(tmp_path_factory) -> str:
+    """12 pairs with precomputed reference log-probs; dataset row 6's is NaN (step 1, batch row 2 at batch_size 4)."""
+    rows = [{"prompt": f"sort {i}{i + 1}:", "chosen": f" {i}{i + 1}", "rejected": f" {i + 1}{i}",
+             "ref_chosen_logps": -5.0, "ref_rejected_logps": math.nan if i == 7 else -5.0} for i in range(1, 13)]
+    path = tmp_path_factory.mktemp("nan_pairs") / "pairs.parquet"
+    Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+def fit_dpo(root, path, **model_kw):
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3, **model_kw)
+    dm = PreferenceDataModule(path=path, val_split=None, batch_size=4, shuffle=False, max_length=32)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=CSVLogger(root, name="guard"),
+                        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)
+    try:
+        trainer.fit(module, dm)
+    finally:
+        finite = all(torch.isfinite(p).all() for p in module.policy.parameters())
+    return trainer, module, finite
+
+
+def test_nonfinite_loss_stops_with_step_and_rows(tmp_path, nan_pairs, tiny_path):
+    with pytest.raises(LitAlignError) as info:
+        fit_dpo(tmp_path, nan_pairs)
+    assert str(info.value) == (
+        "non-finite training loss (nan) at step 1, batch 1, rows [2] (dataset rows [6]); nothing was updated "
+        "(set model.on_nonfinite_loss: skip to skip such batches)")
+
+
+def test_nonfinite_loss_skip_counts_and_keeps_weights_finite(tmp_path, nan_pairs, tiny_path):
+    with pytest.warns(UserWarning, match=r"non-finite loss at step 1, batch 1, rows \[2\] \(dataset rows \[6\]\): "
+                                          r"batch skipped \(1 so far\)"):
+        trainer, module, finite = fit_dpo(tmp_path, nan_pairs, on_nonfinite_loss="skip")
+    assert finite and trainer.global_step == 3 and module.skipped_batches == 1
+    metrics = read_metrics(tmp_path / "guard" / "version_0" / "metrics.csv")
+    skipped = {int(r["step"]): r["train/skipped_batches"] for r in metrics if "train/skipped_batches" in r}
+    assert skipped == {0: 0.0, 1: 1.0, 2: 1.0}
+    assert all(math.isfinite(r["train/loss"]) for r in metrics if "train/loss" in r)
+
+
+def test_bad_option():
+    with pytest.raises(LitAlignError, match="model.on_nonfinite_loss 'ignore': expected 'error' or 'skip'"):
+        DPOModule(on_nonfinite_loss="ignore")
+
+
+def test_grpo_names_the_completions_prompts_dataset_rows(tmp_path, tiny_path, monkeypatch, write_jsonl):
+    """A NaN in one completion's token losses (round slice row 1): the error names it and its prompt's dataset row."""
+    path = write_jsonl([{"prompt": f"sort {i}{i + 3}:", "answer": "x"} for i in range(8)])
+    real = grpo_mod.grpo_token_losses
+
+    def poisoned(*args, **kwargs):
+        losses, info = real(*args, **kwargs)
+        return losses.index_fill(0, torch.tensor([1]), math.nan), info
+
+    monkeypatch.setattr(grpo_mod, "grpo_token_losses", poisoned)
+    module = GRPOModule(model="builtin:tiny", reward_funcs=["test_grpo_module.reward_digit_fraction"],
+                        max_completion_length=4)
+    dm = PromptDataModule(path=path, val_split=None, batch_size=4, num_generations=2, shuffle=False)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(LitAlignError, match=r"at step 0, batch 0, rows \[1\] \(dataset rows \[\d\]\)"):
+        trainer.fit(module, dm)
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+class NanGradient(L.Callback):
+    """From step ``step`` on, the LM head's gradient is NaN (the loss stays finite)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_start(self, trainer, pl_module):
+        weight = pl_module.policy.lm_head.weight
+        weight.register_hook(lambda g: g * math.nan if trainer.global_step >= self.step else g)
+
+
+def fit_sort(module, callbacks, max_steps=3):
+    dm = PreferenceDataModule(path="builtin:sort", val_split=None, batch_size=4, shuffle=False, max_length=32)
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks)
+    trainer.fit(module, dm)
+    return trainer
+
+
+def test_nonfinite_gradients_stop_before_the_update(tiny_path):
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3)
+    # the tiny model ties its LM head to the embeddings: the parameter's name is the embeddings'
+    with pytest.raises(LitAlignError, match=r"^non-finite gradients at step 1 \(policy\.model\.embed_tokens\.weight\); "):
+        fit_sort(module, [NanGradient(step=1)])
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+def test_nonfinite_gradients_skip(tiny_path):
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3, on_nonfinite_loss="skip")
+    with pytest.warns(UserWarning, match=r"non-finite gradients at step 1 .*update skipped \(1 so far\)"):
+        trainer = fit_sort(module, [NanGradient(step=1)])
+    assert trainer.global_step == 3 and module.skipped_batches == 2
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
