@@ -1,6 +1,6 @@
 """DPO reference strategies side by side: frozen copy vs precomputed log-probs vs LoRA, pairs/s and peak RSS.
 
-    python bench/dpo_ref_strategies.py                   # builtin:small, 32 pairs/step, 25 steps (5 warmup), 1 thread
+    python bench/dpo_ref_strategies.py       # builtin:small, 32 pairs/step, 25 steps (5 warmup), 1 thread
     python bench/dpo_ref_strategies.py --strategies frozen,precomputed --steps 60 --threads 2
 
 Each strategy trains lit_align's ``DPOModule`` in its own fresh process (this script re-invoked with
@@ -15,10 +15,10 @@ shuffling), AdamW, constant learning rate, clipping at 1.0, CPU, ``--threads`` t
 
 Expected: a step of the frozen strategy costs policy forward + backward (~6N FLOPs per token) plus the reference
 forward (~2N); without the reference forward the bound is 8N/6N = 1.33x. AdamW and gradient clipping cost the same
-per step whatever the batch, so the measured gain approaches the bound as the batch grows (the sort task's pairs are
-short: ~19 tokens per row; at 8 pairs/step the optimizer is a quarter of the step and the gain about 1.2x). LoRA keeps the reference forward and adds
-the adapters' work, but saves the full optimizer state and the weight gradients (less memory; not faster per step
-here, since the backward still runs through every layer).
+per step whatever the batch, so the measured gain approaches the bound as the batch grows (the sort task's rows are
+short, ~19 tokens; at 8 pairs/step the optimizer is a quarter of the step and the gain about 1.2x). LoRA keeps the
+reference forward (adapters off) but skips the weight gradients of the base layers (~2N of the backward's 4N) and
+AdamW over the full model; it adds the adapters' small matmuls.
 
 Throughput: wall time from the end of step ``--warmup`` to the end of the last step; CPU time per step beside it.
 """

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -24,6 +27,7 @@ from lit_align.modules import DPOModule
 from lit_align.modules import reference as reference_module
 from lit_align.modules.dpo import logps_of
 
+REPO = Path(__file__).resolve().parents[1]
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 
 
@@ -254,5 +258,38 @@ def test_sync_reference_survives_resume(tmp_path, rows_path):
 
     at_start = AtStart()
     resumed = DPOModule(model="builtin:tiny", learning_rate=1e-2, sync_ref_model=True, ref_model_sync_steps=2)
-    fit(tmp_path, resumed, data(rows_path), steps=4, callbacks=[at_start], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    fit(tmp_path, resumed, data(rows_path), steps=4, callbacks=[at_start],
+        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert all(torch.equal(a, b) for a, b in zip(at_start.ref, synced_ref)), "resume lost the synced reference"
+
+
+# -- DDP: each rank computes its share, rank 0 writes the cache ------------------------------------------------------
+def test_precompute_under_ddp_matches_one_process(tmp_path, rows_path, lit_align_cache, tiny_path):
+    """Two CPU ranks (the real CLI in a subprocess) fill the cache with the numbers one process computes.
+
+    ``tiny_path``: the built-in model is built before the ranks start (they would race to build it)."""
+    shutil.rmtree(lit_align_cache / "ref_logps", ignore_errors=True)
+    args = [
+        sys.executable, "-m", "lit_align", "fit", "-c", str(REPO / "configs" / "dpo.yaml"),
+        "--model.init_args.precompute_ref_log_probs", "true", "--model.init_args.precompute_ref_batch_size", "5",
+        "--data.init_args.path", rows_path, "--data.init_args.val_split", "null", "--data.init_args.max_length", "32",
+        "--data.init_args.batch_size", "2", "--trainer.max_steps", "1", "--trainer.strategy", "ddp",
+        "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+        "--trainer.val_check_interval", "1.0",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
+        "--export.enabled", "false",
+    ]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    (ddp_file,) = (lit_align_cache / "ref_logps").glob("*.pt")
+    ddp_values = torch.load(ddp_file, weights_only=True)
+
+    dm = data(rows_path, tokenizer="builtin:tiny", batch_size=2)
+    dm.setup("fit")
+    module = DPOModule(model="builtin:tiny")
+    module.configure_model()
+    single = reference_module.compute(
+        dm.train_data, dm.collate, 16, lambda batch: logps_of(module.ref_model, batch, None)[0].chunk(2),
+        torch.device("cpu"), L.Trainer(accelerator="cpu", devices=1, logger=False).strategy)
+    assert ddp_values.shape == (48, 2)
+    torch.testing.assert_close(ddp_values, single, atol=1e-5, rtol=0)

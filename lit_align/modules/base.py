@@ -184,11 +184,12 @@ class AlignModule(L.LightningModule):
 
 
 def lora_config(kwargs: dict):
-    """``peft.LoraConfig(**kwargs)`` (``task_type`` defaulting to ``CAUSAL_LM``); bad keys name ``model.peft_config``."""
+    """``peft.LoraConfig(**kwargs)``, ``task_type`` defaulting to ``CAUSAL_LM``; errors name ``model.peft_config``."""
     from peft import LoraConfig
 
     if not isinstance(kwargs, dict):
-        raise LitAlignError(f"model.peft_config must be a mapping of LoraConfig arguments, got {type(kwargs).__name__}")
+        raise LitAlignError(
+            f"model.peft_config must be a mapping of LoraConfig arguments, got {type(kwargs).__name__}")
     try:
         return LoraConfig(**{"task_type": "CAUSAL_LM", **kwargs})
     except (TypeError, ValueError) as exc:

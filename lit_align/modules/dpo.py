@@ -225,7 +225,8 @@ class DPOModule(AlignModule):
         if loss_type not in DPO_LOSS_TYPES:
             raise LitAlignError(f"model.loss_type {loss_type!r}: expected one of {DPO_LOSS_TYPES}")
         if precompute_ref_batch_size is not None and precompute_ref_batch_size < 1:
-            raise LitAlignError(f"model.precompute_ref_batch_size must be >= 1 or null, got {precompute_ref_batch_size}")
+            raise LitAlignError(
+                f"model.precompute_ref_batch_size must be >= 1 or null, got {precompute_ref_batch_size}")
         if sync_ref_model and (precompute_ref_log_probs or self.lora_config is not None):
             raise LitAlignError("model.sync_ref_model needs a reference model in memory: it cannot be combined with "
                                 "precompute_ref_log_probs or peft_config")
@@ -234,7 +235,8 @@ class DPOModule(AlignModule):
                                 "disabled; leave ref_model null")
         self.ref_model_name, self.beta, self.loss_type = ref_model, beta, loss_type
         self.share_prompt = share_prompt
-        self.precompute_ref_log_probs, self.precompute_ref_batch_size = precompute_ref_log_probs, precompute_ref_batch_size
+        self.precompute_ref_log_probs = precompute_ref_log_probs
+        self.precompute_ref_batch_size = precompute_ref_batch_size
         self.ref_sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
         self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in METRICS})
 
@@ -259,7 +261,8 @@ class DPOModule(AlignModule):
             raise LitAlignError("model.precompute_ref_log_probs needs the trainer to run with a PreferenceDataModule "
                                 "(trainer.fit(model, datamodule=...))")
         todo = {}
-        for split, rows, batch_size in (("train", dm.train_data, dm.batch_size), ("val", dm.val_data, dm.val_batch_size)):
+        for split, rows, batch_size in (("train", dm.train_data, dm.batch_size),
+                                        ("val", dm.val_data, dm.val_batch_size)):
             if rows is not None and reference.REF_COLUMNS[0] not in rows.column_names:
                 todo[split] = (rows, self.precompute_ref_batch_size or batch_size)
         if not todo:
