@@ -293,3 +293,22 @@ def test_precompute_under_ddp_matches_one_process(tmp_path, rows_path, lit_align
         torch.device("cpu"), L.Trainer(accelerator="cpu", devices=1, logger=False).strategy)
     assert ddp_values.shape == (48, 2)
     torch.testing.assert_close(ddp_values, single, atol=1e-5, rtol=0)
+
+
+def test_cli_lora_run_exports_the_adapter_and_can_export_again(tmp_path, rows_path, tiny_path):
+    """``--model.init_args.peft_config`` from the command line; the export holds the adapter, and a second run may
+    replace it (HFExport recognises an adapter directory as a model directory)."""
+    from lit_align.cli import main
+
+    export = tmp_path / "hf_model"
+    args = [
+        "fit", "-c", str(REPO / "configs" / "dpo.yaml"), "--model.init_args.peft_config", "{r: 4, lora_alpha: 8}",
+        "--data.init_args.path", rows_path, "--data.init_args.val_split", "null", "--trainer.max_steps", "2",
+        "--trainer.val_check_interval", "1.0", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path),
+        "--export.path", str(export),
+    ]
+    for _ in range(2):
+        main(args)
+        assert (export / "adapter_config.json").exists() and (export / "adapter_model.safetensors").exists()
+        assert not (export / "config.json").exists()
