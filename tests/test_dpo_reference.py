@@ -312,3 +312,21 @@ def test_cli_lora_run_exports_the_adapter_and_can_export_again(tmp_path, rows_pa
         main(args)
         assert (export / "adapter_config.json").exists() and (export / "adapter_model.safetensors").exists()
         assert not (export / "config.json").exists()
+
+
+def test_lora_checkpoint_resumes_the_adapters(tmp_path, rows_path):
+    module = DPOModule(model="builtin:tiny", peft_config=LORA, learning_rate=1e-2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="last", every_n_train_steps=2)
+    fit(tmp_path, module, data(rows_path), steps=2, callbacks=[checkpoint], enable_checkpointing=True)
+    trained = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.state = {k: v.detach().clone() for k, v in pl_module.policy.state_dict().items()}
+
+    at_start = AtStart()
+    resumed = DPOModule(model="builtin:tiny", peft_config=LORA, learning_rate=1e-2)
+    fit(tmp_path, resumed, data(rows_path), steps=3, callbacks=[at_start],
+        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert at_start.state.keys() == trained.keys()
+    assert all(torch.equal(at_start.state[k], trained[k]) for k in trained), "resume did not restore the adapters"
