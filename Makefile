@@ -26,6 +26,7 @@ test-slow: setup  ## slow end-to-end runs (CI runs these too)
 
 bench: setup  ## side-by-side benchmarks against TRL and HF generate (figures are load-sensitive: run on a quiet machine)
 	$(PY) bench/dpo_vs_trl.py
+	$(PY) bench/dpo_ref_strategies.py
 	$(PY) bench/grpo_vs_trl.py
 	$(PY) bench/generate_vs_hf.py
 

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -40,7 +41,7 @@ class HFExport(L.Callback):
         if not self.enabled or not trainer.is_global_zero:
             return
         target = Path(self.path) if self.path else run_dir(trainer) / self.dirname
-        if target.exists() and not (target / "config.json").exists():
+        if target.exists() and not any((target / name).exists() for name in ("config.json", "adapter_config.json")):
             raise LitAlignError(f"export path {target} exists and is not a Hugging Face model directory; "
                                 "refusing to replace it (choose another export.path)")
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -123,3 +124,52 @@ class SigtermCheckpoint(L.Callback):
         self.saved_to = path
         rank_zero_info(f"lit_align: SIGTERM at step {trainer.global_step}: saved {path} "
                        f"(resume with --ckpt_path {path})")
+
+
+class RefModelSync(L.Callback):
+    """TR-DPO: every ``ref_model_sync_steps`` optimizer steps, ``ref <- alpha * policy + (1 - alpha) * ref``.
+
+    TRL's ``sync_ref_model`` (https://huggingface.co/papers/2404.09656): the sync follows the optimizer step whose
+    count is a multiple of ``ref_model_sync_steps`` (steps N, 2N, ...; once per step under gradient accumulation).
+    Parameters only, like TRL; buffers are not mixed. Once it has synced, the reference is no longer the initial
+    model, so it is saved in checkpoints (``checkpoint["ref_model_state"]``) and restored on resume. Needs a
+    reference held in memory: not with ``precompute_ref_log_probs`` or ``peft_config`` (TRL refuses both too).
+    Under DDP every rank mixes its own copy; the policies are identical across ranks, so the references stay so.
+
+    Args:
+        ref_model_sync_steps: cadence in optimizer steps (TRL's default 512).
+        ref_model_mixup_alpha: weight of the policy in the mix (TRL's default 0.6).
+    """
+
+    def __init__(self, ref_model_sync_steps: int = 512, ref_model_mixup_alpha: float = 0.6):
+        if ref_model_sync_steps < 1:
+            raise LitAlignError(f"ref_model_sync_steps must be >= 1, got {ref_model_sync_steps}")
+        if not 0.0 <= ref_model_mixup_alpha <= 1.0:
+            raise LitAlignError(f"ref_model_mixup_alpha must be in [0, 1], got {ref_model_mixup_alpha}")
+        self.every, self.alpha = ref_model_sync_steps, ref_model_mixup_alpha
+        self._last_step: int | None = None
+        self.synced_at: list[int] = []  # optimizer steps after which this run synced
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if getattr(pl_module, "ref_model", None) is None:
+            raise LitAlignError("RefModelSync (sync_ref_model) needs a reference model held in memory; it cannot be "
+                                "combined with precompute_ref_log_probs or peft_config")
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == 0 or step % self.every or self._last_step == step:
+            return
+        self._last_step = step
+        policy = pl_module.network if hasattr(pl_module, "network") else pl_module.policy
+        with torch.no_grad():
+            for ref, param in zip(pl_module.ref_model.parameters(), policy.parameters(), strict=True):
+                ref.mul_(1.0 - self.alpha).add_(param, alpha=self.alpha)
+        self.synced_at.append(step)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if trainer.global_step >= self.every:  # synced at least once: the reference is not the initial model
+            checkpoint["ref_model_state"] = pl_module.ref_model.state_dict()
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if "ref_model_state" in checkpoint:
+            pl_module.ref_model.load_state_dict(checkpoint["ref_model_state"])

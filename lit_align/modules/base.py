@@ -1,9 +1,15 @@
-"""What every lit_align LightningModule shares: the policy, its tokenizer, the optimizer and the HF export."""
+"""What every lit_align LightningModule shares: the policy, its tokenizer, the optimizer and the HF export.
+
+The reference model, for the recipes that have one, is either ``ref_model`` (a frozen copy, never in a checkpoint)
+or, when the policy trains LoRA adapters (``peft_config``), the policy itself with its adapters switched off: no
+second copy. ``reference_model()`` hands out whichever it is.
+"""
 
 from __future__ import annotations
 
 import copy
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -50,6 +56,14 @@ class AlignModule(L.LightningModule):
             (and their dataset rows where the batch carries them), or at non-finite gradients naming the parameters;
             ``skip``: skip that batch or update instead, warn, and count it in ``train/skipped_batches``. Under DDP
             every rank skips the same batches (the check is all-reduced).
+        peft_config: train LoRA adapters instead of the whole policy: ``peft.LoraConfig`` keyword arguments, e.g.
+            ``{r: 16, lora_alpha: 32, target_modules: all-linear}`` (TRL's ``peft_config``; ``task_type`` defaults
+            to ``CAUSAL_LM``). The base weights stay frozen and the reference, where a recipe needs one, is the
+            policy with its adapters disabled. None: full fine-tuning.
+        export_merged: with ``peft_config``, what the HF export writes: false (TRL's ``save_model``) the adapter
+            only (``adapter_config.json`` + ``adapter_model.safetensors`` + tokenizer; load it with
+            ``peft.AutoPeftModelForCausalLM``); true the merged full model (loads with ``AutoModelForCausalLM``, no
+            peft needed) and the adapter alone in its ``adapter/`` subdirectory.
     """
 
     def __init__(
@@ -66,11 +80,14 @@ class AlignModule(L.LightningModule):
         warmup_ratio: float = 0.0,
         warmup_steps: int = 0,
         on_nonfinite_loss: str = "error",
+        peft_config: dict | None = None,
+        export_merged: bool = False,
     ):
         super().__init__()
         if on_nonfinite_loss not in ("error", "skip"):
             raise LitAlignError(f"model.on_nonfinite_loss {on_nonfinite_loss!r}: expected 'error' or 'skip'")
         self.save_hyperparameters()
+        self.lora_config = lora_config(peft_config) if peft_config is not None else None
         self.model_name = model
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None  # set by recipes that need a reference (load_reference)
@@ -93,15 +110,41 @@ class AlignModule(L.LightningModule):
         self.policy.config.use_cache = False
         if self.hparams.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora_config is not None:
+            from peft import get_peft_model
 
-    def load_reference(self, name: str | None) -> torch.nn.Module:
-        """A frozen reference: the model ``name``, or (None) a copy of the freshly loaded policy."""
+            self.policy = get_peft_model(self.policy, copy.deepcopy(self.lora_config))  # freezes the base weights
+            if self.hparams.disable_dropout:
+                disable_dropout(self.policy)  # lora_dropout too
+
+    @property
+    def network(self) -> torch.nn.Module:
+        """The Hugging Face model that forwards run on: the policy, or under PEFT the model inside the wrapper (its
+        layers carry the adapters; its ``forward`` takes ``position_ids`` and ``logits_to_keep`` explicitly)."""
+        return self.policy.get_base_model() if self.lora_config is not None else self.policy
+
+    def load_reference(self, name: str | None) -> torch.nn.Module | None:
+        """A frozen reference: the model ``name``, or (None) a copy of the freshly loaded policy; under PEFT, None
+        (``reference_model()`` then disables the adapters instead of holding a copy)."""
         if name is not None:
             return frozen(self.load(name))
+        if self.lora_config is not None:
+            return None
         ref = copy.deepcopy(self.policy)
         if self.hparams.gradient_checkpointing:
             ref.gradient_checkpointing_disable()
         return frozen(ref)
+
+    @contextmanager
+    def reference_model(self):
+        """The reference network, for no-grad forwards: ``ref_model``, or the policy's with its adapters disabled."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        elif self.lora_config is not None:
+            with self.policy.disable_adapter():
+                yield self.network
+        else:
+            raise LitAlignError(f"{type(self).__name__} has no reference model here")
 
     # -- a reference stays frozen, in eval mode, and is never part of a checkpoint ----------------------------------
     def train(self, mode: bool = True):
@@ -191,8 +234,31 @@ class AlignModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def export(self, path: str | Path) -> Path:
-        """Write the policy and tokenizer as a Hugging Face model directory (``from_pretrained`` loads it)."""
+        """Write the policy and tokenizer as a Hugging Face model directory (``from_pretrained`` loads it); under
+        PEFT the adapter, or with ``export_merged`` the merged model plus the adapter in ``adapter/``."""
         path = Path(path)
-        self.policy.save_pretrained(path)
+        if self.lora_config is not None and self.hparams.export_merged:
+            from peft import PeftModel
+
+            self.policy.save_pretrained(path / "adapter")
+            base = self.load(self.model_name)  # a fresh base: merging in place would change the training model
+            merged = PeftModel.from_pretrained(base, path / "adapter").merge_and_unload()
+            merged.save_pretrained(path)
+        else:
+            self.policy.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         return path
+
+
+def lora_config(kwargs: dict):
+    """``peft.LoraConfig(**kwargs)``, ``task_type`` defaulting to ``CAUSAL_LM``; errors name ``model.peft_config``."""
+    from peft import LoraConfig
+
+    if not isinstance(kwargs, dict):
+        raise LitAlignError(
+            f"model.peft_config must be a mapping of LoraConfig arguments, got {type(kwargs).__name__}")
+    try:
+        return LoraConfig(**{"task_type": "CAUSAL_LM", **kwargs})
+    except (TypeError, ValueError) as exc:
+        raise LitAlignError(f"model.peft_config: {exc} (expected peft.LoraConfig arguments, e.g. r, lora_alpha, "
+                            "target_modules)") from exc

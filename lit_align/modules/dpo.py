@@ -15,11 +15,13 @@ through the network once per pair instead of twice.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
 import torch
 from torchmetrics import MeanMetric
 
+from lit_align.callbacks import RefModelSync
 from lit_align.errors import LitAlignError
 from lit_align.dpo_losses import (
     DPO_LOSS_TYPES,
@@ -31,7 +33,8 @@ from lit_align.dpo_losses import (
     wpo_weights,
 )
 from lit_align.losses import token_logps
-from lit_align.modules.base import AlignModule
+from lit_align.modules import reference
+from lit_align.modules.base import AlignModule, frozen
 
 METRICS = (
     "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -191,6 +194,15 @@ def _log_sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:
     return _logsumexp(2 * logits) - 2 * _logsumexp(logits)
 
 
+def logps_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], layout: dict[str, torch.Tensor] | None,
+             log_sum_sq_probs: bool = False) -> CompletionLogps:
+    """Per-token log-probs of a batch: the shared-prompt rows where ``model`` takes them, else the plain
+    ``[chosen; rejected]`` batch."""
+    if _use_shared_prompt(model, layout):
+        return shared_prompt_logps(model, layout, log_sum_sq_probs)
+    return completion_logps(model, batch, log_sum_sq_probs)
+
+
 def _use_shared_prompt(model: torch.nn.Module, layout: dict[str, torch.Tensor] | None) -> bool:
     if layout is None or not supports_shared_prompt(model):
         return False
@@ -241,7 +253,11 @@ def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
 
 
 class DPOModule(AlignModule):
-    """Direct Preference Optimization against a frozen reference model.
+    """Direct Preference Optimization against a reference model.
+
+    The reference (README, "Reference model"): a frozen copy of the initial policy (default), ``ref_model``, the
+    policy with its LoRA adapters disabled (``peft_config``), or no model at all during training
+    (``precompute_ref_log_probs``); ``sync_ref_model`` mixes the policy into it as training goes (TR-DPO).
 
     Args:
         ref_model: the reference: a model name/path, or None for a frozen copy of the policy at step 0 (TRL's default).
@@ -257,25 +273,46 @@ class DPOModule(AlignModule):
             ``exo_pair``, ``robust``, ``discopop``, ``sft``.
         f_alpha_divergence_coef: alpha of ``alpha_divergence``.
         ld_alpha: LD-DPO: completion tokens past the shorter completion of the pair count this much (in [0, 1]) in
-            the summed log-probs of policy and reference (precomputed ``ref_*_logps`` columns must be weighted
-            alike); None: all count fully (plain DPO).
+            the summed log-probs of policy and reference (``precompute_ref_log_probs`` applies it; ``ref_*_logps``
+            columns of your own data must be weighted alike); None: all count fully (plain DPO).
         use_weighting: WPO: weight each pair's loss by the policy's length-normalized probability of both
             completions (not with ``aot`` / ``aot_unpaired``, which do not keep pairs together).
         discopop_tau: the temperature of ``discopop``'s logistic/exponential blend (TRL's default 0.05).
         share_prompt: run each pair as one sequence ``[prompt, chosen, rejected]`` so the prompt is computed once,
             not twice (same log-probs up to float rounding). Used where the architecture supports it (Llama, Mistral,
             Qwen, Gemma, Phi-3, ... with ``sdpa`` or ``eager`` attention); elsewhere the plain batch runs.
+        precompute_ref_log_probs: run the reference once over the train and validation rows before training (no
+            reference in memory while training) and cache the log-probs under ``$LIT_ALIGN_CACHE/ref_logps``; a
+            later run on the same rows, reference and settings reads them back (``lit_align.modules.reference``).
+        precompute_ref_batch_size: pairs per batch in that pass (default: the data's ``batch_size`` /
+            ``val_batch_size``); it needs no activations for backward, so it can be several times larger.
+        sync_ref_model: TR-DPO: every ``ref_model_sync_steps`` optimizer steps,
+            ``ref <- ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * ref`` (adds
+            ``lit_align.callbacks.RefModelSync``). Not with ``precompute_ref_log_probs`` or ``peft_config``.
+        ref_model_mixup_alpha: the policy's weight in that mix (TRL's default 0.6).
+        ref_model_sync_steps: the sync cadence in optimizer steps (TRL's default 512).
     """
 
     def __init__(self, model: str = "builtin:tiny", ref_model: str | None = None, beta: float = 0.1,
                  loss_type: str | list[str] = "sigmoid", loss_weights: list[float] | None = None,
                  label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
                  f_alpha_divergence_coef: float = 0.5, ld_alpha: float | None = None, use_weighting: bool = False,
-                 discopop_tau: float = 0.05, share_prompt: bool = True, **kwargs):
+                 discopop_tau: float = 0.05, share_prompt: bool = True, precompute_ref_log_probs: bool = False,
+                 precompute_ref_batch_size: int | None = None, sync_ref_model: bool = False,
+                 ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512, **kwargs):
         super().__init__(model=model, **kwargs)
         self.loss_types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
         check_loss_options(self.loss_types, loss_weights, label_smoothing, f_divergence_type, ld_alpha,
                            use_weighting, discopop_tau)
+        if precompute_ref_batch_size is not None and precompute_ref_batch_size < 1:
+            raise LitAlignError(
+                f"model.precompute_ref_batch_size must be >= 1 or null, got {precompute_ref_batch_size}")
+        if sync_ref_model and (precompute_ref_log_probs or self.lora_config is not None):
+            raise LitAlignError("model.sync_ref_model needs a reference model in memory: it cannot be combined with "
+                                "precompute_ref_log_probs or peft_config")
+        if ref_model is not None and self.lora_config is not None:
+            raise LitAlignError("model.ref_model: with peft_config the reference is the policy with its adapters "
+                                "disabled; leave ref_model null")
         self.ref_model_name, self.beta = ref_model, beta
         self.loss_options = {
             "loss_type": self.loss_types, "loss_weights": loss_weights, "label_smoothing": label_smoothing,
@@ -284,32 +321,84 @@ class DPOModule(AlignModule):
         }
         self.ld_alpha, self.use_weighting = ld_alpha, use_weighting
         self.share_prompt = share_prompt
+        self.precompute_ref_log_probs = precompute_ref_log_probs
+        self.precompute_ref_batch_size = precompute_ref_batch_size
+        self.ref_sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
         self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in METRICS})
 
     def configure_model(self) -> None:
-        if self.policy is not None:
+        initial = self.policy is None  # this hook runs before a checkpoint is restored: a new policy is the initial one
+        if initial:
+            super().configure_model()
+            if not self.precompute_ref_log_probs:
+                self.ref_model = self.load_reference(self.ref_model_name)
+        if self.precompute_ref_log_probs:  # again when the DataModule set up new rows (e.g. validate, then fit)
+            self.precompute_reference(initial_policy=initial)
+
+    def configure_callbacks(self):
+        return [self.ref_sync] if self.ref_sync is not None else []
+
+    # -- precomputed reference log-probs (lit_align.modules.reference) ----------------------------------------------
+    def precompute_reference(self, initial_policy: bool) -> None:
+        """Give the DataModule's train/validation rows that lack them ``ref_chosen_logps`` / ``ref_rejected_logps``."""
+        trainer = self._trainer
+        dm = trainer.datamodule if trainer is not None else None
+        if dm is None or not hasattr(dm, "train_data") or not hasattr(dm, "collate"):
+            raise LitAlignError("model.precompute_ref_log_probs needs the trainer to run with a PreferenceDataModule "
+                                "(trainer.fit(model, datamodule=...))")
+        todo = {}
+        for split, rows, batch_size in (("train", dm.train_data, dm.batch_size),
+                                        ("val", dm.val_data, dm.val_batch_size)):
+            if rows is not None and reference.REF_COLUMNS[0] not in rows.column_names:
+                todo[split] = (rows, self.precompute_ref_batch_size or batch_size)
+        if not todo:
             return
-        super().configure_model()
-        self.ref_model = self.load_reference(self.ref_model_name)
+        hp = self.hparams
+        settings = {
+            "reference": reference.model_files_hash(self.ref_model_name or self.model_name), "dtype": hp.dtype,
+            "attn_implementation": hp.attn_implementation, "precision": str(trainer.precision),
+            "max_length": dm.max_length, "share_prompt": self.share_prompt, "ld_alpha": self.ld_alpha,
+        }
+        device = trainer.strategy.root_device
+
+        def pair_logps(model, batch):
+            layout = shared_prompt_layout(batch) if self.share_prompt and supports_shared_prompt(model) else None
+            with trainer.precision_plugin.train_step_context():  # autocast as in training_step
+                out = logps_of(model, batch, layout)
+                return ld_sequence_logps(out.tokens, out.mask, self.ld_alpha).chunk(2)
+
+        @contextmanager
+        def load_reference():
+            if self.ref_model_name is not None or not initial_policy:
+                yield frozen(self.load(self.ref_model_name or self.model_name)).to(device)
+                return
+            was_training = self.policy.training  # the policy as loaded is the initial model: no copy needed
+            self.policy.to(device).eval()
+            try:
+                with self.policy.disable_adapter() if self.lora_config is not None else nullcontext():
+                    yield self.network
+            finally:
+                self.policy.train(was_training)
+
+        done = reference.precompute(todo, dm.collate, pair_logps, load_reference, settings, trainer.strategy, device)
+        dm.train_data = done.get("train", dm.train_data)
+        dm.val_data = done.get("val", dm.val_data)
 
     # -- what is computed -------------------------------------------------------------------------------------------
     def pair_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Per-pair losses and statistics ``[B]`` for one batch of ``[chosen; rejected]`` sequences, and the weights
         of the token-level ones (``logits/*`` average over completion tokens, as TRL does)."""
-        layout = shared_prompt_layout(batch) if self.share_prompt and supports_shared_prompt(self.policy) else None
-
-        def logps_of(model, **kwargs):
-            if _use_shared_prompt(model, layout):
-                return shared_prompt_logps(model, layout, **kwargs)
-            return completion_logps(model, batch, **kwargs)
-
-        policy = logps_of(self.policy, log_sum_sq_probs=self.use_weighting)
+        layout = shared_prompt_layout(batch) if self.share_prompt and supports_shared_prompt(self.network) else None
+        policy = logps_of(self.network, batch, layout, log_sum_sq_probs=self.use_weighting)
         chosen, rejected = ld_sequence_logps(policy.tokens, policy.mask, self.ld_alpha).chunk(2)
-        if "ref_chosen_logps" in batch:  # precomputed reference log-probs
+        if "ref_chosen_logps" in batch:  # precomputed reference log-probs (precompute_ref_log_probs, or the data's)
             ref_chosen, ref_rejected = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        elif self.precompute_ref_log_probs:
+            raise LitAlignError("precompute_ref_log_probs: a batch came without ref_chosen_logps (rows set up after "
+                                "the precompute pass?)")
         else:
-            with torch.no_grad():
-                ref = logps_of(self.ref_model)
+            with torch.no_grad(), self.reference_model() as ref_model:  # the frozen copy, or the adapters switched off
+                ref = logps_of(ref_model, batch, layout)
                 ref_chosen, ref_rejected = ld_sequence_logps(ref.tokens, ref.mask, self.ld_alpha).chunk(2)
         lengths = batch["completion_mask"].sum(1)
         pair_weights = None

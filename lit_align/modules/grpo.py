@@ -170,7 +170,8 @@ class GRPOModule(AlignModule):
                                                                                      completion_ids, completion_mask)
         ref_logps = None
         if self.beta != 0.0:
-            ref_logps = self._logps(self.ref_model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            with self.reference_model() as ref:  # the frozen copy, or the policy with its adapters disabled (PEFT)
+                ref_logps = self._logps(ref, prompt_ids, prompt_mask, completion_ids, completion_mask)
 
         # dapo: every token of the round weighs the same; normalize by active tokens per step over all ranks
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")

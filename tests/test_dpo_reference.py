@@ -1,0 +1,332 @@
+"""DPO reference strategies: frozen copy, precomputed log-probs (cached), LoRA (adapters off), TR-DPO sync.
+
+Each strategy must give the frozen copy's step-0 loss on the same batch; the precompute pass must be skipped when
+its cache holds the key; LoRA must leave the base weights bitwise unchanged; the sync must move the reference
+exactly on its schedule, by exactly ``alpha * policy + (1 - alpha) * ref``.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from transformers import AutoModelForCausalLM
+
+from lit_align.callbacks import RefModelSync
+from lit_align.data import PreferenceDataModule
+from lit_align.data.tasks import SortTask
+from lit_align.errors import LitAlignError
+from lit_align.modules import DPOModule
+from lit_align.modules import reference as reference_module
+from lit_align.modules.dpo import logps_of
+
+REPO = Path(__file__).resolve().parents[1]
+LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+
+
+@pytest.fixture(scope="module")
+def rows_path(tmp_path_factory) -> str:
+    """48 training pairs of the built-in sort task in a JSONL file, and a 16-pair validation file beside it."""
+    folder = tmp_path_factory.mktemp("rows")
+    task = SortTask(num_train=48, num_test=16)
+    task.preference_rows("train").to_json(folder / "train.jsonl")
+    task.preference_rows("test").to_json(folder / "val.jsonl")
+    return str(folder / "train.jsonl")
+
+
+@pytest.fixture(scope="module")
+def noisy_ref(tiny_path, tmp_path_factory) -> str:
+    """The tiny model with noise added: a reference that differs from the policy (the loss is not ln 2)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    path = tmp_path_factory.mktemp("noisy") / "ref"
+    model.save_pretrained(path)
+    return str(path)
+
+
+def data(rows_path, **kw) -> PreferenceDataModule:
+    kw = {"path": rows_path, "batch_size": 4, "max_length": 32, "val_split": None, "shuffle": False, **kw}
+    return PreferenceDataModule(**kw)
+
+
+class Record(L.Callback):
+    """Per training batch: the step's per-pair losses, whether the batch carried reference log-probs."""
+
+    def __init__(self):
+        self.losses, self.carried = [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.carried.append("ref_chosen_logps" in batch)
+        if batch_idx == 0:
+            with torch.no_grad():
+                self.step0 = pl_module.pair_outputs(batch)[0]["loss"]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+def fit(tmp_path, module, dm, steps=1, callbacks=(), ckpt_path=None, **kw) -> L.Trainer:
+    kw = {"accelerator": "cpu", "devices": 1, "max_steps": steps, "logger": False, "enable_progress_bar": False,
+          "enable_model_summary": False, "enable_checkpointing": False, "default_root_dir": tmp_path,
+          "num_sanity_val_steps": 0, **kw}
+    trainer = L.Trainer(callbacks=list(callbacks), **kw)
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    return trainer
+
+
+# -- every strategy: the frozen copy's step-0 loss -------------------------------------------------------------------
+@pytest.mark.parametrize("ref", ["initial", "noisy"])
+def test_every_strategy_gives_the_frozen_step0_loss(tmp_path, rows_path, noisy_ref, ref):
+    ref_model = noisy_ref if ref == "noisy" else None
+    strategies = {
+        "frozen": {},
+        "precomputed": {"precompute_ref_log_probs": True, "precompute_ref_batch_size": 16},
+        "sync": {"sync_ref_model": True, "ref_model_sync_steps": 1},
+    }
+    if ref_model is None:  # under LoRA the reference is the base model, i.e. the initial policy
+        strategies["lora"] = {"peft_config": LORA}
+    losses = {}
+    for name, options in strategies.items():
+        record = Record()
+        fit(tmp_path / name, DPOModule(model="builtin:tiny", ref_model=ref_model, **options), data(rows_path),
+            callbacks=[record])
+        losses[name] = record.step0
+        assert record.carried == [name == "precomputed"]
+    frozen = losses["frozen"]
+    if ref_model is None:
+        assert frozen.tolist() == [torch.tensor(math.log(2)).item()] * 4  # policy == reference exactly
+    else:
+        assert all(abs(x - math.log(2)) > 1e-3 for x in frozen.tolist())
+    for name, loss in losses.items():
+        # the precompute pass batches 16 pairs, not 4: other padding, so equal up to float rounding
+        torch.testing.assert_close(loss, frozen, atol=1e-6, rtol=0, msg=name)
+
+
+def test_lora_reference_is_the_base_model_even_when_the_adapters_are_not_zero(rows_path):
+    """With adapters that change the output, the reference (adapters disabled) is still exactly the base model."""
+    module = DPOModule(model="builtin:tiny", peft_config={**LORA, "init_lora_weights": False})
+    module.configure_model()
+    base = DPOModule(model="builtin:tiny")
+    base.configure_model()
+    dm = data(rows_path, tokenizer="builtin:tiny")
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    with torch.no_grad(), module.reference_model() as ref:
+        adapters_off = logps_of(ref, batch, None)[0]
+    with torch.no_grad():
+        assert torch.equal(adapters_off, logps_of(base.policy, batch, None)[0])
+        assert not torch.allclose(logps_of(module.network, batch, None)[0], adapters_off, atol=1e-3)
+    assert module.ref_model is None
+
+
+# -- precomputed: the cache ------------------------------------------------------------------------------------------
+def test_precompute_reuses_its_cache(tmp_path, rows_path, lit_align_cache, monkeypatch):
+    shutil.rmtree(lit_align_cache / "ref_logps", ignore_errors=True)  # other tests may have cached these rows
+    passes = []
+    compute = reference_module.compute
+    monkeypatch.setattr(reference_module, "compute", lambda *a, **kw: passes.append(1) or compute(*a, **kw))
+    val = rows_path.replace("train.jsonl", "val.jsonl")
+
+    def run(name, **kw):
+        record = Record()
+        module = DPOModule(model="builtin:tiny", precompute_ref_log_probs=True, learning_rate=1e-3)
+        dm = data(rows_path, val_split="train", val_path=val, **kw)
+        fit(tmp_path / name, module, dm, steps=3, callbacks=[record])
+        assert module.ref_model is None  # no reference resident while training
+        return record, dm
+
+    first, dm = run("first")
+    assert len(passes) == 2  # train and validation rows
+    assert first.carried == [True] * 3
+    assert "ref_chosen_logps" in dm.val_data.column_names
+    assert len(list((lit_align_cache / "ref_logps").glob("*.pt"))) == 2
+
+    second, _ = run("second")
+    assert len(passes) == 2, "the second run ran the reference again"
+    assert second.losses == first.losses
+
+    run("longer", max_length=24)  # another max_length truncates differently: another key, another pass
+    assert len(passes) == 4
+
+
+def test_precompute_key_follows_the_rows_and_the_reference(rows_path, tiny_path, noisy_ref):
+    dm = data(rows_path, tokenizer="builtin:tiny")
+    dm.setup("fit")
+    rows = dm.train_data
+    key = reference_module.cache_key(rows, reference=reference_module.model_files_hash("builtin:tiny"))
+    assert key == reference_module.cache_key(rows, reference=reference_module.model_files_hash(tiny_path))
+    assert key != reference_module.cache_key(rows, reference=reference_module.model_files_hash(noisy_ref))
+    assert key != reference_module.cache_key(rows.select(range(1, len(rows))),
+                                             reference=reference_module.model_files_hash("builtin:tiny"))
+
+
+# -- LoRA -------------------------------------------------------------------------------------------------------------
+def test_lora_trains_adapters_only_and_exports_them(tmp_path, rows_path, tiny_path):
+    original = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
+    module = DPOModule(model="builtin:tiny", peft_config=LORA, learning_rate=1e-2, export_merged=True)
+    record = Record()
+    fit(tmp_path, module, data(rows_path), steps=4, callbacks=[record])
+    assert record.losses[-1] < record.losses[0]
+    state = module.network.state_dict()
+    lora = {k: v for k, v in state.items() if "lora_" in k}
+    base = {k.replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k}
+    assert base.keys() == original.keys()
+    assert all(torch.equal(base[k], original[k]) for k in original), "LoRA changed a base weight"
+    assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k), "the adapters did not train"
+    trained = {id(p) for group in module.trainer.optimizers[0].param_groups for p in group["params"]}
+    assert trained == {id(p) for n, p in module.policy.named_parameters() if "lora_" in n}
+
+    # export_merged: the merged model at the top (plain transformers loads it), the adapter in adapter/
+    out = module.export(tmp_path / "export")
+    assert (out / "config.json").exists() and (out / "adapter" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, module.policy(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+    module.hparams.export_merged = False  # default: the adapter only, as TRL's save_model writes it
+    adapter_only = module.export(tmp_path / "adapter_only")
+    assert (adapter_only / "adapter_model.safetensors").exists() and not (adapter_only / "config.json").exists()
+
+
+def test_peft_config_errors():
+    with pytest.raises(LitAlignError, match=r"model.peft_config: .*rank"):
+        DPOModule(peft_config={"rank": 4})
+    with pytest.raises(LitAlignError, match="model.ref_model: with peft_config"):
+        DPOModule(peft_config=LORA, ref_model="builtin:tiny")
+    with pytest.raises(LitAlignError, match="model.sync_ref_model needs a reference model in memory"):
+        DPOModule(sync_ref_model=True, precompute_ref_log_probs=True)
+
+
+# -- TR-DPO sync -------------------------------------------------------------------------------------------------------
+class Snapshots(L.Callback):
+    """The reference's and the policy's parameters at the start of every training batch."""
+
+    def __init__(self):
+        self.ref, self.policy, self.steps = [], [], []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append(trainer.global_step)
+        self.ref.append([p.detach().clone() for p in pl_module.ref_model.parameters()])
+        self.policy.append([p.detach().clone() for p in pl_module.policy.parameters()])
+
+
+def test_sync_moves_the_reference_exactly_on_schedule(tmp_path, rows_path):
+    alpha, every = 0.25, 2
+    snaps = Snapshots()
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-2, sync_ref_model=True, ref_model_sync_steps=every,
+                       ref_model_mixup_alpha=alpha)
+    # two batches per optimizer step: the sync must still happen once per step
+    trainer = fit(tmp_path, module, data(rows_path), steps=5, callbacks=[snaps], accumulate_grad_batches=2)
+    sync = next(cb for cb in trainer.callbacks if isinstance(cb, RefModelSync))
+    assert sync.synced_at == [2, 4]
+    final_ref = [p.detach().clone() for p in module.ref_model.parameters()]
+    final_policy = [p.detach().clone() for p in module.policy.parameters()]
+    snaps.ref.append(final_ref)
+    snaps.policy.append(final_policy)
+    snaps.steps.append(5)
+    for i in range(1, len(snaps.steps)):
+        before, after = snaps.ref[i - 1], snaps.ref[i]
+        synced = snaps.steps[i] != snaps.steps[i - 1] and snaps.steps[i] % every == 0
+        if not synced:
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), f"reference moved at batch {i}"
+            continue
+        # the policy right after the optimizer step is the one seen at the next batch's start
+        expected = [r.mul(1 - alpha).add(p, alpha=alpha) for r, p in zip(before, snaps.policy[i])]
+        assert all(torch.equal(a, e) for a, e in zip(after, expected)), f"wrong mix at step {snaps.steps[i]}"
+        assert not all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_sync_reference_survives_resume(tmp_path, rows_path):
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-2, sync_ref_model=True, ref_model_sync_steps=2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="last", every_n_train_steps=3)
+    fit(tmp_path, module, data(rows_path), steps=3, callbacks=[checkpoint], enable_checkpointing=True)
+    synced_ref = [p.detach().clone() for p in module.ref_model.parameters()]
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.ref = [p.detach().clone() for p in pl_module.ref_model.parameters()]
+
+    at_start = AtStart()
+    resumed = DPOModule(model="builtin:tiny", learning_rate=1e-2, sync_ref_model=True, ref_model_sync_steps=2)
+    fit(tmp_path, resumed, data(rows_path), steps=4, callbacks=[at_start],
+        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert all(torch.equal(a, b) for a, b in zip(at_start.ref, synced_ref)), "resume lost the synced reference"
+
+
+# -- DDP: each rank computes its share, rank 0 writes the cache ------------------------------------------------------
+def test_precompute_under_ddp_matches_one_process(tmp_path, rows_path, lit_align_cache, tiny_path):
+    """Two CPU ranks (the real CLI in a subprocess) fill the cache with the numbers one process computes.
+
+    ``tiny_path``: the built-in model is built before the ranks start (they would race to build it)."""
+    shutil.rmtree(lit_align_cache / "ref_logps", ignore_errors=True)
+    args = [
+        sys.executable, "-m", "lit_align", "fit", "-c", str(REPO / "configs" / "dpo.yaml"),
+        "--model.init_args.precompute_ref_log_probs", "true", "--model.init_args.precompute_ref_batch_size", "5",
+        "--data.init_args.path", rows_path, "--data.init_args.val_split", "null", "--data.init_args.max_length", "32",
+        "--data.init_args.batch_size", "2", "--trainer.max_steps", "1", "--trainer.strategy", "ddp",
+        "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.logger", "false",
+        "--trainer.val_check_interval", "1.0",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
+        "--export.enabled", "false",
+    ]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    (ddp_file,) = (lit_align_cache / "ref_logps").glob("*.pt")
+    ddp_values = torch.load(ddp_file, weights_only=True)
+
+    dm = data(rows_path, tokenizer="builtin:tiny", batch_size=2)
+    dm.setup("fit")
+    module = DPOModule(model="builtin:tiny")
+    module.configure_model()
+    single = reference_module.compute(
+        dm.train_data, dm.collate, 16, lambda batch: logps_of(module.ref_model, batch, None).tokens.sum(1).chunk(2),
+        torch.device("cpu"), L.Trainer(accelerator="cpu", devices=1, logger=False).strategy)
+    assert ddp_values.shape == (48, 2)
+    torch.testing.assert_close(ddp_values, single, atol=1e-5, rtol=0)
+
+
+def test_cli_lora_run_exports_the_adapter_and_can_export_again(tmp_path, rows_path, tiny_path):
+    """``--model.init_args.peft_config`` from the command line; the export holds the adapter, and a second run may
+    replace it (HFExport recognises an adapter directory as a model directory)."""
+    from lit_align.cli import main
+
+    export = tmp_path / "hf_model"
+    args = [
+        "fit", "-c", str(REPO / "configs" / "dpo.yaml"), "--model.init_args.peft_config", "{r: 4, lora_alpha: 8}",
+        "--data.init_args.path", rows_path, "--data.init_args.val_split", "null", "--trainer.max_steps", "2",
+        "--trainer.val_check_interval", "1.0", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path),
+        "--export.path", str(export),
+    ]
+    for _ in range(2):
+        main(args)
+        assert (export / "adapter_config.json").exists() and (export / "adapter_model.safetensors").exists()
+        assert not (export / "config.json").exists()
+
+
+def test_lora_checkpoint_resumes_the_adapters(tmp_path, rows_path):
+    module = DPOModule(model="builtin:tiny", peft_config=LORA, learning_rate=1e-2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="last", every_n_train_steps=2)
+    fit(tmp_path, module, data(rows_path), steps=2, callbacks=[checkpoint], enable_checkpointing=True)
+    trained = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+
+    class AtStart(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.state = {k: v.detach().clone() for k, v in pl_module.policy.state_dict().items()}
+
+    at_start = AtStart()
+    resumed = DPOModule(model="builtin:tiny", peft_config=LORA, learning_rate=1e-2)
+    fit(tmp_path, resumed, data(rows_path), steps=3, callbacks=[at_start],
+        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert at_start.state.keys() == trained.keys()
+    assert all(torch.equal(at_start.state[k], trained[k]) for k in trained), "resume did not restore the adapters"
