@@ -84,8 +84,9 @@ def fit(tmp_path, module, dm, steps=1, callbacks=(), ckpt_path=None, **kw) -> L.
 
 
 # -- every strategy: the frozen copy's step-0 loss -------------------------------------------------------------------
-@pytest.mark.parametrize("ref", ["initial", "noisy"])
-def test_every_strategy_gives_the_frozen_step0_loss(tmp_path, rows_path, noisy_ref, ref):
+@pytest.mark.parametrize("ref, loss", [("initial", {}), ("noisy", {}), ("noisy", {"ld_alpha": 0.5})])
+def test_every_strategy_gives_the_frozen_step0_loss(tmp_path, rows_path, noisy_ref, ref, loss):
+    """Also with LD-DPO weighting, which the precompute pass must apply to the reference as training does."""
     ref_model = noisy_ref if ref == "noisy" else None
     strategies = {
         "frozen": {},
@@ -97,7 +98,7 @@ def test_every_strategy_gives_the_frozen_step0_loss(tmp_path, rows_path, noisy_r
     losses = {}
     for name, options in strategies.items():
         record = Record()
-        fit(tmp_path / name, DPOModule(model="builtin:tiny", ref_model=ref_model, **options), data(rows_path),
+        fit(tmp_path / name, DPOModule(model="builtin:tiny", ref_model=ref_model, **options, **loss), data(rows_path),
             callbacks=[record])
         losses[name] = record.step0
         assert record.carried == [name == "precomputed"]
