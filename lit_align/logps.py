@@ -36,7 +36,7 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 
 class _ChunkedTokenLogps(torch.autograd.Function):
-    """``[M, H], [V, H], [V] | None, [M] -> [M]`` log-probs, plus no-grad ``[M]`` statistics; see ``chunked_token_logps``."""
+    """``[M, H], [V, H], [V] | None, [M] -> [M]`` log-probs, plus no-grad ``[M]`` stats (``chunked_token_logps``)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_size: int, scale: float, dtype: torch.dtype, stats: tuple):

@@ -54,3 +54,66 @@ def left_padded(tokenizer, prompts):
     pad = tokenizer.pad_token_id
     return (torch.tensor([[pad] * (width - len(i)) + i for i in ids]),
             torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]))
+
+
+def digit_fraction(completions, **_):
+    """A reward that spreads random completions (fraction of digits), so advantages and gradients are non-zero."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+class ReplayRollouts(L.Callback):
+    """Record what GRPO's sampler returns on this rank (``record_dir``), or replay recorded rounds (``replay_dir``).
+
+    Replaying, each round's completions and rewards come from the recording of whichever rank sampled that prompt in
+    that round, in the order of this run's prompts: a one-process run then trains on exactly the completions a DDP
+    run sampled, so their losses can be compared (sampling itself depends on each rank's random stream).
+
+    Args:
+        record_dir: write ``<record_dir>/rank<R>.pt`` at the end of training.
+        replay_dir: read every ``rank*.pt`` there and replay it instead of sampling.
+    """
+
+    def __init__(self, record_dir: str | None = None, replay_dir: str | None = None):
+        self.record_dir, self.replay_dir = record_dir, replay_dir
+        self.rounds: list[dict] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        real = pl_module.sample
+        if self.replay_dir is not None:
+            recorded = [torch.load(p) for p in sorted(Path(self.replay_dir).glob("rank*.pt"))]
+            by_round = [{} for _ in recorded[0]]
+            for rank in recorded:
+                for k, rnd in enumerate(rank):
+                    for i, prompt in enumerate(rnd["prompts"]):
+                        by_round[k].setdefault(json.dumps(prompt), []).append({key: rnd[key][i] for key in rnd})
+
+        def sample(sampler, batch, num_samples):
+            if sampler is not pl_module.sampler:  # validation: greedy, unchanged
+                return real(sampler, batch, num_samples)
+            if self.replay_dir is None:
+                rollout, prompts, completions, per_func = real(sampler, batch, num_samples)
+                self.rounds.append({"prompts": prompts, "completions": completions, "per_func": per_func,
+                                    "ids": [row[m.bool()] for row, m in zip(rollout.completion_ids,
+                                                                            rollout.completion_mask)],
+                                    "truncated": rollout.truncated})
+                return rollout, prompts, completions, per_func
+            from lit_align.generation import Rollout
+
+            k = len(self.rounds)
+            self.rounds.append(None)
+            rows = [r for p in batch["prompts"] for r in by_round[k][json.dumps(p)]]
+            width = max(len(r["ids"]) for r in rows)
+            pad = pl_module.tokenizer.pad_token_id
+            ids = torch.stack([torch.cat([r["ids"], r["ids"].new_full((width - len(r["ids"]),), pad)]) for r in rows])
+            mask = torch.stack([torch.arange(width) < len(r["ids"]) for r in rows]).long()
+            rollout = Rollout(ids, mask, torch.stack([r["truncated"] for r in rows]))
+            return (rollout, [r["prompts"] for r in rows], [r["completions"] for r in rows],
+                    torch.stack([r["per_func"] for r in rows]))
+
+        pl_module.sample = sample
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.record_dir is not None:
+            Path(self.record_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(self.rounds, Path(self.record_dir) / f"rank{trainer.global_rank}.pt")

@@ -38,6 +38,9 @@ class AlignModule(L.LightningModule):
         attn_implementation: ``sdpa`` (default), ``eager``, ``flash_attention_2``, ...
         trust_remote_code: allow models that ship their own code.
         gradient_checkpointing: recompute activations in backward to save memory.
+        logps_chunk_size: compute log-probs ``logps_chunk_size`` positions at a time from the decoder's hidden states
+            instead of from full ``[N, T, V]`` logits (``lit_align.logps``): same values and gradients, a fraction of
+            the memory at large vocabularies. None: off. E.g. 1024 (a chunk holds ``chunk * V`` fp32 logits).
         disable_dropout: zero every dropout (TRL's default).
         learning_rate: AdamW learning rate (TRL's DPO default: 1e-6).
         weight_decay: AdamW weight decay.
@@ -54,6 +57,7 @@ class AlignModule(L.LightningModule):
         attn_implementation: str | None = "sdpa",
         trust_remote_code: bool = False,
         gradient_checkpointing: bool = False,
+        logps_chunk_size: int | None = None,
         disable_dropout: bool = True,
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
@@ -64,6 +68,10 @@ class AlignModule(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.model_name = model
+        if logps_chunk_size is not None and logps_chunk_size < 1:
+            raise LitAlignError(f"model.logps_chunk_size must be a positive number of positions or null, "
+                                f"got {logps_chunk_size}")
+        self.logps_chunk_size = logps_chunk_size
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None  # set by recipes that need a reference (load_reference)
         self.tokenizer = None
