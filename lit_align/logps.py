@@ -10,8 +10,10 @@ log-probs; backward recomputes each chunk's logits. Same values and gradients (t
 Precision: whatever the model's dtype or autocast, the logsumexp, the log-probs and the statistics are fp32.
 
 Not chunked (falls back to the plain path, same results): models whose head is not a plain ``nn.Linear`` after
-``get_decoder()``, models with final-logit soft-capping (Gemma 2/3), and DeepSpeed ZeRO-3, where the head's weight
-is partitioned outside its module's forward.
+``get_decoder()``, models with final-logit soft-capping (Gemma 2/3), and heads that are sharded outside their own
+forward: DeepSpeed ZeRO-3 partitions, and a model wrapped whole as one FSDP unit (the frozen reference under
+``configs/strategy/fsdp.yaml``; its forward runs without gradient, so no logits are kept for backward anyway). The
+policy under FSDP is chunked: its head lives in the root unit, whole during ``training_step``.
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ def chunkable_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Li
     if getattr(text_config, "final_logit_softcapping", None):
         return None
     head = get_head()
-    if type(head) is not torch.nn.Linear or hasattr(head.weight, "ds_id"):  # ds_id: a ZeRO-3 partitioned parameter
+    # a sharded head is only whole inside its FSDP unit's or ZeRO-3 module's forward: an FSDP-wrapped model (the
+    # reference under lit_align.strategies.DecoderLayers), a flat 1-D shard, a ZeRO-3 partition (ds_id)
+    if type(head) is not torch.nn.Linear or head.weight.dim() != 2 or hasattr(head.weight, "ds_id") or _fsdp_unit(model):
         return None
     decoder = get_decoder()
     if decoder is None or decoder is model:
@@ -149,6 +153,14 @@ def chunkable_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Li
     scale = float(getattr(text_config, "logit_scale", None) or 1.0)
     scale /= float(getattr(text_config, "logits_scaling", None) or 1.0)
     return decoder, head, scale
+
+
+def _fsdp_unit(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(model, FullyShardedDataParallel)
 
 
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:

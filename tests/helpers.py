@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
+
+TESTS = Path(__file__).resolve().parent
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -54,6 +61,35 @@ def left_padded(tokenizer, prompts):
     pad = tokenizer.pad_token_id
     return (torch.tensor([[pad] * (width - len(i)) + i for i in ids]),
             torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]))
+
+
+def run_single(args: list[str]) -> None:
+    """The CLI in this process, on one device."""
+    from lit_align.cli import main
+
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        main([*args, "--trainer.devices", "1"])
+    finally:
+        sys.argv = argv
+
+
+def ddp_and_single(tmp_path_factory, ddp_args, single_args=None, strategy: list[str] | None = None) -> tuple[Path, Path]:
+    """Run the CLI with ``ddp_args(out_dir)`` on 2 ranks (a subprocess; ``strategy``: the arguments that pick the
+    strategy, DDP by default) and meanwhile, in this process and with ``single_args(out_dir)``, on one; returns both
+    output directories."""
+    ddp_dir, single_dir = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("single")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    ddp = subprocess.Popen(
+        [sys.executable, "-m", "lit_align", *ddp_args(ddp_dir), *(strategy or ["--trainer.strategy", "ddp"]),
+         "--trainer.devices", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ddp_dir,
+    )
+    if single_args is not None:
+        run_single(single_args(single_dir))
+    output, _ = ddp.communicate(timeout=600)
+    assert ddp.returncode == 0, output[-5000:]
+    return ddp_dir, single_dir
 
 
 def digit_fraction(completions, **_):
@@ -117,3 +153,53 @@ class ReplayRollouts(L.Callback):
         if self.record_dir is not None:
             Path(self.record_dir).mkdir(parents=True, exist_ok=True)
             torch.save(self.rounds, Path(self.record_dir) / f"rank{trainer.global_rank}.pt")
+
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy, let onto CPU (gloo) for tests. Lightning refuses ``FSDPStrategy`` itself without a
+    GPU (an exact type check) and passes no ``device_id`` on CPU, which torch's FSDP then refuses; given
+    ``device_id=cpu`` explicitly, torch's FSDP shards and trains on CPU. Full state dicts are gathered without
+    ``offload_to_cpu`` (which crashes when the parameters already live on CPU)."""
+
+    def _setup_model(self, model):
+        import torch.distributed.fsdp as fsdp
+
+        real = fsdp.FullyShardedDataParallel
+
+        class OnCPU(real):
+            def __init__(self, *args, device_id=None, **kwargs):
+                super().__init__(*args, device_id=torch.device("cpu"), **kwargs)
+
+        fsdp.FullyShardedDataParallel = OnCPU
+        try:
+            return super()._setup_model(model)
+        finally:
+            fsdp.FullyShardedDataParallel = real
+
+    def lightning_module_state_dict(self):
+        with _no_cpu_offload():
+            return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer):
+        with _no_cpu_offload():
+            return super().optimizer_state(optimizer)
+
+
+@contextlib.contextmanager
+def _no_cpu_offload():
+    import lightning.pytorch.strategies.fsdp as lightning_fsdp
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def context(module, world_size, rank0_only=True):
+        return FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT,
+                                    FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+                                    FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only))
+
+    real = lightning_fsdp._get_full_state_dict_context
+    lightning_fsdp._get_full_state_dict_context = context
+    try:
+        yield
+    finally:
+        lightning_fsdp._get_full_state_dict_context = real

@@ -19,15 +19,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import metric_at, read_metrics
-
-from lit_align.cli import main
+from helpers import ddp_and_single, metric_at, read_metrics, run_single
 
 TESTS = Path(__file__).resolve().parent
 CONFIGS = TESTS.parent / "configs"
@@ -62,31 +57,6 @@ def pairs(batch: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 
 def by_step(record: dict) -> dict[int, list]:
     return {b["step"]: pairs(b) for b in record["batches"]}
-
-
-def run_single(args: list[str]) -> None:
-    """The CLI in this process, on one device."""
-    argv, sys.argv = sys.argv, ["lit-align"]
-    try:
-        main([*args, "--trainer.devices", "1"])
-    finally:
-        sys.argv = argv
-
-
-def ddp_and_single(tmp_path_factory, ddp_args, single_args=None) -> tuple[Path, Path]:
-    """Run the CLI with ``ddp_args(out_dir)`` on 2 ranks (a subprocess) and meanwhile, in this process and with
-    ``single_args(out_dir)``, on one; returns both output directories."""
-    ddp_dir, single_dir = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("single")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    ddp = subprocess.Popen(
-        [sys.executable, "-m", "lit_align", *ddp_args(ddp_dir), "--trainer.strategy", "ddp", "--trainer.devices", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ddp_dir,
-    )
-    if single_args is not None:
-        run_single(single_args(single_dir))
-    output, _ = ddp.communicate(timeout=600)
-    assert ddp.returncode == 0, output[-5000:]
-    return ddp_dir, single_dir
 
 
 @pytest.fixture(scope="module")

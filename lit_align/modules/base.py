@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from pathlib import Path
 
 import lightning as L
@@ -111,8 +110,9 @@ class AlignModule(L.LightningModule):
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        skip = prefix + "ref_model."
-        return OrderedDict((k, v) for k, v in state.items() if not k.startswith(skip))
+        for key in [k for k in state if k.startswith(prefix + "ref_model.")]:  # in place: FSDP passes `destination`
+            del state[key]
+        return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if self.ref_model is not None:  # refill the reference from itself: checkpoints do not carry it
@@ -131,9 +131,12 @@ class AlignModule(L.LightningModule):
             raise LitAlignError(f"model.lr_scheduler_type {hp.lr_scheduler_type!r}: {exc}") from exc
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def export(self, path: str | Path) -> Path:
-        """Write the policy and tokenizer as a Hugging Face model directory (``from_pretrained`` loads it)."""
+    def export(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write the policy and tokenizer as a Hugging Face model directory (``from_pretrained`` loads it).
+
+        ``state_dict``: the policy's full weights when they are sharded (``lit_align.strategies.full_policy_state_dict``).
+        """
         path = Path(path)
-        self.policy.save_pretrained(path)
+        self.policy.save_pretrained(path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
         return path
