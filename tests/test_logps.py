@@ -110,3 +110,28 @@ def test_soft_capped_models_fall_back_to_the_plain_path(tiny_path):
     input_ids = torch.randint(3, model.config.vocab_size, (1, 6))
     logps, _ = next_token_logps(model, input_ids, 1, chunk_size=4)  # silently the plain path
     torch.testing.assert_close(logps, token_logps(model(input_ids).logits[:, :-1], input_ids[:, 1:]))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_dpo_completion_logps_through_next_token_logps(tiny_path, chunk_size):
+    """The few lines that route DPO's ``completion_logps`` through this module give its numbers, chunked or not."""
+    from lit_align.models import load_model
+    from lit_align.modules.dpo import completion_logps
+
+    model = load_model("builtin:tiny")
+    g = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(3, model.config.vocab_size, (4, 10), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[2:, 8:] = 0  # right padding
+    completion_mask = attention_mask.clone()
+    completion_mask[:, :4] = 0
+    completion_mask[1, 4] = 0
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask}
+    want_logps, want_mean_logits = completion_logps(model, batch)
+
+    start = int(completion_mask.int().argmax(1).min())
+    logps, stats = next_token_logps(model, input_ids, start, chunk_size, stats=("mean_logit",),
+                                    attention_mask=attention_mask)
+    mask = completion_mask[:, start:]
+    torch.testing.assert_close((logps * mask).sum(-1), want_logps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close((stats["mean_logit"] * mask).sum(-1), want_mean_logits, atol=1e-5, rtol=1e-5)
