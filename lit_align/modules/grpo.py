@@ -167,7 +167,8 @@ class GRPOModule(AlignModule):
         world = self.trainer.world_size
         lengths = completion_mask.sum(1).float()
         # std, min and max are over every rank's completions (gathered), not averages of per-rank values
-        all_rewards, all_lengths = self.all_gather(rewards).reshape(-1), self.all_gather(lengths).reshape(-1)
+        gather = self.trainer.strategy.all_gather
+        all_rewards, all_lengths = gather(rewards).reshape(-1), gather(lengths).reshape(-1)
         zero_std = (nanstd(rewards.view(-1, num_generations), dim=1) < 1e-6).float()  # as the advantages see it
         self.generation_rounds += 1
         stats = {
