@@ -103,7 +103,12 @@ def test_sft_two_ranks_train_like_one_process(tmp_path_factory):
     def args(out, batch_size):  # no warmup: step 0 must move the weights for step 1 to check the update
         return [*common_args(out, batch_size, str(CONFIGS / "sft.yaml")), "--model.init_args.warmup_steps", "0"]
 
-    ddp_dir, single_dir = ddp_and_single(tmp_path_factory, lambda out: args(out, 4), lambda out: args(out, 8))
+    # the DDP run also exports into its run directory (every rank takes part: Lightning broadcasts log_dir)
+    ddp_dir, single_dir = ddp_and_single(
+        tmp_path_factory, lambda out: [*args(out, 4), "--export.enabled", "true", "--export.path", "null"],
+        lambda out: args(out, 8))
+    exported = ddp_dir / "sft" / "version_0" / "hf_model"
+    assert (exported / "config.json").exists() and (exported / "model.safetensors").exists()
     ddp = read_metrics(ddp_dir / "sft" / "version_0" / "metrics.csv")
     single = read_metrics(single_dir / "sft" / "version_0" / "metrics.csv")
     batches = [by_step(json.loads((ddp_dir / "batches" / f"rank{r}.json").read_text())) for r in (0, 1)]
