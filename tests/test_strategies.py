@@ -2,8 +2,8 @@
 then FSDP for real, on CPU with 2 processes (``helpers.CPUFSDPStrategy``: Lightning only refuses FSDP without a GPU).
 
 FSDP checks: DPO trains exactly like one process on the same global batch (step-0 and step-1 losses), the checkpoint
-holds no reference weights, and the export is a Hugging Face directory with the checkpoint's weights; GRPO generates,
-uses its reference and the chunked log-probs inside the sharded module.
+holds no reference weights, the export is a Hugging Face directory with the checkpoint's weights, and a run resumes
+from that checkpoint; GRPO generates, uses its reference and the chunked log-probs inside the sharded module.
 """
 
 from __future__ import annotations
@@ -142,6 +142,16 @@ def test_fsdp_dpo_trains_like_one_process_and_exports_a_hf_model(tmp_path_factor
     exported = AutoModelForCausalLM.from_pretrained(run / "hf_model").state_dict()
     for key, value in state.items():
         torch.testing.assert_close(exported[key.removeprefix("policy.")], value, rtol=0, atol=0)
+
+    # resume under FSDP: the checkpoint has no reference, which is not a missing key; the policy is the trained one
+    resumed_dir, _ = ddp_and_single(
+        tmp_path_factory, lambda out: args(out, "dpo.yaml", 2, "--trainer.max_steps", "3", "--ckpt_path", str(ckpt),
+                                           "--export.enabled", "false"),
+        strategy=FSDP)
+    resumed = read_metrics(resumed_dir / "dpo" / "version_0" / "metrics.csv")
+    assert sorted(int(r["step"]) for r in resumed if "train/loss" in r) == [2]
+    assert math.isfinite(metric_at(resumed, "train/loss", 2))
+    assert metric_at(resumed, "train/loss", 2) != pytest.approx(math.log(2), abs=1e-4)  # not a fresh policy
 
 
 def test_fsdp_grpo_generates_with_a_sharded_policy_and_reference(tmp_path_factory):

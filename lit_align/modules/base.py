@@ -27,6 +27,11 @@ def frozen(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _reference_not_in_checkpoints(module, incompatible_keys) -> None:
+    """Checkpoints leave the reference out: its keys are not missing (also when FSDP loads the wrapped module)."""
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if "ref_model." not in k]
+
+
 class AlignModule(L.LightningModule):
     """Base LightningModule: loads the policy in ``configure_model``, builds AdamW + a warmup schedule, exports.
 
@@ -74,6 +79,7 @@ class AlignModule(L.LightningModule):
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None  # set by recipes that need a reference (load_reference)
         self.tokenizer = None
+        self.register_load_state_dict_post_hook(_reference_not_in_checkpoints)
 
     def load(self, name: str) -> torch.nn.Module:
         hp = self.hparams
