@@ -28,9 +28,13 @@ from lit_align.losses import token_logps
 STATS = ("entropy", "argmax", "mean_logit")
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scale: float):
-    b = None if bias is None else bias.to(dtype)
-    return F.linear(hidden.to(dtype), weight.to(dtype), b).float() * scale
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """fp32 ``scale * (hidden @ weight.T + bias)``, the matmul in ``weight``'s dtype."""
+    return F.linear(hidden.to(weight.dtype), weight, bias).float() * scale
+
+
+def _cast(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -45,9 +49,10 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         logps = hidden.new_empty(labels.shape, dtype=torch.float32)
         out = {name: hidden.new_empty(labels.shape, dtype=torch.long if name == "argmax" else torch.float32)
                for name in stats}
+        w, b = _cast(weight, bias, dtype)  # once, not per chunk
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, labels.numel(), chunk_size):
-                logits = _logits(hidden[s : s + chunk_size], weight, bias, dtype, scale)
+                logits = _logits(hidden[s : s + chunk_size], w, b, scale)
                 lse = torch.logsumexp(logits, -1)
                 logps[s : s + chunk_size] = logits.gather(-1, labels[s : s + chunk_size, None]).squeeze(-1) - lse
                 if "entropy" in out:
@@ -69,15 +74,16 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        w, b = _cast(weight, bias, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, labels.numel(), chunk):
                 h = hidden[s : s + chunk].to(dtype)
                 # d logp / d logits = scale * (onehot(label) - softmax(scale * logits))
-                probs = _logits(h, weight, bias, dtype, scale).softmax(-1)
+                probs = _logits(h, w, b, scale).softmax(-1)
                 probs.scatter_add_(-1, labels[s : s + chunk, None], probs.new_full((len(h), 1), -1.0))
                 grad_logits = (probs * (-scale * grad_logps[s : s + chunk, None].float())).to(dtype)
                 if need_h:
-                    grad_h[s : s + chunk] = (grad_logits @ weight.to(dtype)).to(hidden.dtype)
+                    grad_h[s : s + chunk] = (grad_logits @ w).to(hidden.dtype)
                 if need_w:
                     grad_w += (grad_logits.T @ h).float()
                 if need_b:
