@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_align.errors import LitAlignError
+from lit_align.strategies import full_policy_state_dict
 
 
 def run_dir(trainer: L.Trainer) -> Path:
@@ -38,16 +39,19 @@ class HFExport(L.Callback):
         self.exported_to: Path | None = None
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.enabled or not trainer.is_global_zero:
+        if not self.enabled:
             return
-        target = Path(self.path) if self.path else run_dir(trainer) / self.dirname
+        target = Path(self.path) if self.path else run_dir(trainer) / self.dirname  # every rank: log_dir broadcasts
         if target.exists() and not any((target / name).exists() for name in ("config.json", "adapter_config.json")):
             raise LitAlignError(f"export path {target} exists and is not a Hugging Face model directory; "
                                 "refusing to replace it (choose another export.path)")
+        state_dict = full_policy_state_dict(trainer, pl_module.policy)  # every rank: gathers sharded weights
+        if not trainer.is_global_zero:
+            return
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.with_name(f".{target.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
-        pl_module.export(staging)
+        pl_module.export(staging, state_dict=state_dict)
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)

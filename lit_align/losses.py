@@ -11,22 +11,22 @@ import torch
 from lit_align.dpo_losses import DPO_LOSS_TYPES, dpo_loss  # noqa: F401  (re-exported: the DPO family's own module)
 
 
+def fp32_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over the vocabulary in fp32: ``[N, T, V] -> [N, T]`` (half precision upcast one sequence at a time,
+    so no fp32 copy of the whole batch's logits is made)."""
+    if logits.dtype in (torch.float32, torch.float64):
+        return torch.logsumexp(logits, dim=-1).float()
+    return torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])
+
+
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Log-probability of each label under ``logits``: ``[N, T, V], [N, T] -> [N, T]`` (fp32).
 
     Gathers the label logit and subtracts a logsumexp, so no ``[N, T, V]`` log-softmax is ever held beside the
-    logits. Half-precision logits are upcast one sequence at a time (the logsumexp needs fp32 to be accurate).
-    Labels must be valid ids everywhere (mask afterwards; use any id, e.g. 0, at padded positions).
+    logits. Labels must be valid ids everywhere (mask afterwards; use any id, e.g. 0, at padded positions).
     """
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        return (picked - torch.logsumexp(logits, dim=-1)).float()
-    rows = []
-    for row_logits, row_labels in zip(logits, labels):
-        row_logits = row_logits.float()
-        picked = row_logits.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)
-        rows.append(picked - torch.logsumexp(row_logits, dim=-1))
-    return torch.stack(rows)
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
+    return picked - fp32_logsumexp(logits)
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -3,16 +3,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
+
+TESTS = Path(__file__).resolve().parent
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -117,3 +123,145 @@ def write_sort_rows(path: Path, n: int, kind: str) -> str:
                 for d in digits]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+def run_single(args: list[str]) -> None:
+    """The CLI in this process, on one device."""
+    from lit_align.cli import main
+
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        main([*args, "--trainer.devices", "1"])
+    finally:
+        sys.argv = argv
+
+
+def ddp_and_single(tmp_path_factory, ddp_args, single_args=None, strategy: list[str] | None = None) -> tuple[Path, Path]:
+    """Run the CLI with ``ddp_args(out_dir)`` on 2 ranks (a subprocess; ``strategy``: the arguments that pick the
+    strategy, DDP by default) and meanwhile, in this process and with ``single_args(out_dir)``, on one; returns both
+    output directories."""
+    ddp_dir, single_dir = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("single")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    ddp = subprocess.Popen(
+        [sys.executable, "-m", "lit_align", *ddp_args(ddp_dir), *(strategy or ["--trainer.strategy", "ddp"]),
+         "--trainer.devices", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ddp_dir,
+    )
+    if single_args is not None:
+        run_single(single_args(single_dir))
+    output, _ = ddp.communicate(timeout=600)
+    assert ddp.returncode == 0, output[-5000:]
+    return ddp_dir, single_dir
+
+
+def digit_fraction(completions, **_):
+    """A reward that spreads random completions (fraction of digits), so advantages and gradients are non-zero."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+class ReplayRollouts(L.Callback):
+    """Record what GRPO's sampler returns on this rank (``record_dir``), or replay recorded rounds (``replay_dir``).
+
+    Replaying, each round's completions and rewards come from the recording of whichever rank sampled that prompt in
+    that round, in the order of this run's prompts: a one-process run then trains on exactly the completions a DDP
+    run sampled, so their losses can be compared (sampling itself depends on each rank's random stream).
+
+    Args:
+        record_dir: write ``<record_dir>/rank<R>.pt`` at the end of training.
+        replay_dir: read every ``rank*.pt`` there and replay it instead of sampling.
+    """
+
+    def __init__(self, record_dir: str | None = None, replay_dir: str | None = None):
+        self.record_dir, self.replay_dir = record_dir, replay_dir
+        self.rounds: list[dict] = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        real = pl_module.sample
+        if self.replay_dir is not None:
+            recorded = [torch.load(p) for p in sorted(Path(self.replay_dir).glob("rank*.pt"))]
+            by_round = [{} for _ in recorded[0]]
+            for rank in recorded:
+                for k, rnd in enumerate(rank):
+                    for i, prompt in enumerate(rnd["prompts"]):
+                        by_round[k].setdefault(json.dumps(prompt), []).append({key: rnd[key][i] for key in rnd})
+
+        def sample(sampler, batch, num_samples):
+            if sampler is not pl_module.sampler:  # validation: greedy, unchanged
+                return real(sampler, batch, num_samples)
+            if self.replay_dir is None:
+                rollout, prompts, completions, per_func = real(sampler, batch, num_samples)
+                self.rounds.append({"prompts": prompts, "completions": completions, "per_func": per_func,
+                                    "ids": [row[m.bool()] for row, m in zip(rollout.completion_ids,
+                                                                            rollout.completion_mask)],
+                                    "truncated": rollout.truncated})
+                return rollout, prompts, completions, per_func
+            from lit_align.generation import Rollout
+
+            k = len(self.rounds)
+            self.rounds.append(None)
+            rows = [r for p in batch["prompts"] for r in by_round[k][json.dumps(p)]]
+            width = max(len(r["ids"]) for r in rows)
+            pad = pl_module.tokenizer.pad_token_id
+            ids = torch.stack([torch.cat([r["ids"], r["ids"].new_full((width - len(r["ids"]),), pad)]) for r in rows])
+            mask = torch.stack([torch.arange(width) < len(r["ids"]) for r in rows]).long()
+            rollout = Rollout(ids, mask, torch.stack([r["truncated"] for r in rows]))
+            return (rollout, [r["prompts"] for r in rows], [r["completions"] for r in rows],
+                    torch.stack([r["per_func"] for r in rows]))
+
+        pl_module.sample = sample
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.record_dir is not None:
+            Path(self.record_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(self.rounds, Path(self.record_dir) / f"rank{trainer.global_rank}.pt")
+
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy, let onto CPU (gloo) for tests. Lightning refuses ``FSDPStrategy`` itself without a
+    GPU (an exact type check) and passes no ``device_id`` on CPU, which torch's FSDP then refuses; given
+    ``device_id=cpu`` explicitly, torch's FSDP shards and trains on CPU. Full state dicts are gathered without
+    ``offload_to_cpu`` (which crashes when the parameters already live on CPU)."""
+
+    def _setup_model(self, model):
+        import torch.distributed.fsdp as fsdp
+
+        real = fsdp.FullyShardedDataParallel
+
+        class OnCPU(real):
+            def __init__(self, *args, device_id=None, **kwargs):
+                super().__init__(*args, device_id=torch.device("cpu"), **kwargs)
+
+        fsdp.FullyShardedDataParallel = OnCPU
+        try:
+            return super()._setup_model(model)
+        finally:
+            fsdp.FullyShardedDataParallel = real
+
+    def lightning_module_state_dict(self):
+        with _no_cpu_offload():
+            return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer):
+        with _no_cpu_offload():
+            return super().optimizer_state(optimizer)
+
+
+@contextlib.contextmanager
+def _no_cpu_offload():
+    import lightning.pytorch.strategies.fsdp as lightning_fsdp
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def context(module, world_size, rank0_only=True):
+        return FSDP.state_dict_type(module, StateDictType.FULL_STATE_DICT,
+                                    FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+                                    FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only))
+
+    real = lightning_fsdp._get_full_state_dict_context
+    lightning_fsdp._get_full_state_dict_context = context
+    try:
+        yield
+    finally:
+        lightning_fsdp._get_full_state_dict_context = real

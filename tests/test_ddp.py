@@ -1,4 +1,4 @@
-"""DDP on CPU: two ranks with 2 pairs each train exactly like one process with 4 pairs.
+"""DDP on CPU: two ranks with B rows each train exactly like one process with 2B rows (DPO, SFT, GRPO).
 
 The two-rank run is the real CLI in a subprocess (``--trainer.strategy ddp --trainer.devices 2``); the one-process
 run is in-process. Both record every batch they train on with ``helpers.RecordBatches`` (a plain Lightning callback
@@ -8,34 +8,35 @@ passed on the command line), read their rows unshuffled, and log every step. The
 - the logged step-0 metrics agree (``train/loss`` is ln 2 on both sides: policy == reference; the log-probs are
   data-dependent), and so does the step-1 loss, which comes after one optimizer step: it checks that the ranks'
   gradients were averaged into the same update the one-process run made.
+
+SFT is checked the same way (its loss is the mean over the loss tokens of all ranks). GRPO samples its completions,
+and a rank's random stream is not the one process's, so the ranks record what they sampled
+(``helpers.ReplayRollouts``) and the one-process run replays those completions and rewards instead of sampling: it
+checks that the loss, the KL and the update are the same over the same completions, not that sampling is.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import metric_at, read_metrics
-
-from lit_align.cli import main
+from helpers import ddp_and_single, metric_at, read_metrics, run_single
 
 TESTS = Path(__file__).resolve().parent
-DPO = str(TESTS.parent / "configs" / "dpo.yaml")
+CONFIGS = TESTS.parent / "configs"
+DPO = str(CONFIGS / "dpo.yaml")
 STEPS = 2
 
 
-def common_args(out: Path, batch_size: int) -> list[str]:
-    callback = [{"class_path": "helpers.RecordBatches", "init_args": {"out_dir": str(out / "batches")}}]
+def common_args(out: Path, batch_size: int, config: str = DPO, callback: dict | None = None) -> list[str]:
+    callback = callback or {"class_path": "helpers.RecordBatches", "init_args": {"out_dir": str(out / "batches")}}
     return [
-        "fit", "-c", DPO, "--trainer.max_steps", str(STEPS), "--trainer.log_every_n_steps", "1",
+        "fit", "-c", config, "--trainer.max_steps", str(STEPS), "--trainer.log_every_n_steps", "1",
         "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false", "--trainer.enable_checkpointing", "false",
-        "--trainer.logger.init_args.save_dir", str(out), "--trainer.callbacks", json.dumps(callback),
+        "--trainer.logger.init_args.save_dir", str(out), "--trainer.callbacks", json.dumps([callback]),
         "--data.init_args.batch_size", str(batch_size), "--data.init_args.shuffle", "false",
         "--data.init_args.val_split", "null", "--export.enabled", "false",
     ]
@@ -60,21 +61,8 @@ def by_step(record: dict) -> dict[int, list]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    ddp_dir, single_dir = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("single")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-    ddp = subprocess.Popen(
-        [sys.executable, "-m", "lit_align", *common_args(ddp_dir, 2), "--trainer.strategy", "ddp",
-         "--trainer.devices", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ddp_dir,
-    )
-    # the one-process run meanwhile, in-process
-    argv, sys.argv = sys.argv, ["lit-align"]
-    try:
-        main([*common_args(single_dir, 4), "--trainer.devices", "1"])
-    finally:
-        sys.argv = argv
-    output, _ = ddp.communicate(timeout=600)
-    assert ddp.returncode == 0, output[-5000:]
+    ddp_dir, single_dir = ddp_and_single(tmp_path_factory, lambda out: common_args(out, 2),
+                                         lambda out: common_args(out, 4))
     return {
         "ddp": [json.loads((ddp_dir / "batches" / f"rank{r}.json").read_text()) for r in (0, 1)],
         "single": json.loads((single_dir / "batches" / "rank0.json").read_text()),
@@ -108,3 +96,54 @@ def test_logged_metrics_match_single_process(runs):
     loss1 = metric_at(ddp, "train/loss", 1)
     assert loss1 != pytest.approx(math.log(2), abs=1e-4)
     assert loss1 == pytest.approx(metric_at(single, "train/loss", 1), abs=1e-6)
+
+
+# -- SFT ---------------------------------------------------------------------------------------------------------------
+def test_sft_two_ranks_train_like_one_process(tmp_path_factory):
+    def args(out, batch_size):  # no warmup: step 0 must move the weights for step 1 to check the update
+        return [*common_args(out, batch_size, str(CONFIGS / "sft.yaml")), "--model.init_args.warmup_steps", "0"]
+
+    # the DDP run also exports into its run directory (every rank takes part: Lightning broadcasts log_dir)
+    ddp_dir, single_dir = ddp_and_single(
+        tmp_path_factory, lambda out: [*args(out, 4), "--export.enabled", "true", "--export.path", "null"],
+        lambda out: args(out, 8))
+    exported = ddp_dir / "sft" / "version_0" / "hf_model"
+    assert (exported / "config.json").exists() and (exported / "model.safetensors").exists()
+    ddp = read_metrics(ddp_dir / "sft" / "version_0" / "metrics.csv")
+    single = read_metrics(single_dir / "sft" / "version_0" / "metrics.csv")
+    batches = [by_step(json.loads((ddp_dir / "batches" / f"rank{r}.json").read_text())) for r in (0, 1)]
+    assert sorted(batches[0][0] + batches[1][0]) == sorted(by_step(json.loads(
+        (single_dir / "batches" / "rank0.json").read_text()))[0])
+    for step in range(STEPS):  # step 1: after one (token-weighted, rank-averaged) update
+        for name in ("train/loss", "train/mean_token_accuracy", "train/num_tokens"):
+            assert metric_at(ddp, name, step) == pytest.approx(metric_at(single, name, step), abs=1e-5), (name, step)
+
+
+# -- GRPO --------------------------------------------------------------------------------------------------------------
+def grpo_args(out: Path, batch_size: int, callback: dict) -> list[str]:
+    model = ["--model.init_args.model", "builtin:tiny", "--model.init_args.beta", "0.04",
+             "--model.init_args.max_completion_length", "4", "--model.init_args.learning_rate", "1e-2",
+             "--model.init_args.warmup_steps", "0",
+             "--model.init_args.reward_funcs", json.dumps(["lit_align.rewards.sort_accuracy", "helpers.digit_fraction"]),
+             "--data.init_args.num_generations", "2", "--data.init_args.steps_per_generation", "1"]
+    return [*common_args(out, batch_size, str(CONFIGS / "grpo.yaml"), callback), *model]
+
+
+def test_grpo_two_ranks_train_like_one_process_on_the_same_completions(tmp_path_factory):
+    record = {}
+
+    def ddp(out):
+        record["dir"] = str(out / "rollouts")
+        return grpo_args(out, 4, {"class_path": "helpers.ReplayRollouts", "init_args": {"record_dir": record["dir"]}})
+
+    ddp_dir, single_dir = ddp_and_single(tmp_path_factory, ddp)  # then replay what the ranks sampled, in one process
+    run_single(grpo_args(single_dir, 8, {"class_path": "helpers.ReplayRollouts",
+                                         "init_args": {"replay_dir": record["dir"]}}))
+    ddp_m = read_metrics(ddp_dir / "grpo" / "version_0" / "metrics.csv")
+    single_m = read_metrics(single_dir / "grpo" / "version_0" / "metrics.csv")
+    for step in range(STEPS):
+        for name in ("train/loss", "train/kl", "train/reward", "train/reward_std", "train/completions/mean_length",
+                     "train/completions/min_length", "train/completions/max_length"):
+            assert metric_at(ddp_m, name, step) == pytest.approx(metric_at(single_m, name, step), abs=1e-6), (name, step)
+    assert metric_at(ddp_m, "train/kl", 0) == pytest.approx(0.0, abs=1e-7)  # policy == reference before any update
+    assert metric_at(ddp_m, "train/kl", 1) > 1e-6  # ...and not after: the step-1 match checks the averaged update

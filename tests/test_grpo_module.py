@@ -209,7 +209,8 @@ def stub_round(module: GRPOModule, tokenizer, spg: int = 1, iterations: int = 1,
     """``generate_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device Trainer."""
     module.tokenizer, module.sampler = tokenizer, LogpsSampler()
     module._trainer = SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
-                                      strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t))
+                                      strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t,
+                                                                all_gather=lambda t: t))
     batch = {"prompt_ids": torch.tensor([[30, 31], [0, 32]]), "prompt_mask": torch.tensor([[1, 1], [0, 1]]),
              "prompts": ["ab", "c"], "columns": {}, "round_pos": 0, "num_generations": 2,
              "steps_per_generation": spg, "num_iterations": iterations}

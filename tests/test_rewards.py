@@ -161,7 +161,7 @@ class FixedSampler:
 def stub_trainer(accumulate: int = 1):
     """What generate_round asks of the Trainer, single device."""
     return SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
-                           strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t))
+                           strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t, all_gather=lambda t: t))
 
 
 def round_for(module: GRPOModule, tokenizer, prompts, texts, columns, num_generations=2, accumulate=1, spg=1,

@@ -301,27 +301,36 @@ def random_pairs(seed: int = 0, pairs: int = 4) -> list[dict[str, list[int]]]:
     return [{"prompt_ids": ids(2, 9), "chosen_ids": ids(1, 7), "rejected_ids": ids(1, 7)} for _ in range(pairs)]
 
 
+@pytest.mark.parametrize("chunk_size", [None, 3])
 @pytest.mark.parametrize("model_type,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"),
                                              ("mistral", "sdpa"), ("gemma2", "eager"), ("phi3", "sdpa")])
-def test_shared_prompt_rows_match_plain_batch(model_type, attn):
+def test_shared_prompt_rows_match_plain_batch(model_type, attn, chunk_size):
+    """Shared-prompt rows, and (``chunk_size``) the chunked LM head on either layout, give the plain batch's per-token
+    log-probs, statistics and gradients."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY), attn_implementation=attn)
     assert supports_shared_prompt(model)
     batch = collate_pairs(random_pairs(), pad_token_id=0, max_length=None)
     layout = shared_prompt_layout(batch)
     assert layout["input_ids"].numel() < batch["input_ids"].numel()  # the point: fewer positions
-    plain_out, shared_out = completion_logps(model, batch), shared_prompt_logps(model, layout)
-    plain, shared = plain_out.tokens.sum(1), shared_out.tokens.sum(1)
-    assert torch.allclose(shared, plain, atol=1e-5, rtol=0), (shared - plain).abs().max()
-    assert torch.allclose(shared_out.logit_sums, plain_out.logit_sums, atol=1e-6, rtol=0)
-    # the same tokens, in the same order within each completion
-    assert torch.allclose(shared_out.tokens[shared_out.mask], plain_out.tokens[plain_out.mask], atol=1e-5, rtol=0)
+    plain_out = completion_logps(model, batch, log_sum_sq_probs=True)
+    plain = plain_out.tokens.sum(1)
     plain.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    shared.sum().backward()
-    for name, param in model.named_parameters():
-        assert torch.allclose(param.grad, grads[name], atol=1e-5 * grads[name].abs().max().item()), name
+    others = {"shared": shared_prompt_logps(model, layout, True, chunk_size)}
+    if chunk_size:
+        others["plain, chunked"] = completion_logps(model, batch, True, chunk_size)
+    for what, out in others.items():
+        assert torch.allclose(out.tokens.sum(1), plain, atol=1e-5, rtol=0), (what, (out.tokens.sum(1) - plain))
+        assert torch.allclose(out.logit_sums, plain_out.logit_sums, atol=1e-5, rtol=0), what
+        # the same tokens, in the same order within each completion
+        assert torch.allclose(out.tokens[out.mask], plain_out.tokens[plain_out.mask], atol=1e-5, rtol=0), what
+        assert torch.allclose(out.log_sum_sq_probs[out.mask], plain_out.log_sum_sq_probs[plain_out.mask],
+                              atol=1e-5, rtol=0), what
+        model.zero_grad()
+        out.tokens.sum().backward()
+        for name, param in model.named_parameters():
+            assert torch.allclose(param.grad, grads[name], atol=1e-5 * grads[name].abs().max().item()), (what, name)
 
 
 def test_shared_prompt_falls_back_on_other_batches(setup):

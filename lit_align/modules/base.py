@@ -8,7 +8,6 @@ second copy. ``reference_model()`` hands out whichever it is.
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,6 +34,11 @@ def frozen(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _reference_not_in_checkpoints(module, incompatible_keys) -> None:
+    """Checkpoints leave the reference out: its keys are not missing (also when FSDP loads the wrapped module)."""
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if "ref_model." not in k]
+
+
 class AlignModule(L.LightningModule):
     """Base LightningModule: loads the policy in ``configure_model``, builds AdamW + a warmup schedule, exports.
 
@@ -45,6 +49,9 @@ class AlignModule(L.LightningModule):
         attn_implementation: ``sdpa`` (default), ``eager``, ``flash_attention_2``, ...
         trust_remote_code: allow models that ship their own code.
         gradient_checkpointing: recompute activations in backward to save memory.
+        logps_chunk_size: compute log-probs ``logps_chunk_size`` positions at a time from the decoder's hidden states
+            instead of from full ``[N, T, V]`` logits (``lit_align.logps``): same values and gradients, a fraction of
+            the memory at large vocabularies. None: off. E.g. 1024 (a chunk holds ``chunk * V`` fp32 logits).
         disable_dropout: zero every dropout (TRL's default).
         learning_rate: AdamW learning rate (TRL's DPO default: 1e-6).
         weight_decay: AdamW weight decay.
@@ -73,6 +80,7 @@ class AlignModule(L.LightningModule):
         attn_implementation: str | None = "sdpa",
         trust_remote_code: bool = False,
         gradient_checkpointing: bool = False,
+        logps_chunk_size: int | None = None,
         disable_dropout: bool = True,
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
@@ -89,10 +97,15 @@ class AlignModule(L.LightningModule):
         self.save_hyperparameters()
         self.lora_config = lora_config(peft_config) if peft_config is not None else None
         self.model_name = model
+        if logps_chunk_size is not None and logps_chunk_size < 1:
+            raise LitAlignError(f"model.logps_chunk_size must be a positive number of positions or null, "
+                                f"got {logps_chunk_size}")
+        self.logps_chunk_size = logps_chunk_size
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None  # set by recipes that need a reference (load_reference)
         self.tokenizer = None
         self.skipped_batches = 0
+        self.register_load_state_dict_post_hook(_reference_not_in_checkpoints)
 
     def load(self, name: str) -> torch.nn.Module:
         hp = self.hparams
@@ -155,8 +168,9 @@ class AlignModule(L.LightningModule):
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        skip = prefix + "ref_model."
-        return OrderedDict((k, v) for k, v in state.items() if not k.startswith(skip))
+        for key in [k for k in state if k.startswith(prefix + "ref_model.")]:  # in place: FSDP passes `destination`
+            del state[key]
+        return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if self.ref_model is not None:  # refill the reference from itself: checkpoints do not carry it
@@ -233,9 +247,13 @@ class AlignModule(L.LightningModule):
             raise LitAlignError(f"model.lr_scheduler_type {hp.lr_scheduler_type!r}: {exc}") from exc
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def export(self, path: str | Path) -> Path:
+    def export(self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
         """Write the policy and tokenizer as a Hugging Face model directory (``from_pretrained`` loads it); under
-        PEFT the adapter, or with ``export_merged`` the merged model plus the adapter in ``adapter/``."""
+        PEFT the adapter, or with ``export_merged`` the merged model plus the adapter in ``adapter/``.
+
+        ``state_dict``: the policy's full weights when they are sharded (``lit_align.strategies.full_policy_state_dict``;
+        full fine-tuning only: a LoRA export saves the adapter as this process holds it).
+        """
         path = Path(path)
         if self.lora_config is not None and self.hparams.export_merged:
             from peft import PeftModel
@@ -244,8 +262,10 @@ class AlignModule(L.LightningModule):
             base = self.load(self.model_name)  # a fresh base: merging in place would change the training model
             merged = PeftModel.from_pretrained(base, path / "adapter").merge_and_unload()
             merged.save_pretrained(path)
-        else:
+        elif self.lora_config is not None:
             self.policy.save_pretrained(path)
+        else:
+            self.policy.save_pretrained(path, state_dict=state_dict)
         self.tokenizer.save_pretrained(path)
         return path
 

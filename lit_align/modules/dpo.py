@@ -32,7 +32,7 @@ from lit_align.dpo_losses import (
     sft_nll,
     wpo_weights,
 )
-from lit_align.losses import token_logps
+from lit_align.logps import next_token_logps
 from lit_align.modules import reference
 from lit_align.modules.base import AlignModule, frozen
 
@@ -51,28 +51,24 @@ class CompletionLogps(NamedTuple):
     log_sum_sq_probs: torch.Tensor | None = None  # log sum_v p(v)^2 per token (WPO; no gradient), when asked
 
 
-def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor],
-                     log_sum_sq_probs: bool = False) -> CompletionLogps:
+def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], log_sum_sq_probs: bool = False,
+                     chunk_size: int | None = None) -> CompletionLogps:
     """One forward over a right-padded batch: per-token completion log-probs (see ``CompletionLogps``).
 
-    Only positions that predict a completion token need logits: with ``logits_to_keep`` the LM head skips the
-    prompt prefix shared by the batch (a large saving with real vocabularies).
+    Only positions that predict a completion token need logits: the LM head skips the prompt prefix shared by the
+    batch (a large saving with real vocabularies), and with ``chunk_size`` it runs a chunk at a time
+    (``lit_align.logps``).
     """
     input_ids, completion_mask = batch["input_ids"], batch["completion_mask"]
     has_completion = completion_mask.any(1)
     first = completion_mask.int().argmax(1)[has_completion]
     start = max(int(first.min()) if first.numel() else 1, 1)  # first completion position; logits from start - 1
-    kwargs = {"input_ids": input_ids, "attention_mask": batch["attention_mask"], "use_cache": False}
-    if _takes_logits_to_keep(model):
-        logits = model(**kwargs, logits_to_keep=input_ids.shape[1] - start + 1).logits[:, :-1]
-    else:
-        logits = model(**kwargs).logits[:, start - 1 : -1]
-    labels, mask = input_ids[:, start:], completion_mask[:, start:].bool()
-    tokens = token_logps(logits, labels.masked_fill(~mask, 0)).masked_fill(~mask, 0)
-    with torch.no_grad():
-        logit_sums = (logits.mean(-1).float() * mask).sum(-1)
-        sum_sq = _log_sum_sq_probs(logits) if log_sum_sq_probs else None
-    return CompletionLogps(tokens, mask, logit_sums, sum_sq)
+    stats = ("mean_logit", "log_sum_sq_probs") if log_sum_sq_probs else ("mean_logit",)
+    tokens, values = next_token_logps(model, input_ids, start, chunk_size, stats=stats,
+                                      attention_mask=batch["attention_mask"])
+    mask = completion_mask[:, start:].bool()
+    return CompletionLogps(tokens.masked_fill(~mask, 0), mask, (values["mean_logit"] * mask).sum(-1),
+                           values.get("log_sum_sq_probs"))
 
 
 # Architectures whose forward honours a custom 4D attention mask and explicit ``position_ids`` with their usual meaning
@@ -153,54 +149,32 @@ def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     }
 
 
-def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor],
-                        log_sum_sq_probs: bool = False) -> CompletionLogps:
+def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor], log_sum_sq_probs: bool = False,
+                        chunk_size: int | None = None) -> CompletionLogps:
     """``completion_logps`` over the rows of ``shared_prompt_layout``, ordered ``[chosen_1..B; rejected_1..B]`` like
     the batch it was made from (each pair's row appears twice, once under its chosen mask, once under its rejected)."""
     input_ids, first = layout["input_ids"], layout["first"]
-    dtype = next(model.parameters()).dtype
     mask = layout["allowed"]
     if model.config._attn_implementation != "sdpa":  # eager adds the mask to the scores
+        dtype = next(model.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    kwargs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": layout["position_ids"], "use_cache": False}
-    keep = input_ids.shape[1] - first + 1  # logits of positions first - 1 .. L - 1
-    if _takes_logits_to_keep(model):
-        logits = model(**kwargs, logits_to_keep=keep).logits
-    else:
-        logits = model(**kwargs).logits[:, -keep:]
-    labels = input_ids[:, first:]
-    source = layout["source"][:, first:] - (first - 1)  # index into logits
-    rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
-    picked = logits[rows, source, labels].float()
-    tokens = picked - _logsumexp(logits).gather(1, source)
-    chosen, rejected = layout["chosen"][:, first:], layout["rejected"][:, first:]
-    masks = torch.cat([chosen, rejected])
-    tokens = tokens.repeat(2, 1).masked_fill(~masks, 0)
-    with torch.no_grad():
-        token_means = logits.mean(-1).float().gather(1, source).repeat(2, 1)
-        sum_sq = _log_sum_sq_probs(logits).gather(1, source).repeat(2, 1) if log_sum_sq_probs else None
-    return CompletionLogps(tokens, masks, (token_means * masks).sum(1), sum_sq)
-
-
-def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """``logsumexp`` over the vocabulary in fp32: ``[N, T, V] -> [N, T]`` (half precision upcast one row at a time)."""
-    if logits.dtype in (torch.float32, torch.float64):
-        return torch.logsumexp(logits, dim=-1).float()
-    return torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])
-
-
-def _log_sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:
-    """``log sum_v p(v)^2`` per position (WPO's normalizer): ``[N, T, V] -> [N, T]``, fp32."""
-    return _logsumexp(2 * logits) - 2 * _logsumexp(logits)
+    stats = ("mean_logit", "log_sum_sq_probs") if log_sum_sq_probs else ("mean_logit",)
+    tokens, values = next_token_logps(model, input_ids, first, chunk_size, stats=stats,
+                                      source=layout["source"][:, first:], attention_mask=mask,
+                                      position_ids=layout["position_ids"])
+    masks = torch.cat([layout["chosen"][:, first:], layout["rejected"][:, first:]])
+    sum_sq = values["log_sum_sq_probs"].repeat(2, 1) if log_sum_sq_probs else None
+    return CompletionLogps(tokens.repeat(2, 1).masked_fill(~masks, 0), masks,
+                           (values["mean_logit"].repeat(2, 1) * masks).sum(1), sum_sq)
 
 
 def logps_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], layout: dict[str, torch.Tensor] | None,
-             log_sum_sq_probs: bool = False) -> CompletionLogps:
+             log_sum_sq_probs: bool = False, chunk_size: int | None = None) -> CompletionLogps:
     """Per-token log-probs of a batch: the shared-prompt rows where ``model`` takes them, else the plain
     ``[chosen; rejected]`` batch."""
     if _use_shared_prompt(model, layout):
-        return shared_prompt_logps(model, layout, log_sum_sq_probs)
-    return completion_logps(model, batch, log_sum_sq_probs)
+        return shared_prompt_logps(model, layout, log_sum_sq_probs, chunk_size)
+    return completion_logps(model, batch, log_sum_sq_probs, chunk_size)
 
 
 def _use_shared_prompt(model: torch.nn.Module, layout: dict[str, torch.Tensor] | None) -> bool:
@@ -245,11 +219,6 @@ def _mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     if weights is None:
         return values.mean()
     return (values * weights).sum() / weights.sum().clamp(min=1)
-
-
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    forward = getattr(model, "forward", None)
-    return forward is not None and "logits_to_keep" in inspect.signature(forward).parameters
 
 
 class DPOModule(AlignModule):
@@ -364,7 +333,7 @@ class DPOModule(AlignModule):
         def pair_logps(model, batch):
             layout = shared_prompt_layout(batch) if self.share_prompt and supports_shared_prompt(model) else None
             with trainer.precision_plugin.train_step_context():  # autocast as in training_step
-                out = logps_of(model, batch, layout)
+                out = logps_of(model, batch, layout, chunk_size=self.logps_chunk_size)
                 return ld_sequence_logps(out.tokens, out.mask, self.ld_alpha).chunk(2)
 
         @contextmanager
@@ -389,7 +358,7 @@ class DPOModule(AlignModule):
         """Per-pair losses and statistics ``[B]`` for one batch of ``[chosen; rejected]`` sequences, and the weights
         of the token-level ones (``logits/*`` average over completion tokens, as TRL does)."""
         layout = shared_prompt_layout(batch) if self.share_prompt and supports_shared_prompt(self.network) else None
-        policy = logps_of(self.network, batch, layout, log_sum_sq_probs=self.use_weighting)
+        policy = logps_of(self.network, batch, layout, self.use_weighting, self.logps_chunk_size)
         chosen, rejected = ld_sequence_logps(policy.tokens, policy.mask, self.ld_alpha).chunk(2)
         if "ref_chosen_logps" in batch:  # precomputed reference log-probs (precompute_ref_log_probs, or the data's)
             ref_chosen, ref_rejected = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
@@ -398,7 +367,7 @@ class DPOModule(AlignModule):
                                 "the precompute pass?)")
         else:
             with torch.no_grad(), self.reference_model() as ref_model:  # the frozen copy, or the adapters switched off
-                ref = logps_of(ref_model, batch, layout)
+                ref = logps_of(ref_model, batch, layout, chunk_size=self.logps_chunk_size)
                 ref_chosen, ref_rejected = ld_sequence_logps(ref.tokens, ref.mask, self.ld_alpha).chunk(2)
         lengths = batch["completion_mask"].sum(1)
         pair_weights = None

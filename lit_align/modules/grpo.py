@@ -19,8 +19,9 @@ from torchmetrics import MeanMetric
 from lit_align.errors import LitAlignError
 from lit_align.generation import HFSampler, NativeSampler
 from lit_align.losses import (
-    GRPO_LOSS_TYPES, SCALE_REWARDS, nanstd, aggregate_grpo_loss, group_advantages, grpo_token_losses, token_logps,
+    GRPO_LOSS_TYPES, SCALE_REWARDS, nanstd, aggregate_grpo_loss, group_advantages, grpo_token_losses,
 )
+from lit_align.logps import next_token_logps
 from lit_align.modules.base import AlignModule
 from lit_align.rewards import import_reward, reward_name, score
 
@@ -28,27 +29,20 @@ SAMPLERS = {"hf": HFSampler, "native": NativeSampler}
 
 
 def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                           with_entropy: bool = False):
+                           with_entropy: bool = False, chunk_size: int | None = None):
     """Per-token log-probs ``[N, C]`` of the completions given left-padded prompts (logits divided by temperature).
 
     Position ids follow the attention mask, as in generation, so left padding does not shift positions.
     With ``with_entropy``, also the per-token entropy of the (tempered) distribution, without gradient.
+    ``chunk_size``: chunked log-probs (``lit_align.logps``).
     """
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    length = completion_ids.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                   logits_to_keep=length + 1).logits[:, :-1]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logps = token_logps(logits, completion_ids)
-    if not with_entropy:
-        return logps, None
-    with torch.no_grad():
-        logits = logits.detach().float()
-        entropy = torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
-    return logps, entropy
+    logps, stats = next_token_logps(model, input_ids, prompt_ids.shape[1], chunk_size, temperature,
+                                    stats=("entropy",) if with_entropy else (), attention_mask=attention_mask,
+                                    position_ids=position_ids)
+    return logps, stats.get("entropy")
 
 
 def _repeat(values: list, times: int) -> list:
@@ -177,15 +171,18 @@ class GRPOModule(AlignModule):
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
         world = self.trainer.world_size
         lengths = completion_mask.sum(1).float()
+        # std, min and max are over every rank's completions (gathered), not averages of per-rank values
+        gather = self.trainer.strategy.all_gather
+        all_rewards, all_lengths = gather(rewards).reshape(-1), gather(lengths).reshape(-1)
         zero_std = (nanstd(rewards.view(-1, num_generations), dim=1) < 1e-6).float()  # as the advantages see it
         self.generation_rounds += 1
         stats = {
             "reward": rewards.nanmean(),
-            "reward_std": rewards[~rewards.isnan()].std() if (~rewards.isnan()).sum() > 1 else rewards.new_zeros(()),
+            "reward_std": nanstd(all_rewards.view(1, -1), dim=1).view(()),
             "frac_reward_zero_std": zero_std.mean(),
             "completions/mean_length": lengths.mean(),
-            "completions/min_length": lengths.min(),
-            "completions/max_length": lengths.max(),
+            "completions/min_length": all_lengths.min(),
+            "completions/max_length": all_lengths.max(),
             "completions/clipped_ratio": rollout.truncated.float().mean(),
             **{f"rewards/{n}/mean": per_func[:, i].nanmean() for i, n in enumerate(self.reward_names)},
         }
@@ -240,7 +237,7 @@ class GRPOModule(AlignModule):
 
     def _logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
         return completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      self.temperature)[0]
+                                      self.temperature, chunk_size=self.logps_chunk_size)[0]
 
     # -- what is computed -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -255,7 +252,7 @@ class GRPOModule(AlignModule):
         mask = take("loss_mask")
         logps, entropy = completion_token_logps(self.policy, take("prompt_ids"), take("prompt_mask"),
                                                 take("completion_ids"), take("completion_mask"), self.temperature,
-                                                with_entropy=True)
+                                                with_entropy=True, chunk_size=self.logps_chunk_size)
         token_losses, info = grpo_token_losses(logps, take("old_logps"), take("advantages"), self.epsilon,
                                                self.epsilon_high, take("ref_logps"), self.beta)
         loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length, r["num_tokens"])

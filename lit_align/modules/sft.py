@@ -1,56 +1,53 @@
 """Supervised fine-tuning as a LightningModule: next-token cross-entropy on the completion tokens.
 
 One step: a forward of the policy over the right-padded ``prompt + completion`` batch (the model gets no labels and
-returns logits), per-token log-probs of the next tokens from ``lit_align.losses.token_logps`` (the one log-prob
-gathering function every recipe uses), and the negative log-likelihood averaged over the loss tokens of the batch:
+returns logits), per-token log-probs of the next tokens from ``lit_align.logps.next_token_logps`` (the one log-prob
+path every recipe uses, plain or chunked), and the negative log-likelihood averaged over the loss tokens of the batch:
 completion tokens only by default, every real token with ``completion_only_loss: false``. Metrics carry TRL's names.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torchmetrics import MeanMetric
 
 from lit_align.generation import HFSampler
-from lit_align.losses import token_logps
+from lit_align.logps import next_token_logps
 from lit_align.modules.base import AlignModule
 from lit_align.rewards import sort_exact
 
 
-def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], completion_only_loss: bool = True):
+def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
+                    chunk_size: int | None = None):
     """``(loss, correct, count)`` for one batch: the mean NLL over loss tokens (with gradient), how many of them the
     argmax predicts, and how many there are.
 
     Loss tokens are completion tokens (``completion_only_loss``) or all attended tokens; the first token of a
     sequence is never one (nothing predicts it). Only positions from the batch's first loss token on need logits, so
-    the LM head skips the prefix before it (``logits_to_keep``).
+    the LM head skips the prefix before it. ``chunk_size``: chunked log-probs (``lit_align.logps``).
     """
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     loss_mask = batch["completion_mask"] if completion_only_loss else attention_mask
     has_tokens = loss_mask[:, 1:].any(1)
     first = loss_mask[:, 1:].int().argmax(1)[has_tokens] + 1
     start = int(first.min()) if first.numel() else 1  # first position whose token is a label
-    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        logits = model(**kwargs, logits_to_keep=input_ids.shape[1] - start + 1).logits[:, :-1]
-    else:
-        logits = model(**kwargs).logits[:, start - 1 : -1]
+    # pad labels are valid ids; the mask drops them
+    logps, stats = next_token_logps(model, input_ids, start, chunk_size, stats=("argmax",),
+                                    attention_mask=attention_mask)
     labels, mask = input_ids[:, start:], loss_mask[:, start:].bool()
-    logps = token_logps(logits, labels)  # pad labels are valid ids; the mask drops them
     count = mask.sum()
     loss = -(logps * mask).sum() / count.clamp(min=1)
-    with torch.no_grad():
-        correct = ((logits.argmax(-1) == labels) & mask).sum()
+    correct = ((stats["argmax"] == labels) & mask).sum()
     return loss, correct, count
 
 
 class SFTModule(AlignModule):
     """Supervised fine-tuning (TRL's ``SFTTrainer`` loss): cross-entropy on completion tokens, token-averaged.
 
-    The loss is the mean over the loss tokens of each (micro-)batch, as TRL averages over the tokens of a batch.
+    The loss is the mean over the loss tokens of each (micro-)batch, as TRL averages over the tokens of a batch; under
+    DDP over the loss tokens of all ranks' micro-batches, so 2 ranks x B rows train exactly like 1 process x 2B rows.
     Logged: ``train/loss``, ``train/mean_token_accuracy`` (argmax == label over loss tokens), ``train/num_tokens``
     (attended tokens trained on so far, all ranks); ``val/loss`` and ``val/mean_token_accuracy`` (token-weighted over
     the whole validation set) and, with ``val_exact_match``, ``val/exact_match``.
@@ -75,20 +72,25 @@ class SFTModule(AlignModule):
             {name: MeanMetric() for name in ("loss", "mean_token_accuracy", "exact_match")})
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, correct, count = sft_token_stats(self.policy, batch, self.completion_only_loss)
+        loss, correct, count = sft_token_stats(self.policy, batch, self.completion_only_loss, self.logps_chunk_size)
         if self.guard_loss(loss, None, batch_idx) is None:
             return None
-        # one all-reduce: loss averaged over ranks, accuracy as a ratio of sums (as TRL gathers it)
-        stats = torch.stack([loss.detach(), correct.float(), count.float(), batch["attention_mask"].sum().float()])
+        # one all-reduce: the loss tokens of every rank, so the loss is the mean over the global batch's tokens (as
+        # transformers' average_tokens_across_devices), and accuracy is a ratio of sums (as TRL gathers it)
+        stats = torch.stack([loss.detach() * count, correct.float(), count.float(),
+                             batch["attention_mask"].sum().float()])
         stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
+        world = self.trainer.world_size
+        if world > 1:  # DDP averages gradients over ranks: scale this rank's token mean to its share of the global one
+            loss = loss * (count * world / stats[2].clamp(min=1))
         self.num_tokens += float(stats[3])
-        self.log("train/loss", stats[0] / self.trainer.world_size, prog_bar=True)
+        self.log("train/loss", stats[0] / stats[2].clamp(min=1), prog_bar=True)
         self.log("train/mean_token_accuracy", stats[1] / stats[2].clamp(min=1))
         self.log("train/num_tokens", self.num_tokens)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, correct, count = sft_token_stats(self.policy, batch, self.completion_only_loss)
+        loss, correct, count = sft_token_stats(self.policy, batch, self.completion_only_loss, self.logps_chunk_size)
         self.val_metrics["loss"].update(loss, count)
         self.val_metrics["mean_token_accuracy"].update(correct / count.clamp(min=1), count)
         self.log("val/loss", self.val_metrics["loss"], prog_bar=True)

@@ -1,0 +1,219 @@
+"""Next-token log-probs of a causal LM, plain or chunked: the one place every recipe gets its log-probs from.
+
+Plain: the model's forward returns ``[N, T, V]`` logits and ``losses.token_logps`` gathers the labels. For backward,
+autograd keeps those logits (and, in half precision, their fp32 copy): at a 128k vocabulary that is the largest tensor
+of the step by far. Chunked (``chunk_size``): the decoder runs to hidden states ``[N, T, H]`` and
+``chunked_token_logps`` applies the LM head ``chunk_size`` positions at a time, in fp32, keeping only the per-token
+log-probs; backward recomputes each chunk's logits. Same values and gradients (to float rounding), peak memory of one
+``[chunk_size, V]`` block instead of ``[N, T, V]`` (``bench/logps_memory.py``).
+
+Precision: whatever the model's dtype or autocast, the logsumexp, the log-probs and the statistics are fp32.
+
+Not chunked (falls back to the plain path, same results): models whose head is not a plain ``nn.Linear`` after
+``get_decoder()``, models with final-logit soft-capping (Gemma 2/3), and heads that are sharded outside their own
+forward: DeepSpeed ZeRO-3 partitions, and a model wrapped whole as one FSDP unit (the frozen reference under
+``configs/strategy/fsdp.yaml``; its forward runs without gradient, so no logits are kept for backward anyway). The
+policy under FSDP is chunked: its head lives in the root unit, whole during ``training_step``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from lit_align.losses import fp32_logsumexp, token_logps
+
+STATS = ("entropy", "argmax", "mean_logit", "log_sum_sq_probs")
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """fp32 ``scale * (hidden @ weight.T + bias)``, the matmul in ``weight``'s dtype."""
+    return F.linear(hidden.to(weight.dtype), weight, bias).float() * scale
+
+
+def _cast(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """``[M, H], [V, H], [V] | None, [M] -> [M]`` log-probs, plus no-grad ``[M]`` stats (``chunked_token_logps``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk_size: int, scale: float, dtype: torch.dtype, stats: tuple):
+        logps = hidden.new_empty(labels.shape, dtype=torch.float32)
+        out = {name: hidden.new_empty(labels.shape, dtype=torch.long if name == "argmax" else torch.float32)
+               for name in stats}
+        w, b = _cast(weight, bias, dtype)  # once, not per chunk
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, labels.numel(), chunk_size):
+                logits = _logits(hidden[s : s + chunk_size], w, b, scale)
+                lse = torch.logsumexp(logits, -1)
+                logps[s : s + chunk_size] = logits.gather(-1, labels[s : s + chunk_size, None]).squeeze(-1) - lse
+                if "entropy" in out:
+                    out["entropy"][s : s + chunk_size] = lse - (logits.softmax(-1) * logits).sum(-1)
+                if "argmax" in out:
+                    out["argmax"][s : s + chunk_size] = logits.argmax(-1)
+                if "mean_logit" in out:
+                    out["mean_logit"][s : s + chunk_size] = logits.mean(-1)
+                if "log_sum_sq_probs" in out:
+                    out["log_sum_sq_probs"][s : s + chunk_size] = torch.logsumexp(2 * logits, -1) - 2 * lse
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.chunk_size, ctx.scale, ctx.dtype = chunk_size, scale, dtype
+        ctx.mark_non_differentiable(*out.values())
+        return (logps, *out.values())
+
+    @staticmethod
+    def backward(ctx, grad_logps, *_):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        chunk, scale, dtype = ctx.chunk_size, ctx.scale, ctx.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        w, b = _cast(weight, bias, dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, labels.numel(), chunk):
+                h = hidden[s : s + chunk].to(dtype)
+                # d logp / d logits = scale * (onehot(label) - softmax(scale * logits))
+                probs = _logits(h, w, b, scale).softmax(-1)
+                probs.scatter_add_(-1, labels[s : s + chunk, None], probs.new_full((len(h), 1), -1.0))
+                grad_logits = (probs * (-scale * grad_logps[s : s + chunk, None].float())).to(dtype)
+                if need_h:
+                    grad_h[s : s + chunk] = (grad_logits @ w).to(hidden.dtype)
+                if need_w:
+                    grad_w += (grad_logits.T @ h).float()
+                if need_b:
+                    grad_b += grad_logits.float().sum(0)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    scale: float = 1.0,
+    stats: tuple[str, ...] = (),
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Log-probs of ``labels`` under ``scale * (hidden @ weight.T + bias)``: ``[..., H], [V, H], [...] -> [...]`` fp32.
+
+    Equals ``token_logps(lm_head(hidden) * scale, labels)`` in values and gradients (w.r.t. ``hidden``, ``weight``,
+    ``bias``), without ever holding more than ``chunk_size`` rows of logits: backward recomputes them. The matmul runs
+    in the autocast dtype if autocast is on, else in ``hidden``'s dtype; everything after it in fp32.
+    ``stats`` (no gradient, fp32, of the scaled logits): ``entropy``, ``argmax`` (ids), ``mean_logit`` (mean over the
+    vocabulary), ``log_sum_sq_probs`` (``log sum_v p(v)^2``, WPO's normalizer). Labels must be valid ids everywhere.
+    """
+    unknown = set(stats) - set(STATS)
+    if unknown:
+        raise ValueError(f"unknown stats {sorted(unknown)}: expected some of {STATS}")
+    dtype = _autocast_dtype(hidden.device) or hidden.dtype
+    shape = labels.shape
+    logps, *values = _ChunkedTokenLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
+                                              int(chunk_size), float(scale), dtype, tuple(stats))
+    return logps.view(shape), {name: v.view(shape) for name, v in zip(stats, values)}
+
+
+def plain_token_stats(logits: torch.Tensor, stats: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The ``stats`` of ``chunked_token_logps`` from full (already scaled) logits, without gradient."""
+    out = {}
+    with torch.no_grad():
+        logits = logits.detach()
+        if "entropy" in stats:
+            full = logits.float()
+            out["entropy"] = torch.logsumexp(full, -1) - (full.softmax(-1) * full).sum(-1)
+        if "argmax" in stats:
+            out["argmax"] = logits.argmax(-1)
+        if "mean_logit" in stats:
+            out["mean_logit"] = logits.float().mean(-1)
+        if "log_sum_sq_probs" in stats:
+            out["log_sum_sq_probs"] = fp32_logsumexp(2 * logits) - 2 * fp32_logsumexp(logits)
+    return out
+
+
+def chunkable_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear, float] | None:
+    """``(decoder, lm_head, logit scale)`` when ``model``'s logits are ``scale * lm_head(decoder(...)[0])``, else None.
+
+    The scale covers ``logit_scale`` (Cohere) and ``logits_scaling`` (Granite); soft-capped logits (Gemma 2/3) and
+    DeepSpeed ZeRO-3 partitioned heads are not chunkable.
+    """
+    config = getattr(model, "config", None)
+    get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+    if config is None or get_decoder is None or get_head is None:
+        return None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text_config, "final_logit_softcapping", None):
+        return None
+    head = get_head()
+    # a sharded head is only whole inside its FSDP unit's or ZeRO-3 module's forward: an FSDP-wrapped model (the
+    # reference under lit_align.strategies.DecoderLayers), a flat 1-D shard, a ZeRO-3 partition (ds_id)
+    if type(head) is not torch.nn.Linear or head.weight.dim() != 2 or hasattr(head.weight, "ds_id") or _fsdp_unit(model):
+        return None
+    decoder = get_decoder()
+    if decoder is None or decoder is model:
+        return None
+    scale = float(getattr(text_config, "logit_scale", None) or 1.0)
+    scale /= float(getattr(text_config, "logits_scaling", None) or 1.0)
+    return decoder, head, scale
+
+
+def _fsdp_unit(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(model, FullyShardedDataParallel)
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def next_token_logps(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    start: int,
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+    stats: tuple[str, ...] = (),
+    source: torch.Tensor | None = None,
+    **forward_kwargs,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Log-probs ``[N, L - start]`` (fp32) of ``input_ids[:, start:]``, each given the tokens before it.
+
+    Logits divided by ``temperature``. With ``chunk_size`` (and a chunkable model, see ``chunkable_head``) the head
+    runs chunk by chunk (``chunked_token_logps``); otherwise the model's forward computes the logits of the last
+    ``L - start + 1`` positions only (``logits_to_keep``). ``stats``: as in ``chunked_token_logps``, on the same
+    tempered logits. ``source`` (``[N, L - start]``, positions ``>= start - 1``): the position whose output predicts
+    each label, when it is not the one just before it (DPO's shared-prompt rows). ``forward_kwargs``
+    (``attention_mask``, ``position_ids``, ...) go to the model.
+    """
+    start = max(int(start), 1)
+    labels = input_ids[:, start:]
+    rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
+
+    def predicting(outputs: torch.Tensor) -> torch.Tensor:  # outputs of positions start - 1 .. L - 1
+        return outputs[:, :-1] if source is None else outputs[rows, source - (start - 1)]
+
+    forward_kwargs = {"use_cache": False, **forward_kwargs}
+    parts = chunkable_head(model) if chunk_size else None
+    if parts is not None:
+        decoder, head, scale = parts
+        hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0][:, start - 1 :])
+        return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size, scale / temperature, stats)
+    if _takes_logits_to_keep(model):
+        logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=input_ids.shape[1] - start + 1).logits
+    else:
+        logits = model(input_ids=input_ids, **forward_kwargs).logits[:, start - 1 :]
+    logits = predicting(logits)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logps(logits, labels), plain_token_stats(logits, stats)

@@ -1,0 +1,74 @@
+"""What Lightning's sharded strategies need to know about Hugging Face models; the strategies themselves are Lightning's.
+
+``configs/strategy/*.yaml`` pick a strategy (``lit-align fit -c configs/dpo.yaml -c configs/strategy/fsdp.yaml``).
+FSDP wraps modules by class, and the decoder-layer class depends on the model a recipe loads, so the YAML names
+``DecoderLayers``, a policy that finds the classes when FSDP wraps: every Hugging Face model in the LightningModule
+(the policy and the frozen reference alike) lists its layer classes in ``_no_split_modules``.
+
+The reference model is wrapped as a unit of its own, so none of its parameters share a flat parameter with the
+policy's: its forward gathers only its own shards, and its (frozen) weights stay out of the optimizer and, since
+``AlignModule.state_dict`` drops them, out of checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DecoderLayers:
+    """FSDP auto-wrap (and activation-checkpointing) policy: each Hugging Face decoder layer, plus ``ref_model`` whole.
+
+    A callable ``(module, recurse, nonwrapped_numel) -> bool`` as ``torch.distributed.fsdp.wrap`` calls it, parents
+    before children: a ``PreTrainedModel`` met on the way down contributes its ``_no_split_modules`` class names.
+
+    Args:
+        wrap_reference: also wrap the LightningModule's ``ref_model`` as one unit (for ``auto_wrap_policy``; leave it
+            false for ``activation_checkpointing_policy``, the reference runs without gradients).
+        extra: more class names to wrap.
+    """
+
+    def __init__(self, wrap_reference: bool = True, extra: list[str] | None = None):
+        self.wrap_reference = wrap_reference
+        self.names: set[str] = set(extra or ())
+        self.references: set[int] = set()
+
+    def __call__(self, module: torch.nn.Module, recurse: bool, nonwrapped_numel: int = 0) -> bool:
+        if recurse:  # on the way down: learn layer names (and which module is a reference); always descend
+            self.names.update(getattr(module, "_no_split_modules", None) or ())
+            ref = getattr(module, "ref_model", None)
+            if self.wrap_reference and isinstance(ref, torch.nn.Module):
+                self.references.add(id(ref))
+            return True
+        return type(module).__name__ in self.names or id(module) in self.references
+
+    def __repr__(self) -> str:
+        return f"DecoderLayers(wrap_reference={self.wrap_reference}, names={sorted(self.names)})"
+
+
+def full_policy_state_dict(trainer, policy: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The policy's full weights for an export after a sharded run, on rank 0 (None on the other ranks).
+
+    A collective under FSDP (full state dict, gathered to rank 0) and DeepSpeed ZeRO-3 (parameters gathered): every
+    rank must call it. None also where no gathering is needed (single device, DDP, ZeRO-1/2): the policy's own
+    ``state_dict`` is complete.
+    """
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, FSDPStrategy):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        config = FullStateDictConfig(offload_to_cpu=strategy.root_device.type != "cpu", rank0_only=True)
+        with FSDP.state_dict_type(strategy.model, StateDictType.FULL_STATE_DICT, config):
+            state = strategy.model.state_dict()  # keys as in the LightningModule: policy.<...>
+        prefix = "policy."
+        return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} if trainer.is_global_zero else None
+    if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(policy.parameters()), modifier_rank=None):
+            if not trainer.is_global_zero:
+                return None
+            return {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}
+    return None

@@ -1,0 +1,112 @@
+"""lit_align.logps: the chunked log-prob path equals the plain one, in values, gradients and statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_align.logps import chunkable_head, chunked_token_logps, next_token_logps, plain_token_stats
+from lit_align.losses import token_logps
+
+N, T, H, V = 3, 7, 16, 50
+
+
+def inputs(dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, T, H, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(V, H, generator=g).to(dtype).requires_grad_()
+    b = torch.randn(V, generator=g).to(dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, V, (N, T), generator=g)
+    grad_out = torch.randn(N, T, generator=g)  # a non-uniform upstream gradient
+    return hidden, weight, b, labels, grad_out
+
+
+def grads(logps, grad_out, *tensors):
+    return torch.autograd.grad((logps * grad_out).sum(), [t for t in tensors if t is not None])
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 21, 1000])  # 21 = N*T; 5 does not divide it
+@pytest.mark.parametrize("bias", [True, False])
+def test_chunked_equals_plain_fp32(chunk_size, bias):
+    hidden, weight, b, labels, grad_out = inputs(bias=bias)
+    scale = 1 / 0.7  # a temperature
+    plain = token_logps(F.linear(hidden, weight, b) * scale, labels)
+    chunked, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=chunk_size, scale=scale)
+    assert chunked.dtype == torch.float32 and chunked.shape == (N, T)
+    torch.testing.assert_close(chunked, plain, atol=1e-6, rtol=1e-6)
+    for got, want in zip(grads(chunked, grad_out, hidden, weight, b), grads(plain, grad_out, hidden, weight, b)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_equals_plain_bf16():
+    hidden, weight, b, labels, grad_out = inputs(torch.bfloat16)
+    plain = token_logps(F.linear(hidden, weight, b), labels)  # bf16 logits, upcast inside
+    chunked, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=4)
+    assert chunked.dtype == plain.dtype == torch.float32
+    torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=1e-5)  # same bf16 logits, same fp32 math
+    for got, want in zip(grads(chunked, grad_out, hidden, weight, b), grads(plain, grad_out, hidden, weight, b)):
+        assert got.dtype == want.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)  # bf16 rounding of the matmuls
+
+
+def test_chunked_under_autocast_matches_plain_and_returns_fp32():
+    hidden, weight, b, labels, grad_out = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = token_logps(F.linear(hidden, weight, b), labels)
+        chunked, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=8)
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads(chunked, grad_out, hidden, weight, b), grads(plain, grad_out, hidden, weight, b)):
+        assert got.dtype == want.dtype == torch.float32  # fp32 master weights get fp32 gradients
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+
+
+def test_chunked_stats_equal_plain_stats():
+    hidden, weight, b, labels, _ = inputs()
+    names = ("entropy", "argmax", "mean_logit")
+    _, chunked = chunked_token_logps(hidden, weight, labels, b, chunk_size=4, scale=2.0, stats=names)
+    plain = plain_token_stats(F.linear(hidden, weight, b) * 2.0, names)
+    for name in names:
+        assert not chunked[name].requires_grad
+        torch.testing.assert_close(chunked[name], plain[name], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown stats"):
+        chunked_token_logps(hidden, weight, labels, stats=("perplexity",))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_next_token_logps_chunked_equals_plain_on_a_model(tiny_path, temperature):
+    from lit_align.models import load_model
+
+    model = load_model("builtin:tiny").train()
+    assert chunkable_head(model) is not None
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0  # left padding
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    kwargs = {"attention_mask": attention_mask, "position_ids": position_ids, "temperature": temperature,
+              "stats": ("entropy",)}
+    results = {}
+    for chunk_size in (None, 5):
+        model.zero_grad()
+        logps, stats = next_token_logps(model, input_ids, 4, chunk_size=chunk_size, **kwargs)
+        logps.sum().backward()
+        results[chunk_size] = logps.detach(), stats["entropy"], {n: p.grad.clone() for n, p in model.named_parameters()}
+    (plain, plain_entropy, plain_grads), (chunked, chunked_entropy, chunked_grads) = results[None], results[5]
+    assert plain.shape == (2, 8)
+    torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_entropy, plain_entropy, atol=1e-5, rtol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_soft_capped_models_fall_back_to_the_plain_path(tiny_path):
+    from lit_align.models import load_model
+
+    model = load_model("builtin:tiny")
+    model.config.final_logit_softcapping = 30.0
+    assert chunkable_head(model) is None
+    input_ids = torch.randint(3, model.config.vocab_size, (1, 6))
+    logps, _ = next_token_logps(model, input_ids, 1, chunk_size=4)  # silently the plain path
+    torch.testing.assert_close(logps, token_logps(model(input_ids).logits[:, :-1], input_ids[:, 1:]))
