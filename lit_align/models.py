@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from lit_align.errors import LitAlignError
@@ -79,7 +80,12 @@ def build_builtin(name: str, path: str | Path, seed: int = 0) -> Path:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     path = Path(path)
-    model.save_pretrained(path)
+    # not model.save_pretrained: once torch.distributed is up it writes weights on rank 0 only, and every rank may
+    # build (each into its own staging directory). lm_head.weight is tied to the embedding: not stored, as HF does.
+    model.config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     tokenizer.save_pretrained(path)
     return path
 
