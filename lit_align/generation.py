@@ -191,6 +191,15 @@ class _SlotCache(Cache):
 LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2"})
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are sharded (FSDP, FSDP2, DeepSpeed ZeRO-3)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules()):
+        return True
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalise in fp32, scale in the model's dtype."""
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
@@ -216,6 +225,8 @@ class _LlamaDecodeStep:
     def supports(model) -> bool:
         config, base = model.config, getattr(model, "model", None)
         if config.model_type not in LLAMA_LIKE or base is None or not hasattr(base, "rotary_emb"):
+            return False
+        if _sharded(model):  # the weights are gathered only inside each module's own forward
             return False
         layer = base.layers[0]
         return (set(layer.self_attn._modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
