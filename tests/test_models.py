@@ -137,3 +137,23 @@ def test_bad_builtin_name_and_dtype():
     assert str(info.value) == "unknown built-in model builtin:huge: expected one of ['small', 'tiny']"
     with pytest.raises(LitAlignError, match="model dtype 'float8': expected float32, bfloat16, float16 or auto"):
         load_model("builtin:tiny", dtype="float8")
+
+
+def _build_on_rank(rank: int, world: int, init_file: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        build_builtin("tiny", Path(out) / f"rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_builtin_builds_complete_on_every_rank_under_torch_distributed(tmp_path, tiny_path):
+    """Every DDP rank may build the built-in model (each into its own staging directory): a build on rank 1 must hold
+    the weights too (transformers' save_pretrained writes them on rank 0 only once torch.distributed is up)."""
+    torch.multiprocessing.spawn(_build_on_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
+    for rank in (0, 1):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / f"rank{rank}")
+        assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items()), rank
