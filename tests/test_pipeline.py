@@ -30,7 +30,8 @@ def test_full_pipeline_meets_its_targets(tmp_path, capsys):
     rows = {line.split()[0]: [float(x) for x in line.split()[1:4]]
             for line in out.splitlines() if line.split()[:1] in (["sft"], ["dpo"], ["grpo"])}
     assert rows["sft"][0] > 0.1, "SFT should solve some held-out prompts"
-    assert rows["grpo"][1] > rows["dpo"][1] - 0.02, "GRPO should not lose held-out partial credit"
+    assert rows["dpo"][0] > rows["sft"][0] + 0.03, "DPO (RPO) should add held-out exact match"
+    assert rows["grpo"][0] > rows["dpo"][0] + 0.03, "GRPO should add held-out exact match"
     dpo_accuracy = float(out.split("DPO held-out preference (reward) accuracy:")[1].split()[0])
     assert dpo_accuracy >= 0.85
     assert Path(tmp_path / "curves.png").exists()
