@@ -28,12 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-from child import run_child
+from child import child_role, launch
 from dpo_vs_trl import prepare, rss_mib
 
 STRATEGIES = {
@@ -95,14 +93,6 @@ def child(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(engine: str, args, spec: dict) -> dict:
-    cmd = [sys.executable, __file__, "--engine", engine, "--spec", json.dumps(spec), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
-           "--threads", str(args.threads), "--lr", str(args.lr), "--model", args.model,
-           "--precompute-batch-size", str(args.precompute_batch_size)]
-    return run_child(cmd, args.threads, engine)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:small", help="model name/dir (default builtin:small, ~10M params)")
@@ -121,17 +111,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.warmup < 1 or args.steps <= args.warmup:
         parser.error("need 1 <= --warmup < --steps")
-    if args.engine == "prepare":
-        print("RESULT " + json.dumps(prepare(args, Path(json.loads(args.spec)["workdir"]))), flush=True)
-        return
-    if args.engine:
-        child(args)
+    if child_role(args, prepare, child):
         return
 
     with tempfile.TemporaryDirectory(prefix="dpo_ref.") as workdir:  # the parent imports no torch
         spec = {"workdir": workdir}
-        spec.update(launch("prepare", args, spec))
-        results = {name: launch(name, args, spec) for name in args.strategies.split(",")}
+        spec.update(launch(__file__, "prepare", spec, args.threads))
+        results = {name: launch(__file__, name, spec, args.threads) for name in args.strategies.split(",")}
 
     print(f"\nDPO reference strategies, {args.model}, {args.batch_size} pairs/step, max_length {args.max_length}, "
           f"{args.steps} steps ({args.warmup} warmup), fp32, CPU, {args.threads} threads\n")

@@ -33,12 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from child import run_child
+from child import child_role, launch
 
 
 def rss_mib(field: str = "VmHWM") -> float:
@@ -163,15 +162,6 @@ def child(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(engine: str, args, spec: dict) -> dict:
-    cmd = [sys.executable, __file__, "--engine", engine, "--spec", json.dumps(spec), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
-           "--threads", str(args.threads), "--lr", str(args.lr), "--model", args.model]
-    if args.no_share_prompt:
-        cmd.append("--no-share-prompt")
-    return run_child(cmd, args.threads, engine)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:small", help="model name/dir (default builtin:small, ~10M params)")
@@ -192,21 +182,17 @@ def main() -> None:
     if args.warmup < 1 or args.steps <= args.warmup:
         parser.error("need 1 <= --warmup < --steps")
 
-    if args.engine == "prepare":
-        print("RESULT " + json.dumps(prepare(args, Path(json.loads(args.spec)["workdir"]))), flush=True)
-        return
-    if args.engine:
-        child(args)
+    if child_role(args, prepare, child):
         return
 
     # The parent imports no torch: the children's peak RSS is theirs alone.
     with tempfile.TemporaryDirectory(prefix="dpo_vs_trl.") as workdir:
         spec = {"workdir": workdir}
-        spec.update(launch("prepare", args, spec))
+        spec.update(launch(__file__, "prepare", spec, args.threads))
         runs: dict[str, list[dict]] = {engine: [] for engine in args.engines.split(",")}
         for _ in range(args.repeat):  # alternate the engines, so that a busy spell hits both
             for engine in runs:
-                runs[engine].append(launch(engine, args, spec))
+                runs[engine].append(launch(__file__, engine, spec, args.threads))
     # best of the repeats: the fastest run; the highest peak RSS of all (memory does not depend on luck)
     results = {}
     for engine, rs in runs.items():

@@ -45,12 +45,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from child import run_child
+from child import child_role, launch
 
 REWARD = "lit_align.rewards.sort_accuracy"
 
@@ -223,14 +222,6 @@ def child(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(engine: str, args, spec: dict, lit_engine: str = "hf") -> dict:
-    cmd = [sys.executable, __file__, "--engine", engine, "--spec", json.dumps(spec), "--engine-name", lit_engine,
-           "--model", args.model, "--rounds", str(args.rounds), "--batch-size", str(args.batch_size),
-           "--num-generations", str(args.num_generations), "--steps-per-generation", str(args.steps_per_generation),
-           "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--lr", str(args.lr)]
-    return run_child(cmd, args.threads, engine)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="builtin:small", help="model name/dir (default builtin:small, ~10M params)")
@@ -253,25 +244,21 @@ def main() -> None:
     if (args.batch_size * args.steps_per_generation) % args.num_generations:
         parser.error("--batch-size * --steps-per-generation must be a multiple of --num-generations")
 
-    if args.engine == "prepare":
-        print("RESULT " + json.dumps(prepare(args, Path(json.loads(args.spec)["workdir"]))), flush=True)
-        return
-    if args.engine:
-        child(args)
+    if child_role(args, prepare, child):
         return
 
     lit_engines = [e.strip() for e in args.lit_engine.split(",") if e.strip()]
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="grpo_vs_trl.") as workdir:
         spec = {"workdir": workdir}
-        spec.update(launch("prepare", args, spec))
+        spec.update(launch(__file__, "prepare", spec, args.threads))
         results = {}
         for engine in args.engines.split(","):
             if engine == "lit":
                 for lit_engine in lit_engines:
-                    results[f"lit-{lit_engine}"] = launch("lit", args, spec, lit_engine)
+                    results[f"lit-{lit_engine}"] = launch(__file__, "lit", spec, args.threads, "--engine-name", lit_engine)
             else:
-                results[engine] = launch(engine, args, spec)
+                results[engine] = launch(__file__, engine, spec, args.threads)
     load_after = os.getloadavg()
 
     per_round = args.batch_size * args.steps_per_generation
