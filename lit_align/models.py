@@ -82,6 +82,7 @@ def build_builtin(name: str, path: str | Path, seed: int = 0) -> Path:
     path = Path(path)
     # not model.save_pretrained: once torch.distributed is up it writes weights on rank 0 only, and every rank may
     # build (each into its own staging directory). lm_head.weight is tied to the embedding: not stored, as HF does.
+    model.config.architectures, model.config.dtype = [type(model).__name__], model.dtype  # as save_pretrained records
     model.config.save_pretrained(path)
     model.generation_config.save_pretrained(path)
     weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
