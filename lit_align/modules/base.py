@@ -272,8 +272,11 @@ class AlignModule(L.LightningModule):
 
 def lora_config(kwargs: dict):
     """``peft.LoraConfig(**kwargs)``, ``task_type`` defaulting to ``CAUSAL_LM``; errors name ``model.peft_config``."""
-    from peft import LoraConfig
-
+    try:
+        from peft import LoraConfig
+    except ImportError as exc:
+        raise LitAlignError("model.peft_config needs the peft package: pip install 'lit_align[lora]' "
+                            "(or pip install peft)") from exc
     if not isinstance(kwargs, dict):
         raise LitAlignError(
             f"model.peft_config must be a mapping of LoraConfig arguments, got {type(kwargs).__name__}")
