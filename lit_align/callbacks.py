@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_align.errors import LitAlignError
-from lit_align.strategies import full_policy_state_dict
+from lit_align.strategies import full_policy_state_dict, sharded_strategy
 
 
 def run_dir(trainer: L.Trainer) -> Path:
@@ -158,6 +158,12 @@ class RefModelSync(L.Callback):
         if getattr(pl_module, "ref_model", None) is None:
             raise LitAlignError("RefModelSync (sync_ref_model) needs a reference model held in memory; it cannot be "
                                 "combined with precompute_ref_log_probs or peft_config")
+        if sharded_strategy(trainer):
+            raise LitAlignError("RefModelSync (sync_ref_model) mixes whole parameters: not under FSDP or DeepSpeed "
+                                "ZeRO-3, whose parameters are shards outside a forward (use ddp or ZeRO-1/2)")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_step = trainer.global_step  # a run resumed right after a sync must not sync again
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         step = trainer.global_step

@@ -72,3 +72,11 @@ def full_policy_state_dict(trainer, policy: torch.nn.Module) -> dict[str, torch.
                 return None
             return {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}
     return None
+
+
+def sharded_strategy(trainer) -> bool:
+    """Whether ``trainer``'s strategy keeps parameters sharded outside a forward (FSDP, DeepSpeed ZeRO-3)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    strategy = trainer.strategy
+    return isinstance(strategy, FSDPStrategy) or (isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3)

@@ -331,3 +331,26 @@ def test_lora_checkpoint_resumes_the_adapters(tmp_path, rows_path):
         ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert at_start.state.keys() == trained.keys()
     assert all(torch.equal(at_start.state[k], trained[k]) for k in trained), "resume did not restore the adapters"
+
+
+def test_sync_does_not_repeat_on_resume_and_refuses_sharded_strategies():
+    """A run resumed at a sync step (its first micro-batches still at that global step) does not mix again; FSDP and
+    ZeRO-3, whose parameters are shards outside a forward, are refused with a clear error."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    module = DPOModule(model="builtin:tiny")
+    module.configure_model()
+    sync = RefModelSync(ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
+    before = {k: v.clone() for k, v in module.ref_model.state_dict().items()}
+    resumed = SimpleNamespace(global_step=2)
+    sync.on_train_start(resumed, module)
+    sync.on_train_batch_end(resumed, module, None, None, 0)
+    assert sync.synced_at == [] and all(torch.equal(v, before[k]) for k, v in module.ref_model.state_dict().items())
+    with pytest.raises(LitAlignError, match="not under FSDP or DeepSpeed ZeRO-3"):
+        sync.on_fit_start(SimpleNamespace(strategy=FSDPStrategy()), module)
+    with pytest.raises(LitAlignError, match="LoRA is not supported under FSDP"):
+        lora = DPOModule(model="builtin:tiny", peft_config=LORA)
+        lora._trainer = SimpleNamespace(strategy=FSDPStrategy())
+        lora.configure_model()
