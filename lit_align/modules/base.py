@@ -18,6 +18,7 @@ from transformers import get_scheduler
 
 from lit_align.errors import LitAlignError
 from lit_align.models import load_model, load_tokenizer
+from lit_align.strategies import sharded_strategy
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -126,6 +127,11 @@ class AlignModule(L.LightningModule):
         if self.lora_config is not None:
             from peft import get_peft_model
 
+            if self._trainer is not None and sharded_strategy(self._trainer):
+                raise LitAlignError("model.peft_config: LoRA is not supported under FSDP or DeepSpeed ZeRO-3 (the "
+                                    "adapter export and the adapters-off reference need whole parameters); use ddp "
+                                    "or ZeRO-1/2")
+
             self.policy = get_peft_model(self.policy, copy.deepcopy(self.lora_config))  # freezes the base weights
             if self.hparams.disable_dropout:
                 disable_dropout(self.policy)  # lora_dropout too
@@ -212,11 +218,13 @@ class AlignModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """The second half of the guard: a finite loss can still give non-finite gradients; never step with them.
-        (Gradients are already all-reduced here, so every rank decides alike. fp16's GradScaler does its own check.)"""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if not grads or getattr(self.trainer.precision_plugin, "scaler", None) is not None:
+        Every rank decides alike (the flag is all-reduced: under FSDP a rank holds only its shard of the gradients).
+        fp16's GradScaler does its own check; DeepSpeed keeps gradients in its engine, where this guard sees none."""
+        if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
             return
-        if torch.isfinite(torch.nn.utils.get_total_norm(grads)):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        bad = bool(grads) and not torch.isfinite(torch.nn.utils.get_total_norm(grads))
+        if not self.trainer.strategy.reduce(torch.tensor(float(bad), device=self.device), reduce_op="sum") > 0:
             return
         names = [n for n, p in self.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
