@@ -36,6 +36,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes it owner-only; a checkpoint gets the usual mode
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
@@ -46,6 +47,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 os.unlink(tmp)
             raise
         _fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -143,3 +143,14 @@ def test_cli_installs_atomic_checkpoint_io_and_the_sigterm_callback(tmp_path, pa
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert any(isinstance(c, SigtermCheckpoint) for c in cli.trainer.callbacks)
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 1
+
+
+def test_atomic_checkpoints_get_the_usual_file_mode(tmp_path):
+    """Not mkstemp's owner-only 0600: a checkpoint is readable as any file this process writes."""
+    mask = os.umask(0o022)
+    try:
+        AtomicCheckpointIO().save_checkpoint({"state": torch.zeros(2)}, tmp_path / "a.ckpt")
+        (tmp_path / "plain").write_text("x")
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "a.ckpt").stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == 0o644
