@@ -229,8 +229,10 @@ class _LlamaDecodeStep:
         if _sharded(model):  # the weights are gathered only inside each module's own forward
             return False
         layer = base.layers[0]
-        return (set(layer.self_attn._modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
-                and set(layer.mlp._modules) >= {"gate_proj", "up_proj", "down_proj"}
+        linears = [getattr(layer.self_attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears += [getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        return (all(type(m) is torch.nn.Linear for m in linears)  # plain weights: no LoRA or quantized layers
+                and set(layer.self_attn._modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
                 and model.get_output_embeddings() is not None)
 
     def __init__(self, model, cache: _SlotCache, positions: torch.Tensor, valid: torch.Tensor):

@@ -173,8 +173,14 @@ def _fsdp_unit(model: torch.nn.Module) -> bool:
     return isinstance(model, FullyShardedDataParallel)
 
 
+def forward_parameters(model: torch.nn.Module):
+    """The parameters of the forward a call on ``model`` ends in: through FSDP's wrapper, whose own forward passes
+    every keyword on to ``model.module``."""
+    return inspect.signature(getattr(model, "module", model).forward).parameters
+
+
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    return "logits_to_keep" in forward_parameters(model)
 
 
 def next_token_logps(

@@ -14,7 +14,6 @@ through the network once per pair instead of twice.
 
 from __future__ import annotations
 
-import inspect
 from contextlib import contextmanager, nullcontext
 from typing import NamedTuple
 
@@ -32,7 +31,7 @@ from lit_align.dpo_losses import (
     sft_nll,
     wpo_weights,
 )
-from lit_align.logps import next_token_logps
+from lit_align.logps import forward_parameters, next_token_logps
 from lit_align.modules import reference
 from lit_align.modules.base import AlignModule, frozen
 
@@ -88,7 +87,7 @@ def supports_shared_prompt(model: torch.nn.Module) -> bool:
         and getattr(config, "model_type", None) in SHARED_PROMPT_MODEL_TYPES
         and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
         and not getattr(config, "output_router_logits", False)  # the MoE aux loss reads a 2D mask
-        and "position_ids" in inspect.signature(forward).parameters
+        and "position_ids" in forward_parameters(model)
     )
 
 

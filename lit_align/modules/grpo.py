@@ -160,7 +160,7 @@ class GRPOModule(AlignModule):
         accumulate = self.trainer.accumulate_grad_batches
         old_logps = None
         if accumulate % (steps * batch["num_iterations"]):
-            old_logps = rollout.logps if rollout.logps is not None else self._logps(self.policy, prompt_ids, prompt_mask,
+            old_logps = rollout.logps if rollout.logps is not None else self._logps(self.network, prompt_ids, prompt_mask,
                                                                                      completion_ids, completion_mask)
         ref_logps = None
         if self.beta != 0.0:
@@ -250,7 +250,7 @@ class GRPOModule(AlignModule):
         take = lambda key: None if r[key] is None else r[key][rows]  # noqa: E731
 
         mask = take("loss_mask")
-        logps, entropy = completion_token_logps(self.policy, take("prompt_ids"), take("prompt_mask"),
+        logps, entropy = completion_token_logps(self.network, take("prompt_ids"), take("prompt_mask"),
                                                 take("completion_ids"), take("completion_mask"), self.temperature,
                                                 with_entropy=True, chunk_size=self.logps_chunk_size)
         token_losses, info = grpo_token_losses(logps, take("old_logps"), take("advantages"), self.epsilon,

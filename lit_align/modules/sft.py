@@ -72,7 +72,7 @@ class SFTModule(AlignModule):
             {name: MeanMetric() for name in ("loss", "mean_token_accuracy", "exact_match")})
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, correct, count = sft_token_stats(self.policy, batch, self.completion_only_loss, self.logps_chunk_size)
+        loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size)
         if self.guard_loss(loss, None, batch_idx) is None:
             return None
         # one all-reduce: the loss tokens of every rank, so the loss is the mean over the global batch's tokens (as
@@ -90,7 +90,7 @@ class SFTModule(AlignModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, correct, count = sft_token_stats(self.policy, batch, self.completion_only_loss, self.logps_chunk_size)
+        loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size)
         self.val_metrics["loss"].update(loss, count)
         self.val_metrics["mean_token_accuracy"].update(correct / count.clamp(min=1), count)
         self.log("val/loss", self.val_metrics["loss"], prog_bar=True)
