@@ -9,6 +9,7 @@ top-p 1.0 and ``max_new_tokens``. Every row runs to the full length: the EOS id 
 the vocabulary, so it is never sampled (the token count is checked from the returned masks, not assumed).
 
 tokens/s = generated tokens (``rows * max_new_tokens``) / wall time of one ``generate`` call, prefill included.
+The matmul bound (``matmul_bound``) is the rate if a decode step cost only its ``nn.Linear`` matmuls: a ceiling.
 Each cell is the median over ``--repeats`` calls after one warm-up call; the engines alternate call by call, so that
 a change in the machine's load hits both alike. The ratio is native / HF. On a machine shared with other jobs, use
 ``--threads 1``: with more torch threads than free cores every op waits on OpenMP barriers and the figures mean
@@ -21,6 +22,25 @@ import argparse
 import os
 import statistics
 import time
+
+
+def matmul_bound(model, rows: int, steps: int = 50) -> float:
+    """tok/s if a decode step of ``rows`` rows cost its matrix multiplies alone: every ``nn.Linear`` of the model
+    (attention and MLP projections, the LM head) run on a ``[rows, in_features]`` input, timed. A ceiling for any
+    engine: attention, norms, rotary and sampling come on top."""
+    import torch
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(rows, m.in_features) for m in linears]
+    with torch.inference_mode():
+        for _ in range(5):
+            for m, x in zip(linears, inputs):
+                m(x)
+        start = time.perf_counter()
+        for _ in range(steps):
+            for m, x in zip(linears, inputs):
+                m(x)
+    return rows * steps / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -74,6 +94,7 @@ def main() -> None:
                     times[engine].append(time.perf_counter() - start)
             tokens = rows * args.max_new_tokens
             cell = {k: tokens / statistics.median(v) for k, v in times.items()}
+            cell["bound"] = matmul_bound(model, rows)
             results.append((name, rows, cell))
             print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>12.0f}{cell['native'] / cell['hf']:>9.2f}x",
                   flush=True)
@@ -87,11 +108,15 @@ def main() -> None:
     load = os.getloadavg()
     print(f"\nSampling, B*G rows x {args.max_new_tokens} new tokens (G={args.num_generations}), fp32, CPU, "
           f"{args.threads} threads, median of {args.repeats}; load average {load[0]:.1f} {load[1]:.1f}\n")
-    header = f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}{'native tok/s':>14}{'native/HF':>11}"
+    header = (f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}{'native tok/s':>14}{'native/HF':>11}"
+              f"{'matmul bound':>14}{'bound/HF':>10}")
     print(header)
     print("-" * len(header))
     for name, rows, cell in results:
-        print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>14.0f}{cell['native'] / cell['hf']:>10.2f}x")
+        print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>14.0f}{cell['native'] / cell['hf']:>10.2f}x"
+              f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
+    print("\nmatmul bound: tok/s if a decode step cost only its nn.Linear matmuls (same rows, same threads): no engine "
+          "can pass it; bound/HF is the most any engine could gain over HF here.")
 
 
 if __name__ == "__main__":
