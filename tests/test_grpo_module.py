@@ -27,6 +27,7 @@ from lit_align.callbacks import CompletionsLogger
 from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
+from lit_align.losses import group_advantages
 from lit_align.models import load_model
 from lit_align.modules.grpo import GRPOModule, completion_token_logps
 
@@ -205,12 +206,13 @@ class LogpsSampler:
         return self.rollout
 
 
-def stub_round(module: GRPOModule, tokenizer, spg: int = 1, iterations: int = 1, accumulate: int = 1) -> dict:
+def stub_round(module: GRPOModule, tokenizer, spg: int = 1, iterations: int = 1, accumulate: int = 1,
+               all_gather=lambda t: t, sampler=None) -> dict:
     """``generate_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device Trainer."""
-    module.tokenizer, module.sampler = tokenizer, LogpsSampler()
+    module.tokenizer, module.sampler = tokenizer, sampler or LogpsSampler()
     module._trainer = SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
                                       strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t,
-                                                                all_gather=lambda t: t))
+                                                                all_gather=all_gather))
     batch = {"prompt_ids": torch.tensor([[30, 31], [0, 32]]), "prompt_mask": torch.tensor([[1, 1], [0, 1]]),
              "prompts": ["ab", "c"], "columns": {}, "round_pos": 0, "num_generations": 2,
              "steps_per_generation": spg, "num_iterations": iterations}
@@ -376,3 +378,21 @@ def test_ddp_two_processes_generate_once_per_round_on_each_rank(tmp_path, prompt
         rows = [row for row in csv.DictReader(f) if row.get("train/generation_rounds")]
     last = max(rows, key=lambda row: int(row["step"]))
     assert int(last["step"]) == 3 and float(last["train/generation_rounds"]) == 4 / 2
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch"])
+def test_advantages_are_normalized_over_every_ranks_rewards(tokenizer, scale_rewards):
+    """As TRL: rewards are gathered before the advantages, so ``batch`` divides by the global batch's std (groups
+    never span ranks, so ``group`` is unchanged); each rank keeps its own rows."""
+    other = torch.tensor([0.0, 3.0, 1.0, 5.0])  # another rank's rewards, spread wider than this rank's
+    module = GRPOModule(reward_funcs=["test_grpo_module.reward_digit_fraction"], scale_rewards=scale_rewards)
+    sampler = LogpsSampler()
+    digit, letter = tokenizer.convert_tokens_to_ids(["1", "a"])
+    sampler.rollout.completion_ids = torch.tensor([[digit] * 3, [letter] * 3, [digit, letter, letter], [letter] * 3])
+    r = stub_round(module, tokenizer, all_gather=lambda t: torch.stack([t, other.to(t)]), sampler=sampler)
+    mine = torch.tensor(r["log"]["rewards"])
+    assert mine.unique().numel() == 3  # rewards 1, 0, 1/3, 0: non-zero advantages
+    expected = group_advantages(torch.cat([mine, other]), 2, scale_rewards)[:4]
+    torch.testing.assert_close(r["advantages"], expected)
+    alone = group_advantages(mine, 2, scale_rewards)
+    assert torch.allclose(r["advantages"], alone) == (scale_rewards == "group")

@@ -148,7 +148,12 @@ class GRPOModule(AlignModule):
             rollout, prompts, completions, per_func = self.sample(self.sampler, batch, num_generations)
         weighted = per_func * self.reward_weights
         rewards = torch.where(per_func.isnan().all(1), torch.nan, weighted.nansum(1))
-        advantages = group_advantages(rewards, num_generations, self.scale_rewards)
+        # as TRL: advantages over every rank's rewards (the same per group: a group stays on one rank; scale_rewards
+        # batch divides by the global batch's std), then this rank's rows
+        gather, rank = self.trainer.strategy.all_gather, self.trainer.global_rank
+        all_rewards = gather(rewards).reshape(-1)
+        mine = slice(rank * len(rewards), (rank + 1) * len(rewards))
+        advantages = group_advantages(all_rewards, num_generations, self.scale_rewards)[mine]
 
         prompt_ids = batch["prompt_ids"].repeat_interleave(num_generations, 0)
         prompt_mask = batch["prompt_mask"].repeat_interleave(num_generations, 0)
@@ -172,8 +177,7 @@ class GRPOModule(AlignModule):
         world = self.trainer.world_size
         lengths = completion_mask.sum(1).float()
         # std, min and max are over every rank's completions (gathered), not averages of per-rank values
-        gather = self.trainer.strategy.all_gather
-        all_rewards, all_lengths = gather(rewards).reshape(-1), gather(lengths).reshape(-1)
+        all_lengths = gather(lengths).reshape(-1)
         zero_std = (nanstd(rewards.view(-1, num_generations), dim=1) < 1e-6).float()  # as the advantages see it
         self.generation_rounds += 1
         stats = {
