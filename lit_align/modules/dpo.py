@@ -322,8 +322,11 @@ class DPOModule(AlignModule):
         if not todo:
             return
         hp = self.hparams
+        # one rank reads the weight files to hash them (every rank reading a large model's files is slow)
+        name = self.ref_model_name or self.model_name
+        reference_hash = trainer.strategy.broadcast(reference.model_files_hash(name) if trainer.is_global_zero else None)
         settings = {
-            "reference": reference.model_files_hash(self.ref_model_name or self.model_name), "dtype": hp.dtype,
+            "reference": reference_hash, "dtype": hp.dtype,
             "attn_implementation": hp.attn_implementation, "precision": str(trainer.precision),
             "max_length": dm.max_length, "share_prompt": self.share_prompt, "ld_alpha": self.ld_alpha,
         }
