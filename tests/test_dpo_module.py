@@ -87,7 +87,7 @@ def test_step0_loss_is_ln2_on_a_real_batch(original):
 def test_completion_logps_match_a_plain_forward(original):
     """The per-token completion log-probs (with logits_to_keep), and WPO's log sum_v p(v)^2, equal a full forward +
     log_softmax by hand."""
-    from lit_align.modules.dpo import completion_logps
+    from lit_align.modules.pair_logps import completion_logps
 
     module = DPOModule(model="builtin:tiny")
     module.configure_model()
@@ -114,7 +114,7 @@ def test_completion_logps_match_a_plain_forward(original):
 
 def test_share_prompt_gives_the_plain_batch_numbers(tmp_path, tiny_path):
     """``share_prompt`` ([prompt, chosen, rejected] rows) and the plain [chosen; rejected] batch: same statistics."""
-    from lit_align.modules.dpo import supports_shared_prompt
+    from lit_align.modules.pair_logps import supports_shared_prompt
 
     noisy = AutoModelForCausalLM.from_pretrained(tiny_path)
     with torch.no_grad():

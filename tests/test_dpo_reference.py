@@ -25,7 +25,7 @@ from lit_align.data.tasks import SortTask
 from lit_align.errors import LitAlignError
 from lit_align.modules import DPOModule
 from lit_align.modules import reference as reference_module
-from lit_align.modules.dpo import logps_of
+from lit_align.modules.pair_logps import logps_of
 
 REPO = Path(__file__).resolve().parents[1]
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}

@@ -23,9 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from lit_align.data.preference import PreferenceDataModule, collate_pairs  # noqa: E402
 from lit_align.data.tasks import SortTask  # noqa: E402
-from lit_align.modules.dpo import (  # noqa: E402
-    METRICS,
-    DPOModule,
+from lit_align.modules.dpo import METRICS, DPOModule  # noqa: E402
+from lit_align.modules.pair_logps import (  # noqa: E402
     completion_logps,
     shared_prompt_layout,
     shared_prompt_logps,

@@ -5,17 +5,14 @@ no-grad forward of the frozen reference over the same pairs, per-token completio
 LD-DPO-weighted), and ``loss_type``'s loss averaged over pairs: by default ``-logsigmoid(beta * ((pi_c - ref_c) -
 (pi_r - ref_r)))``, or any of TRL's family (``lit_align.dpo_losses``). Metrics carry TRL's names and meanings.
 
-The batch is TRL's ``[chosen_1..B; rejected_1..B]`` (right-padded, ``completion_mask``). By default each pair is run as
-one sequence ``[prompt, chosen, rejected]`` instead (``share_prompt``): the rejected tokens attend to the prompt and
-not to the chosen ones, and take the positions they would have after the prompt, so every token sees exactly the
-context it has in ``[chosen; rejected]`` and the log-probs are the same up to float rounding, while the prompt goes
+The batch is TRL's ``[chosen_1..B; rejected_1..B]``; by default each pair runs as one sequence
+``[prompt, chosen, rejected]`` instead (``share_prompt``, ``lit_align.modules.pair_logps``): same log-probs, the prompt
 through the network once per pair instead of twice.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import NamedTuple
 
 import torch
 from torchmetrics import MeanMetric
@@ -31,156 +28,14 @@ from lit_align.dpo_losses import (
     sft_nll,
     wpo_weights,
 )
-from lit_align.logps import forward_parameters, next_token_logps
 from lit_align.modules import reference
 from lit_align.modules.base import AlignModule, frozen
+from lit_align.modules.pair_logps import logps_of, pair_layout
 
 METRICS = (
     "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
     "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected",
 )
-
-
-class CompletionLogps(NamedTuple):
-    """Per-token results of one forward, rows ``[chosen_1..B; rejected_1..B]`` (``[2B, T]``, any ``T``)."""
-
-    tokens: torch.Tensor  # log-prob of each completion token (fp32, 0 where ``mask`` is 0)
-    mask: torch.Tensor  # bool: which positions are this row's completion tokens, in order
-    logit_sums: torch.Tensor  # [2B] sum over completion tokens of the mean logit (no gradient)
-    log_sum_sq_probs: torch.Tensor | None = None  # log sum_v p(v)^2 per token (WPO; no gradient), when asked
-
-
-def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], log_sum_sq_probs: bool = False,
-                     chunk_size: int | None = None) -> CompletionLogps:
-    """One forward over a right-padded batch: per-token completion log-probs (see ``CompletionLogps``).
-
-    Only positions that predict a completion token need logits: the LM head skips the prompt prefix shared by the
-    batch (a large saving with real vocabularies), and with ``chunk_size`` it runs a chunk at a time
-    (``lit_align.logps``).
-    """
-    input_ids, completion_mask = batch["input_ids"], batch["completion_mask"]
-    has_completion = completion_mask.any(1)
-    first = completion_mask.int().argmax(1)[has_completion]
-    start = max(int(first.min()) if first.numel() else 1, 1)  # first completion position; logits from start - 1
-    stats = ("mean_logit", "log_sum_sq_probs") if log_sum_sq_probs else ("mean_logit",)
-    tokens, values = next_token_logps(model, input_ids, start, chunk_size, stats=stats,
-                                      attention_mask=batch["attention_mask"])
-    mask = completion_mask[:, start:].bool()
-    return CompletionLogps(tokens.masked_fill(~mask, 0), mask, (values["mean_logit"] * mask).sum(-1),
-                           values.get("log_sum_sq_probs"))
-
-
-# Architectures whose forward honours a custom 4D attention mask and explicit ``position_ids`` with their usual meaning
-# (rotary positions; no ALiBi or other bias derived from a 2D mask). Others run the plain ``[chosen; rejected]`` batch.
-SHARED_PROMPT_MODEL_TYPES = frozenset({
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "phi3", "olmo",
-    "olmo2", "granite", "smollm3", "cohere", "starcoder2", "glm", "helium",
-})
-
-
-def supports_shared_prompt(model: torch.nn.Module) -> bool:
-    """Whether ``model`` can run pairs as ``[prompt, chosen, rejected]`` rows (see ``shared_prompt_logps``)."""
-    config = getattr(model, "config", None)
-    forward = getattr(model, "forward", None)
-    return (
-        config is not None and forward is not None
-        and getattr(config, "model_type", None) in SHARED_PROMPT_MODEL_TYPES
-        and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
-        and not getattr(config, "output_router_logits", False)  # the MoE aux loss reads a 2D mask
-        and "position_ids" in forward_parameters(model)
-    )
-
-
-def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-    """Repack ``[chosen_1..B; rejected_1..B]`` (``[2B, T]``) as ``B`` rows ``[prompt, chosen, rejected]``.
-
-    Returns ``input_ids``, ``position_ids`` (the rejected tokens continue from the prompt, as in their own sequence),
-    ``allowed`` (``[B, 1, L, L]`` bool: causal, minus rejected -> chosen; a padding query sees only itself),
-    ``chosen`` / ``rejected`` (``[B, L]``: which tokens are scored) and ``source`` (``[B, L]``: the position whose
-    logits predict each token: the previous one, but the prompt's last for the first rejected token).
-    None when the batch is not of that form: not right-padded, a pair whose two prompts differ, an empty prompt, or a
-    completion that is not one contiguous run through the end of its sequence.
-    """
-    input_ids, attention = batch["input_ids"], batch["attention_mask"].bool()
-    completion = batch["completion_mask"].bool()
-    n, width = input_ids.shape
-    if n % 2:
-        return None
-    pairs, device = n // 2, input_ids.device
-    columns = torch.arange(width, device=device)
-    lengths = attention.sum(1)
-    prompt = torch.where(completion.any(1), completion.int().argmax(1), lengths)
-    completion_lengths = completion.sum(1)
-    prompt_c, prompt_r = prompt[:pairs], prompt[pairs:]
-    if not (
-        torch.equal(attention, columns < lengths[:, None])  # right padding
-        and torch.equal(prompt + completion_lengths, lengths)  # one completion run, to the end
-        and torch.equal(prompt_c, prompt_r)
-        and bool((prompt_c > 0).all())
-        and bool(((input_ids[:pairs] == input_ids[pairs:]) | (columns >= prompt_c[:, None])).all())
-    ):
-        return None
-    chosen_end = prompt_c + completion_lengths[:pairs]
-    row_lengths = chosen_end + completion_lengths[pairs:]
-    width = int(row_lengths.max())
-    pos = torch.arange(width, device=device)[None]  # [1, L]
-    in_first = pos < chosen_end[:, None]  # prompt or chosen
-    valid = pos < row_lengths[:, None]
-    rows = torch.arange(pairs, device=device)[:, None]
-    source_row = torch.where(in_first, rows, rows + pairs)
-    source_col = torch.where(in_first, pos, pos - completion_lengths[:pairs, None])
-    source_col = torch.where(valid, source_col, 0)
-    chosen = in_first & (pos >= prompt_c[:, None])
-    rejected = valid & ~in_first
-    causal = pos[0, None, :] <= pos[0, :, None]  # [L(query), L(key)]
-    allowed = causal & valid[:, None, :] & ~(rejected[:, :, None] & chosen[:, None, :])
-    allowed |= torch.eye(width, dtype=torch.bool, device=device)  # padding queries: themselves (no empty softmax)
-    source = torch.where(pos == chosen_end[:, None], prompt_c[:, None] - 1, pos - 1)
-    return {
-        "input_ids": input_ids[source_row, source_col],
-        "position_ids": source_col,
-        "allowed": allowed[:, None],
-        "chosen": chosen,
-        "rejected": rejected,
-        "source": source.clamp(min=0),
-        "first": int(prompt_c.min()),
-        "window": int(lengths.max()),
-    }
-
-
-def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor], log_sum_sq_probs: bool = False,
-                        chunk_size: int | None = None) -> CompletionLogps:
-    """``completion_logps`` over the rows of ``shared_prompt_layout``, ordered ``[chosen_1..B; rejected_1..B]`` like
-    the batch it was made from (each pair's row appears twice, once under its chosen mask, once under its rejected)."""
-    input_ids, first = layout["input_ids"], layout["first"]
-    mask = layout["allowed"]
-    if model.config._attn_implementation != "sdpa":  # eager adds the mask to the scores
-        dtype = next(model.parameters()).dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    stats = ("mean_logit", "log_sum_sq_probs") if log_sum_sq_probs else ("mean_logit",)
-    tokens, values = next_token_logps(model, input_ids, first, chunk_size, stats=stats,
-                                      source=layout["source"][:, first:], attention_mask=mask,
-                                      position_ids=layout["position_ids"])
-    masks = torch.cat([layout["chosen"][:, first:], layout["rejected"][:, first:]])
-    sum_sq = values["log_sum_sq_probs"].repeat(2, 1) if log_sum_sq_probs else None
-    return CompletionLogps(tokens.repeat(2, 1).masked_fill(~masks, 0), masks,
-                           (values["mean_logit"].repeat(2, 1) * masks).sum(1), sum_sq)
-
-
-def logps_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], layout: dict[str, torch.Tensor] | None,
-             log_sum_sq_probs: bool = False, chunk_size: int | None = None) -> CompletionLogps:
-    """Per-token log-probs of a batch: the shared-prompt rows where ``model`` takes them, else the plain
-    ``[chosen; rejected]`` batch."""
-    if _use_shared_prompt(model, layout):
-        return shared_prompt_logps(model, layout, log_sum_sq_probs, chunk_size)
-    return completion_logps(model, batch, log_sum_sq_probs, chunk_size)
-
-
-def _use_shared_prompt(model: torch.nn.Module, layout: dict[str, torch.Tensor] | None) -> bool:
-    if layout is None or not supports_shared_prompt(model):
-        return False
-    window = getattr(model.config, "sliding_window", None)  # a custom mask replaces the sliding-window mask
-    return not window or layout["window"] <= window
 
 
 def check_loss_options(loss_types: list[str], loss_weights: list[float] | None, label_smoothing: float,
@@ -333,7 +188,7 @@ class DPOModule(AlignModule):
         device = trainer.strategy.root_device
 
         def pair_logps(model, batch):
-            layout = shared_prompt_layout(batch) if self.share_prompt and supports_shared_prompt(model) else None
+            layout = pair_layout(batch, model, self.share_prompt)
             with trainer.precision_plugin.train_step_context():  # autocast as in training_step
                 out = logps_of(model, batch, layout, chunk_size=self.logps_chunk_size)
                 return ld_sequence_logps(out.tokens, out.mask, self.ld_alpha).chunk(2)
@@ -359,7 +214,7 @@ class DPOModule(AlignModule):
     def pair_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Per-pair losses and statistics ``[B]`` for one batch of ``[chosen; rejected]`` sequences, and the weights
         of the token-level ones (``logits/*`` average over completion tokens, as TRL does)."""
-        layout = shared_prompt_layout(batch) if self.share_prompt and supports_shared_prompt(self.network) else None
+        layout = pair_layout(batch, self.network, self.share_prompt)
         policy = logps_of(self.network, batch, layout, self.use_weighting, self.logps_chunk_size)
         chosen, rejected = ld_sequence_logps(policy.tokens, policy.mask, self.ld_alpha).chunk(2)
         if "ref_chosen_logps" in batch:  # precomputed reference log-probs (precompute_ref_log_probs, or the data's)
