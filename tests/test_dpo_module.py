@@ -258,3 +258,15 @@ def test_learns_the_builtin_task_held_out(tmp_path, capsys):
     assert accuracy > 0.7
     assert margin > 0
     assert len(dm.val_data) == 200  # held out: the task's 200 test prompts, none of them in the training rows
+
+
+def test_validate_then_fit_on_one_module(tmp_path):
+    """``trainer.validate`` (inference mode) then ``trainer.fit`` on the same module: fit's validation updates the
+    metrics again, from fresh states (the step-0 validation gave ln 2; after 2 steps at lr 1e-3 it differs)."""
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3)
+    dm = data(val_split="test", val_batch_size=8)
+    t = trainer(tmp_path, max_steps=2, limit_val_batches=2, val_check_interval=2)
+    before = t.validate(module, dm, verbose=False)[0]["val/loss"]
+    t.fit(module, dm)
+    assert before == pytest.approx(math.log(2), abs=1e-6)
+    assert float(t.callback_metrics["val/loss"]) != pytest.approx(before, abs=1e-4)

@@ -14,6 +14,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from torchmetrics import Metric
 from transformers import get_scheduler
 
 from lit_align.errors import LitAlignError
@@ -242,6 +243,13 @@ class AlignModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_batches = checkpoint.get("lit_align_skipped_batches", 0)
+
+    def on_validation_epoch_start(self) -> None:
+        # trainer.validate runs in inference mode, so the metrics' states become inference tensors, which a later
+        # trainer.fit (whose validation runs under no_grad) cannot update in place: each validation starts afresh
+        for metric in self.modules():
+            if isinstance(metric, Metric):
+                metric.reset()
 
     def configure_optimizers(self):
         hp = self.hparams
