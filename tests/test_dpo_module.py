@@ -94,7 +94,7 @@ def test_completion_logps_match_a_plain_forward(original):
     dm = data(tokenizer="builtin:tiny")
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
-    result = completion_logps(module.policy, batch, log_sum_sq_probs=True)
+    result = completion_logps(module.policy, batch, ("log_sum_sq_probs",))
     assert result.mask.sum(1).tolist() == batch["completion_mask"].sum(1).tolist()
     with torch.no_grad():
         logits = module.policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -107,7 +107,7 @@ def test_completion_logps_match_a_plain_forward(original):
                 total += logprobs[n, t - 1, batch["input_ids"][n, t]].item()
                 expected_sum_sq.append(math.log((logprobs[n, t - 1].exp() ** 2).sum().item()))
         expected.append(total)
-        got_sum_sq += result.log_sum_sq_probs[n][result.mask[n]].tolist()
+        got_sum_sq += result.stats["log_sum_sq_probs"][n][result.mask[n]].tolist()
     assert result.tokens.sum(1).tolist() == pytest.approx(expected, abs=1e-4)
     assert got_sum_sq == pytest.approx(expected_sum_sq, abs=1e-5)
 

@@ -230,7 +230,7 @@ class Record(L.Callback):
         assert pl_module.policy.training and not pl_module.ref_model.training
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.steps.append({name: trainer.callback_metrics[f"train/{name}"].item() for name in METRICS})
+        self.steps.append({name: trainer.callback_metrics[f"train/{name}"].item() for name in (*METRICS, "num_tokens")})
 
 
 def test_training_steps_match_trl(setup, tmp_path):
@@ -267,6 +267,7 @@ def test_training_steps_match_trl(setup, tmp_path):
 
     for step, (ours, theirs) in enumerate(zip(record.steps, trl_steps), start=1):
         assert_close(ours, theirs, f"step {step}")
+        assert ours["num_tokens"] == theirs["num_tokens"] > 0, step  # attended tokens so far, counted alike
 
     # both trained policies on the first batch: the loss moved, and moved the same way
     theirs = trl_metrics(trainer, trainer.data_collator([trainer.train_dataset[i] for i in range(PAIRS)]))
@@ -312,20 +313,22 @@ def test_shared_prompt_rows_match_plain_batch(model_type, attn, chunk_size):
     batch = collate_pairs(random_pairs(), pad_token_id=0, max_length=None)
     layout = shared_prompt_layout(batch)
     assert layout["input_ids"].numel() < batch["input_ids"].numel()  # the point: fewer positions
-    plain_out = completion_logps(model, batch, log_sum_sq_probs=True)
+    stats = ("mean_logit", "log_sum_sq_probs", "entropy", "argmax")
+    plain_out = completion_logps(model, batch, stats)
     plain = plain_out.tokens.sum(1)
     plain.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    others = {"shared": shared_prompt_logps(model, layout, True, chunk_size)}
+    others = {"shared": shared_prompt_logps(model, layout, stats, chunk_size)}
     if chunk_size:
-        others["plain, chunked"] = completion_logps(model, batch, True, chunk_size)
+        others["plain, chunked"] = completion_logps(model, batch, stats, chunk_size)
     for what, out in others.items():
         assert torch.allclose(out.tokens.sum(1), plain, atol=1e-5, rtol=0), (what, (out.tokens.sum(1) - plain))
-        assert torch.allclose(out.logit_sums, plain_out.logit_sums, atol=1e-5, rtol=0), what
-        # the same tokens, in the same order within each completion
+        # the same tokens, in the same order within each completion, with the same statistics
         assert torch.allclose(out.tokens[out.mask], plain_out.tokens[plain_out.mask], atol=1e-5, rtol=0), what
-        assert torch.allclose(out.log_sum_sq_probs[out.mask], plain_out.log_sum_sq_probs[plain_out.mask],
-                              atol=1e-5, rtol=0), what
+        for name in ("mean_logit", "log_sum_sq_probs", "entropy"):
+            assert torch.allclose(out.stats[name][out.mask], plain_out.stats[name][plain_out.mask],
+                                  atol=1e-5, rtol=0), (what, name)
+        assert torch.equal(out.stats["is_top1"][out.mask], plain_out.stats["is_top1"][plain_out.mask]), what
         model.zero_grad()
         out.tokens.sum().backward()
         for name, param in model.named_parameters():

@@ -107,6 +107,7 @@ class AlignModule(L.LightningModule):
         self.ref_model: torch.nn.Module | None = None  # set by recipes that need a reference (load_reference)
         self.tokenizer = None
         self.skipped_batches = 0
+        self.num_tokens = 0.0  # attended training tokens so far, all ranks (TRL's num_tokens; recipes that log it)
         self.register_load_state_dict_post_hook(_reference_not_in_checkpoints)
 
     def load(self, name: str) -> torch.nn.Module:
@@ -240,9 +241,11 @@ class AlignModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_align_skipped_batches"] = self.skipped_batches
+        checkpoint["lit_align_num_tokens"] = self.num_tokens
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.skipped_batches = checkpoint.get("lit_align_skipped_batches", 0)
+        self.num_tokens = checkpoint.get("lit_align_num_tokens", 0.0)
 
     def on_validation_epoch_start(self) -> None:
         # trainer.validate runs in inference mode, so the metrics' states become inference tensors, which a later

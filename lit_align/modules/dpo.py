@@ -34,7 +34,7 @@ from lit_align.modules.pair_logps import logps_of, pair_layout
 
 METRICS = (
     "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected",
+    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy",
 )
 
 
@@ -213,9 +213,11 @@ class DPOModule(AlignModule):
     # -- what is computed -------------------------------------------------------------------------------------------
     def pair_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Per-pair losses and statistics ``[B]`` for one batch of ``[chosen; rejected]`` sequences, and the weights
-        of the token-level ones (``logits/*`` average over completion tokens, as TRL does)."""
+        of the token-level ones (``logits/*`` and ``entropy`` average over completion tokens, ``mean_token_accuracy``
+        over chosen tokens, as TRL does)."""
         layout = pair_layout(batch, self.network, self.share_prompt)
-        policy = logps_of(self.network, batch, layout, self.use_weighting, self.logps_chunk_size)
+        stats = ("mean_logit", "entropy", "argmax") + (("log_sum_sq_probs",) if self.use_weighting else ())
+        policy = logps_of(self.network, batch, layout, stats, self.logps_chunk_size)
         chosen, rejected = ld_sequence_logps(policy.tokens, policy.mask, self.ld_alpha).chunk(2)
         if "ref_chosen_logps" in batch:  # precomputed reference log-probs (precompute_ref_log_probs, or the data's)
             ref_chosen, ref_rejected = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
@@ -229,14 +231,19 @@ class DPOModule(AlignModule):
         lengths = batch["completion_mask"].sum(1)
         pair_weights = None
         if self.use_weighting:
-            pair_weights = wpo_weights(policy.tokens, policy.log_sum_sq_probs, policy.mask)
+            pair_weights = wpo_weights(policy.tokens, policy.stats["log_sum_sq_probs"], policy.mask)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             chosen, rejected, ref_chosen, ref_rejected, beta=self.beta, **self.loss_options,
             chosen_lengths=lengths.chunk(2)[0], rejected_lengths=lengths.chunk(2)[1],
             sft_nll=sft_nll(policy.tokens, policy.mask) if "sft" in self.loss_types else None,
             pair_weights=pair_weights,
         )
-        token_logits = policy.logit_sums / lengths.clamp(min=1)
+        with torch.no_grad():
+            mask = policy.mask
+            token_logits = (policy.stats["mean_logit"] * mask).sum(1) / lengths.clamp(min=1)
+            entropy = (policy.stats["entropy"] * mask).sum(1).view(2, -1).sum(0)  # per pair, chosen + rejected
+            top1 = (policy.stats["is_top1"] & mask).sum(1).chunk(2)[0]  # the chosen completion's tokens
+        chosen_lengths, rejected_lengths = lengths.chunk(2)
         return {
             "loss": losses,
             "rewards/chosen": chosen_rewards,
@@ -247,18 +254,24 @@ class DPOModule(AlignModule):
             "logps/rejected": rejected.detach(),
             "logits/chosen": token_logits.chunk(2)[0],
             "logits/rejected": token_logits.chunk(2)[1],
-        }, {"logits/chosen": lengths.chunk(2)[0], "logits/rejected": lengths.chunk(2)[1]}
+            "entropy": entropy / (chosen_lengths + rejected_lengths).clamp(min=1),
+            "mean_token_accuracy": top1 / chosen_lengths.clamp(min=1),
+        }, {"logits/chosen": chosen_lengths, "logits/rejected": rejected_lengths,
+            "entropy": chosen_lengths + rejected_lengths, "mean_token_accuracy": chosen_lengths}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out, weights = self.pair_outputs(batch)
         loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("rows"))
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
-        # one all-reduce for every metric (mean over ranks of per-rank means)
-        stats = torch.stack([_mean(out[name].detach().float(), weights.get(name)) for name in METRICS])
-        stats = self.trainer.strategy.reduce(stats, reduce_op="mean")
+        # one all-reduce for every metric (mean over ranks of per-rank means) and the token count (a sum)
+        stats = [_mean(out[name].detach().float(), weights.get(name)) for name in METRICS]
+        stats.append(batch["attention_mask"].sum().float())
+        stats = self.trainer.strategy.reduce(torch.stack(stats), reduce_op="mean")
         for name, value in zip(METRICS, stats):
             self.log(f"train/{name}", value, prog_bar=name == "loss")
+        self.num_tokens += float(stats[-1]) * self.trainer.world_size
+        self.log("train/num_tokens", self.num_tokens)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

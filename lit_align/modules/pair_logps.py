@@ -22,11 +22,18 @@ class CompletionLogps(NamedTuple):
 
     tokens: torch.Tensor  # log-prob of each completion token (fp32, 0 where ``mask`` is 0)
     mask: torch.Tensor  # bool: which positions are this row's completion tokens, in order
-    logit_sums: torch.Tensor  # [2B] sum over completion tokens of the mean logit (no gradient)
-    log_sum_sq_probs: torch.Tensor | None = None  # log sum_v p(v)^2 per token (WPO; no gradient), when asked
+    stats: dict[str, torch.Tensor]  # the asked ``lit_align.logps`` statistics per token (no gradient), ``argmax``
+    #                                 turned into ``is_top1`` (the label is the most likely token)
 
 
-def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], log_sum_sq_probs: bool = False,
+def _per_token_stats(values: dict[str, torch.Tensor], labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    if "argmax" in values:
+        values = {**values, "is_top1": values["argmax"] == labels}
+        del values["argmax"]
+    return values
+
+
+def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], stats: tuple[str, ...] = (),
                      chunk_size: int | None = None) -> CompletionLogps:
     """One forward over a right-padded batch: per-token completion log-probs (see ``CompletionLogps``).
 
@@ -38,12 +45,10 @@ def completion_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor], log
     has_completion = completion_mask.any(1)
     first = completion_mask.int().argmax(1)[has_completion]
     start = max(int(first.min()) if first.numel() else 1, 1)  # first completion position; logits from start - 1
-    stats = ("mean_logit", "log_sum_sq_probs") if log_sum_sq_probs else ("mean_logit",)
     tokens, values = next_token_logps(model, input_ids, start, chunk_size, stats=stats,
                                       attention_mask=batch["attention_mask"])
     mask = completion_mask[:, start:].bool()
-    return CompletionLogps(tokens.masked_fill(~mask, 0), mask, (values["mean_logit"] * mask).sum(-1),
-                           values.get("log_sum_sq_probs"))
+    return CompletionLogps(tokens.masked_fill(~mask, 0), mask, _per_token_stats(values, input_ids[:, start:]))
 
 
 # Architectures whose forward honours a custom 4D attention mask and explicit ``position_ids`` with their usual meaning
@@ -124,7 +129,7 @@ def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     }
 
 
-def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor], log_sum_sq_probs: bool = False,
+def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor], stats: tuple[str, ...] = (),
                         chunk_size: int | None = None) -> CompletionLogps:
     """``completion_logps`` over the rows of ``shared_prompt_layout``, ordered ``[chosen_1..B; rejected_1..B]`` like
     the batch it was made from (each pair's row appears twice, once under its chosen mask, once under its rejected)."""
@@ -133,23 +138,22 @@ def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor],
     if model.config._attn_implementation != "sdpa":  # eager adds the mask to the scores
         dtype = next(model.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    stats = ("mean_logit", "log_sum_sq_probs") if log_sum_sq_probs else ("mean_logit",)
     tokens, values = next_token_logps(model, input_ids, first, chunk_size, stats=stats,
                                       source=layout["source"][:, first:], attention_mask=mask,
                                       position_ids=layout["position_ids"])
     masks = torch.cat([layout["chosen"][:, first:], layout["rejected"][:, first:]])
-    sum_sq = values["log_sum_sq_probs"].repeat(2, 1) if log_sum_sq_probs else None
+    values = _per_token_stats(values, input_ids[:, first:])
     return CompletionLogps(tokens.repeat(2, 1).masked_fill(~masks, 0), masks,
-                           (values["mean_logit"].repeat(2, 1) * masks).sum(1), sum_sq)
+                           {name: v.repeat(2, 1) for name, v in values.items()})
 
 
 def logps_of(model: torch.nn.Module, batch: dict[str, torch.Tensor], layout: dict[str, torch.Tensor] | None,
-             log_sum_sq_probs: bool = False, chunk_size: int | None = None) -> CompletionLogps:
-    """Per-token log-probs of a batch: the shared-prompt rows where ``model`` takes them, else the plain
-    ``[chosen; rejected]`` batch."""
+             stats: tuple[str, ...] = (), chunk_size: int | None = None) -> CompletionLogps:
+    """Per-token log-probs (and ``stats``) of a batch: the shared-prompt rows where ``model`` takes them, else the
+    plain ``[chosen; rejected]`` batch."""
     if _use_shared_prompt(model, layout):
-        return shared_prompt_logps(model, layout, log_sum_sq_probs, chunk_size)
-    return completion_logps(model, batch, log_sum_sq_probs, chunk_size)
+        return shared_prompt_logps(model, layout, stats, chunk_size)
+    return completion_logps(model, batch, stats, chunk_size)
 
 
 def _use_shared_prompt(model: torch.nn.Module, layout: dict[str, torch.Tensor] | None) -> bool:

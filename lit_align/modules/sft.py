@@ -8,7 +8,6 @@ completion tokens only by default, every real token with ``completion_only_loss:
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torchmetrics import MeanMetric
@@ -67,7 +66,6 @@ class SFTModule(AlignModule):
         self.completion_only_loss = completion_only_loss
         self.val_exact_match = val_exact_match
         self.greedy = HFSampler(max_new_tokens=val_max_new_tokens, temperature=0.0)
-        self.num_tokens = 0.0  # attended training tokens so far, all ranks (TRL's num_tokens)
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ("loss", "mean_token_accuracy", "exact_match")})
 
@@ -118,11 +116,3 @@ class SFTModule(AlignModule):
         texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         return sort_exact(texts, [r.strip() for r in references])
 
-    # -- TRL's num_tokens counts on across a resume -------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        checkpoint["lit_align_num_tokens"] = self.num_tokens
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        self.num_tokens = checkpoint.get("lit_align_num_tokens", 0.0)
