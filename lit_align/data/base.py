@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,16 +53,17 @@ class ResumableLoader(DataLoader):
 
 
 class SkippingSampler(DistributedSampler):
-    """``DistributedSampler`` whose next iteration can start ``skip`` indices in (set by ``ResumableLoader``)."""
+    """``DistributedSampler`` whose next iteration can start ``skip`` items in (set by ``ResumableLoader``).
+    Subclasses that yield something else override ``_items``."""
 
     skip = 0
 
     def __iter__(self) -> Iterator:
         skip, self.skip = self.skip, 0
-        indices = super().__iter__()
-        for _ in range(skip):
-            next(indices, None)
-        return indices
+        return itertools.islice(self._items(), skip, None)
+
+    def _items(self) -> Iterator:
+        return super().__iter__()
 
 
 class AlignDataModule(L.LightningDataModule):

@@ -22,24 +22,19 @@ generated and scored on that rank, so group statistics never cross ranks. The sa
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
-from lit_align.data.base import AlignDataModule, ResumableLoader
+from lit_align.data.base import AlignDataModule, ResumableLoader, SkippingSampler
 from lit_align.data.preference import ROLES
 from lit_align.errors import LitAlignError
 
 
-class RoundSampler(DistributedSampler):
+class RoundSampler(SkippingSampler):
     """Yields ``(index, round_pos)``: each round's prompts, ``repeats`` times; rounds drawn without replacement.
-
-    ``skip``: the next iteration starts that many yields in (set by ``ResumableLoader`` on a mid-epoch resume).
-    """
-
-    skip = 0
+    A ``DistributedSampler``, so Lightning keeps it; ``skip`` resumes mid-epoch (``SkippingSampler``)."""
 
     def __init__(self, dataset, prompts_per_round: int, repeats: int, num_replicas: int = 1, rank: int = 0,
                  shuffle: bool = True, seed: int = 0):
@@ -47,11 +42,7 @@ class RoundSampler(DistributedSampler):
         self.prompts_per_round, self.repeats = prompts_per_round, repeats
         self.num_rounds = len(dataset) // (prompts_per_round * num_replicas)
 
-    def __iter__(self):
-        skip, self.skip = self.skip, 0
-        return itertools.islice(self._yields(), skip, None)
-
-    def _yields(self):
+    def _items(self):
         n = len(self.dataset)
         if self.shuffle:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
