@@ -3,8 +3,7 @@
     python bench/generate_vs_hf.py                          # builtin:tiny and builtin:small, B*G in 8 64 256
     python bench/generate_vs_hf.py --rows 64 --models builtin:small --repeats 5 --threads 1
 
-Three engines: ``hf``, ``native`` and ``compiled`` (``NativeSampler(compile=True)``: the decode step through
-``torch.compile``; its compile time falls in the warm-up call and is printed apart). They get the same model object (fp32, sdpa attention, eval), the same left-padded prompts (the built-in sort
+Both engines get the same model object (fp32, sdpa attention, eval), the same left-padded prompts (the built-in sort
 task's, ``rows / num_generations`` of them, each sampled ``num_generations`` times), temperature 1.0, top-k 0,
 top-p 1.0 and ``max_new_tokens``. Every row runs to the full length: the EOS id handed to both engines is one past
 the vocabulary, so it is never sampled (the token count is checked from the returned masks, not assumed).
@@ -12,7 +11,7 @@ the vocabulary, so it is never sampled (the token count is checked from the retu
 tokens/s = generated tokens (``rows * max_new_tokens``) / wall time of one ``generate`` call, prefill included.
 The matmul bound (``matmul_bound``) is the rate if a decode step cost only its ``nn.Linear`` matmuls: a ceiling.
 Each cell is the median over ``--repeats`` calls after one warm-up call; the engines alternate call by call, so that
-a change in the machine's load hits all alike. Ratios are against HF. On a machine shared with other jobs, use
+a change in the machine's load hits both alike. The ratio is native / HF. On a machine shared with other jobs, use
 ``--threads 1``: with more torch threads than free cores every op waits on OpenMP barriers and the figures mean
 nothing (the load average is printed).
 """
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from functools import partial
 import statistics
 import time
 
@@ -65,7 +63,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     prompts = SortTask().prompt_rows("train")["prompt"]
-    engines = {"hf": HFSampler, "native": NativeSampler, "compiled": partial(NativeSampler, compile=True)}
+    engines = {"hf": HFSampler, "native": NativeSampler}
     results = []
     for name in args.models:
         model = load_model(name, dtype="float32", attn_implementation="sdpa").eval()
@@ -84,12 +82,8 @@ def main() -> None:
                 return samplers[engine].generate(model, enc.input_ids, enc.attention_mask, args.num_generations,
                                                  eos_token_ids=[never], pad_token_id=tokenizer.pad_token_id)
 
-            for engine in engines:  # warm-up (and compile)
-                start = time.perf_counter()
+            for engine in engines:  # warm-up
                 rollout = call(engine)
-                if engine == "compiled":
-                    print(f"{name} B*G={rows}: compiled in the warm-up call, {time.perf_counter() - start:.1f} s",
-                          flush=True)
                 generated = int(rollout.completion_mask.sum())
                 if generated != rows * args.max_new_tokens:
                     raise SystemExit(f"{engine}: {generated} tokens generated, expected {rows * args.max_new_tokens}")
@@ -102,8 +96,8 @@ def main() -> None:
             cell = {k: tokens / statistics.median(v) for k, v in times.items()}
             cell["bound"] = matmul_bound(model, rows)
             results.append((name, rows, cell))
-            print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>12.0f}{cell['native'] / cell['hf']:>9.2f}x"
-                  f"{cell['compiled']:>12.0f}{cell['compiled'] / cell['hf']:>9.2f}x", flush=True)
+            print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>12.0f}{cell['native'] / cell['hf']:>9.2f}x",
+                  flush=True)
             if args.profile and rows == args.rows[-1]:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -115,12 +109,11 @@ def main() -> None:
     print(f"\nSampling, B*G rows x {args.max_new_tokens} new tokens (G={args.num_generations}), fp32, CPU, "
           f"{args.threads} threads, median of {args.repeats}; load average {load[0]:.1f} {load[1]:.1f}\n")
     header = (f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}{'native tok/s':>14}{'native/HF':>11}"
-              f"{'compiled tok/s':>16}{'compiled/HF':>13}{'matmul bound':>14}{'bound/HF':>10}")
+              f"{'matmul bound':>14}{'bound/HF':>10}")
     print(header)
     print("-" * len(header))
     for name, rows, cell in results:
         print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>14.0f}{cell['native'] / cell['hf']:>10.2f}x"
-              f"{cell['compiled']:>16.0f}{cell['compiled'] / cell['hf']:>12.2f}x"
               f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
     print("\nmatmul bound: tok/s if a decode step cost only its nn.Linear matmuls (same rows, same threads): no engine "
           "can pass it; bound/HF is the most any engine could gain over HF here.")

@@ -14,7 +14,7 @@ signature.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -154,10 +154,8 @@ class _SlotLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         rows = key_states.shape[0] * self.num_samples
         self.device = key_states.device
-        # zeros, not empty: a compiled decode step attends over positions not yet written (masked, weight 0), and
-        # 0 * NaN from uninitialised memory would be NaN
-        self.keys = key_states.new_zeros((rows, key_states.shape[1], self.capacity, key_states.shape[3]))
-        self.values = value_states.new_zeros((rows, value_states.shape[1], self.capacity, value_states.shape[3]))
+        self.keys = key_states.new_empty((rows, key_states.shape[1], self.capacity, key_states.shape[3]))
+        self.values = value_states.new_empty((rows, value_states.shape[1], self.capacity, value_states.shape[3]))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -215,52 +213,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _llama_decode(tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor, filled: int,
-                  bias: torch.Tensor, weights: tuple, head_dim: int) -> torch.Tensor:
-    """One decode step of a Llama-like model on the weights ``_LlamaDecodeStep`` arranged: logits ``[N, V]``.
-
-    ``tokens [N]`` enter at rotary angles ``cos, sin [N, 1, D]``; their keys and values are written at cache position
-    ``slot`` (a one-element tensor) and attention reads the first ``filled`` positions, with ``bias [N, 1, 1, >=
-    filled]`` (0 where a row may attend, -inf elsewhere). Pure apart from the cache write, so ``torch.compile`` takes
-    it as it is (``NativeSampler(compile=True)`` passes the whole capacity as ``filled``: static shapes).
-    """
-    embed, layers, final_norm, head = weights
-    rows, bias = tokens.shape[0], bias[..., :filled]
-    h = F.embedding(tokens, embed)
-    for norm1, w_qkv, b_qkv, o_proj, norm2, w_gate_up, b_gate_up, down_proj, act, keys, values in layers:
-        kv_heads = values.shape[1]
-        x = F.linear(_rms_norm(h, *norm1), w_qkv, b_qkv).view(rows, -1, head_dim)  # q (scaled), k, v heads
-        qk = x[:, :-kv_heads]
-        qk = qk * cos + _rotate_half(qk) * sin
-        keys.index_copy_(2, slot, qk[:, -kv_heads:, None])
-        values.index_copy_(2, slot, x[:, -kv_heads:, None])
-        out = F.scaled_dot_product_attention(qk[:, :-kv_heads, None], keys[:, :, :filled], values[:, :, :filled],
-                                             attn_mask=bias, scale=1.0, enable_gqa=True).view(rows, -1)
-        h = _add_linear(h, out, o_proj)
-        gate, up = F.linear(_rms_norm(h, *norm2), w_gate_up, b_gate_up).chunk(2, dim=-1)
-        h = _add_linear(h, act(gate) * up, down_proj)
-    return head(_rms_norm(h, *final_norm))
-
-
-def _add_linear(h: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
-    """``h + linear(x)`` as one ``addmm``."""
-    return torch.addmm(h if linear.bias is None else h + linear.bias, x, linear.weight.t())
-
-
 class _LlamaDecodeStep:
-    """Decode steps of a Llama-like model (``LLAMA_LIKE``) for ``NativeSampler``, written against its weights.
+    """One decode step of a Llama-like model (``LLAMA_LIKE``), written against its weights for ``NativeSampler``.
 
     A decode step of a small model is mostly per-operation overhead: the model's forward walks ~20 modules per layer
-    with their hooks, output classes and mask logic. ``_llama_decode`` runs the same math in ~15 tensor operations
-    per layer on weights arranged once per ``generate`` call: q (with the attention scaling folded in), k and v come
-    out of one matmul, gate and up out of another; the rotary tables of every step are computed before the loop; keys
-    and values go into the ``_SlotCache`` buffers that the prefill (a normal forward) filled; the residual additions
-    ride on the output projections (``addmm``). Results equal the model's forward up to float rounding (tested:
-    greedy tokens identical, sampling log-probs equal a fresh forward's to 1e-5).
-
-    With ``compile=True`` the step runs through ``torch.compile`` (one graph per batch shape: attention spans the
-    whole cache, the positions not yet written masked by the bias), which fuses the elementwise work between the
-    matmuls.
+    with their hooks, output classes and mask logic. This runs the same math in ~15 tensor operations per layer:
+    q/k/v fused into one matmul and gate/up into another (weights concatenated once per ``generate`` call), the rotary
+    tables of every step computed before the loop, keys and values written into the ``_SlotCache`` buffers the
+    prefill (a normal forward) filled. Results equal the model's forward up to float rounding (tested: greedy tokens
+    identical, sampling log-probs equal a fresh forward's to 1e-5). Other architectures decode through their forward.
     """
 
     @staticmethod
@@ -277,44 +238,48 @@ class _LlamaDecodeStep:
                 and set(layer.self_attn._modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
                 and model.get_output_embeddings() is not None)
 
-    def __init__(self, model, cache: _SlotCache, positions: torch.Tensor, valid: torch.Tensor, compile: bool = False):
-        base = model.model
-        self.head_dim = base.layers[0].self_attn.head_dim
-        layers = []
+    def __init__(self, model, cache: _SlotCache, positions: torch.Tensor, valid: torch.Tensor):
+        base, config = model.model, model.config
+        self.embed, self.head = base.embed_tokens.weight, model.get_output_embeddings()
+        self.norm = (base.norm.weight, base.norm.variance_epsilon)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        attn = base.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.layers = []
         for layer, slots in zip(base.layers, cache.layers):
             a, m = layer.self_attn, layer.mlp
-            biases = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias * a.scaling, a.k_proj.bias,
-                                                                      a.v_proj.bias])
-            layers.append((
+            qkv = (a.q_proj, a.k_proj, a.v_proj)
+            self.layers.append((
                 (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
-                torch.cat([a.q_proj.weight * a.scaling, a.k_proj.weight, a.v_proj.weight]), biases, a.o_proj,
+                torch.cat([p.weight for p in qkv]),
+                None if a.q_proj.bias is None else torch.cat([p.bias for p in qkv]),
+                a.o_proj,
                 (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
                 torch.cat([m.gate_proj.weight, m.up_proj.weight]),
                 None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]),
-                m.down_proj, m.act_fn, slots.keys, slots.values,
+                m.down_proj, m.act_fn, slots,
             ))
-        self.weights = (base.embed_tokens.weight, layers, (base.norm.weight, base.norm.variance_epsilon),
-                        model.get_output_embeddings())
-        cos, sin = base.rotary_emb(base.embed_tokens.weight, positions)  # [N, steps, D] for every step at once
+        cos, sin = base.rotary_emb(self.embed, positions)  # [N, steps, D] for every step at once
         self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [N, steps, 1, D]
-        prompt_len = valid.shape[1] - positions.shape[1]
-        bias = torch.zeros(valid.shape, dtype=cos.dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
-        bias[:, prompt_len:] = float("-inf")  # opened one position per step
-        self.bias = bias[:, None, None, :]  # [N, 1, 1, prompt + steps]
-        self.capacity = valid.shape[1] if compile else None
-        self.run = _compiled_llama_decode() if compile else _llama_decode
+        self.valid = valid[:, None, None, :]  # [N, 1, 1, prompt + steps]
 
     def __call__(self, tokens: torch.Tensor, step: int, slot: int) -> torch.Tensor:
         """Logits ``[N, V]`` after feeding ``tokens [N]`` at decode step ``step``, written to cache slot ``slot``."""
-        self.bias[..., slot] = 0.0
-        return self.run(tokens, self.cos[:, step], self.sin[:, step], torch.tensor([slot], device=tokens.device),
-                        self.capacity or slot + 1, self.bias, self.weights, self.head_dim)
-
-
-@cache
-def _compiled_llama_decode():
-    """``_llama_decode`` through ``torch.compile``, made once per process (its graphs are cached per batch shape)."""
-    return torch.compile(_llama_decode, dynamic=False)
+        rows, qk_heads = tokens.shape[0], self.heads + self.kv_heads
+        cos, sin, mask = self.cos[:, step], self.sin[:, step], self.valid[..., : slot + 1]
+        h = F.embedding(tokens, self.embed)
+        for norm1, w_qkv, b_qkv, o_proj, norm2, w_gate_up, b_gate_up, down_proj, act, slots in self.layers:
+            qkv = F.linear(_rms_norm(h, *norm1), w_qkv, b_qkv).view(rows, -1, self.head_dim)
+            qk = qkv[:, :qk_heads] * cos + _rotate_half(qkv[:, :qk_heads]) * sin
+            slots.keys[:, :, slot] = qk[:, self.heads :]
+            slots.values[:, :, slot] = qkv[:, qk_heads:]
+            out = F.scaled_dot_product_attention(
+                qk[:, : self.heads, None], slots.keys[:, :, : slot + 1], slots.values[:, :, : slot + 1],
+                attn_mask=mask, scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
+            h = h + o_proj(out.view(rows, -1))
+            gate, up = F.linear(_rms_norm(h, *norm2), w_gate_up, b_gate_up).chunk(2, dim=-1)
+            h = h + down_proj(act(gate) * up)
+        return self.head(_rms_norm(h, *self.norm))
 
 
 def _check_native_model(model) -> None:
@@ -341,28 +306,21 @@ class NativeSampler:
     - sampling stays on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, a Gumbel-max
       draw), its log-probs are those of the temperature-scaled, unfiltered distribution (HFSampler's definition);
     - finished rows are tracked on tensors; the loop looks at the host only every ``EOS_CHECK_EVERY`` tokens to stop
-      early once every row has ended (rows that ended emit pad tokens);
-    - Llama-like models (``LLAMA_LIKE``) decode with ``_LlamaDecodeStep`` rather than through their forward.
+      early once every row has ended (rows that ended emit pad tokens).
 
     The model must use ``sdpa`` or ``eager`` attention and full-attention layers (Llama, Qwen2, GPT-NeoX, ...).
-
-    Args:
-        max_new_tokens, temperature, top_p, top_k, return_logps: as ``HFSampler``'s.
-        compile: run the decode step of Llama-like models through ``torch.compile`` (other models ignore it). The
-            first ``generate`` for each batch shape compiles (seconds, cached on disk by torch afterwards); later
-            ones decode faster (see ``bench/generate_vs_hf.py``). Needs a C++ compiler on CPU.
     """
 
     EOS_CHECK_EVERY = 8
     FAST_DECODE = True  # decode Llama-like models with ``_LlamaDecodeStep`` (False: through the model's forward)
 
     def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 return_logps: bool = True, compile: bool = False):
+                 return_logps: bool = True):
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0 or max_new_tokens < 1:
             raise LitAlignError(f"sampler: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1; "
                                 f"got {temperature}, {top_p}, {top_k}, {max_new_tokens}")
         self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
-        self.return_logps, self.compile = return_logps, compile
+        self.return_logps = return_logps
 
     def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
                  eos_token_ids: list[int], pad_token_id: int) -> Rollout:
@@ -416,8 +374,7 @@ class NativeSampler:
         eos = torch.tensor(eos_token_ids, device=device)[:, None]
         fast = None
         if self.FAST_DECODE and _LlamaDecodeStep.supports(model):
-            fast = _LlamaDecodeStep(model, cache, next_position + torch.arange(steps, device=device), valid,
-                                    self.compile)
+            fast = _LlamaDecodeStep(model, cache, next_position + torch.arange(steps, device=device), valid)
         for t in range(steps):
             tokens, token_logps = sample_next(logits, self.temperature, self.top_k, self.top_p)
             tokens = tokens.masked_fill_(finished, pad_token_id)

@@ -157,38 +157,6 @@ def test_llama_decode_step_equals_decoding_through_the_forward(arch, tokenizer, 
     torch.testing.assert_close(rollouts[True].logps, rollouts[False].logps, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_compiled_decode_step_equals_the_eager_one_and_compiles_once_per_shape(arch, tokenizer):
-    """``compile=True``: the same tokens and log-probs as the eager step (attention over the whole cache, the
-    positions not yet written masked). A later call with new weights and prompts of the same shape reuses the graph
-    (GRPO calls ``generate`` every round); a new batch shape compiles once more."""
-    from torch._dynamo.utils import counters
-
-    model = ARCHITECTURES[arch](tokenizer, "sdpa")
-    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
-    kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
-    rollouts = {}
-    for compile in (False, True):
-        torch.manual_seed(0)
-        rollouts[compile] = NativeSampler(max_new_tokens=10, compile=compile).generate(model, prompt_ids, prompt_mask,
-                                                                                      3, **kwargs)
-    assert rollouts[True].completion_ids.tolist() == rollouts[False].completion_ids.tolist()
-    torch.testing.assert_close(rollouts[True].logps, rollouts[False].logps, atol=1e-5, rtol=0)
-
-    graphs = counters["stats"]["unique_graphs"]
-    with torch.no_grad():
-        model.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # a training step happened
-    greedy = NativeSampler(max_new_tokens=10, temperature=0.0, compile=True)
-    other_ids, other_mask = left_padded(tokenizer, ["sort 9:", "sort 876543:", "sort 3:", "x"])
-    assert other_ids.shape == prompt_ids.shape
-    compiled = greedy.generate(model, other_ids, other_mask, 3, **kwargs)
-    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
-    hf = HFSampler(max_new_tokens=10, temperature=0.0).generate(model, other_ids, other_mask, 3, **kwargs)
-    assert compiled.completion_ids.tolist() == hf.completion_ids.tolist()  # and it saw the new weights
-    greedy.generate(model, other_ids[:2], other_mask[:2], 3, **kwargs)
-    assert counters["stats"]["unique_graphs"] == graphs + 1
-
-
 def test_eos_mask_through_first_eos_pad_after_rows_ending_early(eos_heavy_model, tokenizer):
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     eos = tokenizer.eos_token_id
@@ -255,11 +223,3 @@ def test_grpo_trains_and_validates_with_the_native_engine(tmp_path, tiny_path):
     metrics = trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and "val/reward" in metrics
     assert metrics["train/completions/mean_length"] <= 4
-
-
-def test_grpo_compile_generation_reaches_both_samplers_and_needs_the_native_engine():
-    module = GRPOModule(model="builtin:tiny", engine="native", compile_generation=True)
-    assert module.sampler.compile and module.greedy.compile
-    assert not GRPOModule(model="builtin:tiny", engine="native").sampler.compile
-    with pytest.raises(LitAlignError, match="compile_generation needs engine: native"):
-        GRPOModule(model="builtin:tiny", engine="hf", compile_generation=True)

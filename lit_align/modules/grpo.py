@@ -67,9 +67,6 @@ class GRPOModule(AlignModule):
         top_p: nucleus sampling (1.0: off).
         top_k: top-k sampling (0: off).
         engine: sampler: ``hf`` (transformers ``generate``) or ``native`` (lit_align's batched decode loop, faster).
-        compile_generation: with ``engine: native``, run the decode step of Llama-like models through
-            ``torch.compile`` (a few seconds of compiling per batch shape, then faster rounds; needs a C++ compiler
-            on CPU).
     """
 
     def __init__(
@@ -89,7 +86,6 @@ class GRPOModule(AlignModule):
         top_p: float = 1.0,
         top_k: int = 0,
         engine: str = "hf",
-        compile_generation: bool = False,
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
@@ -101,8 +97,6 @@ class GRPOModule(AlignModule):
             raise LitAlignError(f"model.temperature must be > 0 (GRPO samples distinct completions), got {temperature}")
         if engine not in SAMPLERS:
             raise LitAlignError(f"model.engine {engine!r}: expected one of {sorted(SAMPLERS)}")
-        if compile_generation and engine != "native":
-            raise LitAlignError(f"model.compile_generation needs engine: native (got engine: {engine})")
         reward_funcs = reward_funcs or ["lit_align.rewards.sort_accuracy"]
         self.reward_funcs = [import_reward(path) for path in reward_funcs]
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
@@ -114,10 +108,9 @@ class GRPOModule(AlignModule):
         self.epsilon, self.epsilon_high, self.scale_rewards = epsilon, epsilon_high, scale_rewards
         self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
         self.temperature = temperature
-        compile = {"compile": True} if compile_generation else {}
         self.sampler = SAMPLERS[engine](max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
-                                        top_k=top_k, **compile)
-        self.greedy = SAMPLERS[engine](max_new_tokens=max_completion_length, temperature=0.0, **compile)
+                                        top_k=top_k)
+        self.greedy = SAMPLERS[engine](max_new_tokens=max_completion_length, temperature=0.0)
         self.round: dict[str, Any] | None = None  # the current generation round's buffer
         self.generation_rounds = 0
         self.generation_seed = torch.initial_seed()  # re-read at fit start (after ``seed_everything``)
