@@ -2,11 +2,16 @@
 
     python bench/generate_vs_hf.py                          # builtin:tiny and builtin:small, B*G in 8 64 256
     python bench/generate_vs_hf.py --rows 64 --models builtin:small --repeats 5 --threads 1
+    python bench/generate_vs_hf.py --eos --max-new-tokens 256 --rows 64     # rows end where they sample EOS
 
 Both engines get the same model object (fp32, sdpa attention, eval), the same left-padded prompts (the built-in sort
 task's, ``rows / num_generations`` of them, each sampled ``num_generations`` times), temperature 1.0, top-k 0,
 top-p 1.0 and ``max_new_tokens``. Every row runs to the full length: the EOS id handed to both engines is one past
 the vocabulary, so it is never sampled (the token count is checked from the returned masks, not assumed).
+With ``--eos`` the tokenizer's EOS ends rows where it is sampled instead: the untrained built-in models emit it at
+about 1% a token, so lengths have a long tail, as real completions do; tokens/s then counts the tokens kept (the
+completion masks), and the native engine's dropping of finished rows shows (``generate`` decodes every row until the
+last one ends). The matmul bound is left out there.
 
 tokens/s = generated tokens (``rows * max_new_tokens``) / wall time of one ``generate`` call, prefill included.
 The matmul bound (``matmul_bound``) is the rate if a decode step cost only its ``nn.Linear`` matmuls: a ceiling.
@@ -51,6 +56,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per engine and cell (median)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--eos", action="store_true", help="end rows at the tokenizer's EOS (varied lengths)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one native call")
     args = parser.parse_args()
 
@@ -69,6 +75,7 @@ def main() -> None:
         model = load_model(name, dtype="float32", attn_implementation="sdpa").eval()
         tokenizer = load_tokenizer(name)
         never = model.config.vocab_size  # an id the model cannot emit: every row runs max_new_tokens
+        eos = tokenizer.eos_token_id if args.eos else never
         for rows in args.rows:
             if rows % args.num_generations:
                 parser.error(f"--rows {rows} is not a multiple of --num-generations {args.num_generations}")
@@ -76,25 +83,24 @@ def main() -> None:
             enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left")
             samplers = {k: cls(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0)
                         for k, cls in engines.items()}
-            times: dict[str, list[float]] = {k: [] for k in engines}
+            rates: dict[str, list[float]] = {k: [] for k in engines}
 
-            def call(engine: str):
-                return samplers[engine].generate(model, enc.input_ids, enc.attention_mask, args.num_generations,
-                                                 eos_token_ids=[never], pad_token_id=tokenizer.pad_token_id)
+            def call(engine: str) -> int:
+                rollout = samplers[engine].generate(model, enc.input_ids, enc.attention_mask, args.num_generations,
+                                                    eos_token_ids=[eos], pad_token_id=tokenizer.pad_token_id)
+                return int(rollout.completion_mask.sum())
 
             for engine in engines:  # warm-up
-                rollout = call(engine)
-                generated = int(rollout.completion_mask.sum())
-                if generated != rows * args.max_new_tokens:
+                generated = call(engine)
+                if not args.eos and generated != rows * args.max_new_tokens:
                     raise SystemExit(f"{engine}: {generated} tokens generated, expected {rows * args.max_new_tokens}")
             for _ in range(args.repeats):
                 for engine in engines:
                     start = time.perf_counter()
-                    call(engine)
-                    times[engine].append(time.perf_counter() - start)
-            tokens = rows * args.max_new_tokens
-            cell = {k: tokens / statistics.median(v) for k, v in times.items()}
-            cell["bound"] = matmul_bound(model, rows)
+                    generated = call(engine)
+                    rates[engine].append(generated / (time.perf_counter() - start))
+            cell = {k: statistics.median(v) for k, v in rates.items()}
+            cell["bound"] = float("nan") if args.eos else matmul_bound(model, rows)
             results.append((name, rows, cell))
             print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>12.0f}{cell['native'] / cell['hf']:>9.2f}x",
                   flush=True)
@@ -106,7 +112,8 @@ def main() -> None:
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
     load = os.getloadavg()
-    print(f"\nSampling, B*G rows x {args.max_new_tokens} new tokens (G={args.num_generations}), fp32, CPU, "
+    print(f"\nSampling, B*G rows x {'at most ' if args.eos else ''}{args.max_new_tokens} new tokens "
+          f"({'ending at EOS' if args.eos else 'no EOS'}, G={args.num_generations}), fp32, CPU, "
           f"{args.threads} threads, median of {args.repeats}; load average {load[0]:.1f} {load[1]:.1f}\n")
     header = (f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}{'native tok/s':>14}{'native/HF':>11}"
               f"{'matmul bound':>14}{'bound/HF':>10}")

@@ -188,6 +188,11 @@ class _SlotCache(Cache):
     def __init__(self, num_samples: int, capacity: int):
         super().__init__(layer_class_to_replicate=partial(_SlotLayer, num_samples, capacity))
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the cache rows ``rows`` (indices), in that order: the rows still decoding."""
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+
 
 # Architectures whose forward is Llama's: embed -> layers (RMSNorm, q/k/v with optional bias, rotary, attention, o,
 # residual, RMSNorm, gate/up, act, down, residual) -> RMSNorm -> lm_head. ``_LlamaDecodeStep`` runs their decode steps.
@@ -263,6 +268,10 @@ class _LlamaDecodeStep:
         self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [N, steps, 1, D]
         self.valid = valid[:, None, None, :]  # [N, 1, 1, prompt + steps]
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the rows ``rows`` of the per-row tables (the cache's are kept by ``_SlotCache.keep_rows``)."""
+        self.cos, self.sin, self.valid = self.cos[rows], self.sin[rows], self.valid[rows]
+
     def __call__(self, tokens: torch.Tensor, step: int, slot: int) -> torch.Tensor:
         """Logits ``[N, V]`` after feeding ``tokens [N]`` at decode step ``step``, written to cache slot ``slot``."""
         rows, qk_heads = tokens.shape[0], self.heads + self.kv_heads
@@ -305,13 +314,16 @@ class NativeSampler:
       ``completion_token_logps`` computes them), so transformers builds no mask in the loop;
     - sampling stays on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, a Gumbel-max
       draw), its log-probs are those of the temperature-scaled, unfiltered distribution (HFSampler's definition);
-    - finished rows are tracked on tensors; the loop looks at the host only every ``EOS_CHECK_EVERY`` tokens to stop
-      early once every row has ended (rows that ended emit pad tokens).
+    - finished rows are tracked on tensors; the loop looks at the host only every ``EOS_CHECK_EVERY`` tokens, to stop
+      once every row has ended, and to drop the rows that ended from the batch (their KV cache rows too) once they
+      are ``DROP_FINISHED`` of it: completion lengths have a long tail, and a batch decoding only its slowest rows
+      costs what a full one does (``generate`` keeps decoding every row until the last one ends).
 
     The model must use ``sdpa`` or ``eager`` attention and full-attention layers (Llama, Qwen2, GPT-NeoX, ...).
     """
 
     EOS_CHECK_EVERY = 8
+    DROP_FINISHED = 0.25  # drop the rows that ended once they are this fraction of the batch being decoded
     FAST_DECODE = True  # decode Llama-like models with ``_LlamaDecodeStep`` (False: through the model's forward)
 
     def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
@@ -370,6 +382,7 @@ class NativeSampler:
         ids = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
         want_logps = self.return_logps and self.temperature != 0
         logps = torch.zeros(rows, steps, dtype=torch.float32, device=device) if want_logps else None
+        live = torch.arange(rows, device=device)  # the row of ``ids`` each row being decoded fills
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         eos = torch.tensor(eos_token_ids, device=device)[:, None]
         fast = None
@@ -378,12 +391,23 @@ class NativeSampler:
         for t in range(steps):
             tokens, token_logps = sample_next(logits, self.temperature, self.top_k, self.top_p)
             tokens = tokens.masked_fill_(finished, pad_token_id)
-            ids[:, t] = tokens
+            ids[live, t] = tokens
             if want_logps:
-                logps[:, t] = token_logps.masked_fill_(finished, 0.0)
+                logps[live, t] = token_logps.masked_fill_(finished, 0.0)
             finished |= (tokens == eos).any(0)
-            if t + 1 == steps or ((t + 1) % self.EOS_CHECK_EVERY == 0 and bool(finished.all())):
+            if t + 1 == steps:
                 break
+            if (t + 1) % self.EOS_CHECK_EVERY == 0:
+                ended = int(finished.sum())
+                if ended == len(finished):
+                    break
+                if ended >= self.DROP_FINISHED * len(finished):
+                    keep = (~finished).nonzero().squeeze(1)
+                    live, tokens, finished = live[keep], tokens[keep], finished[keep]
+                    cache.keep_rows(keep)
+                    if fast is not None:
+                        fast.keep_rows(keep)
+                    step_mask, next_position = step_mask[keep], next_position[keep]
             if fast is not None:
                 logits = fast(tokens, t, prompt_len + t)
             else:

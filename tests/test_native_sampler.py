@@ -177,6 +177,51 @@ def test_eos_mask_through_first_eos_pad_after_rows_ending_early(eos_heavy_model,
             assert ids[length:] == [0] * (len(ids) - length)  # pad after the EOS
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_rows_that_ended_leave_the_batch_and_the_results_stay_exact(fast, eos_heavy_model, tokenizer, monkeypatch):
+    """Rows that ended are dropped from the decoded batch (with their cache rows): greedy tokens still equal HF
+    ``generate``'s, and sampled log-probs still equal a fresh forward's, in the fast decode step and through the
+    model's forward alike."""
+    monkeypatch.setattr(NativeSampler, "FAST_DECODE", fast)
+    monkeypatch.setattr(NativeSampler, "EOS_CHECK_EVERY", 2)
+    widths = []  # rows fed to each decode step
+
+    def spy(model):
+        if fast:
+            step = generation._LlamaDecodeStep.__call__
+            monkeypatch.setattr(generation._LlamaDecodeStep, "__call__",
+                                lambda self, tokens, *a: widths.append(len(tokens)) or step(self, tokens, *a))
+        else:  # the prefill is recorded too
+            model.register_forward_pre_hook(lambda m, args, kw: widths.append(len(kw["input_ids"])), with_kwargs=True)
+        return model
+
+    # greedy: with these EOS ids the random model's rows end after 10, 13, 2 tokens, or never (16): known by HF
+    model = spy(tiny_random("llama", len(tokenizer)))
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    kwargs = dict(eos_token_ids=[20, 2], pad_token_id=tokenizer.pad_token_id)
+    hf = HFSampler(max_new_tokens=16, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    assert hf.completion_mask.sum(1).tolist() == [10, 10, 13, 13, 16, 16, 2, 2]
+    native = NativeSampler(max_new_tokens=16, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    assert native.completion_ids.tolist() == hf.completion_ids.tolist()
+    assert native.truncated.tolist() == hf.truncated.tolist()
+    widths = widths[1:] if not fast else widths
+    assert sorted(set(widths), reverse=True) == [8, 6, 4, 2]  # dropped at the checks after tokens 2, 10 and 14
+
+    # sampled: the log-probs of what was drawn are still the model's
+    widths.clear()
+    spy(eos_heavy_model)
+    torch.manual_seed(0)
+    kwargs["eos_token_ids"] = [tokenizer.eos_token_id]
+    rollout = NativeSampler(max_new_tokens=16).generate(eos_heavy_model, prompt_ids, prompt_mask, 4, **kwargs)
+    assert min(widths) < 16
+    fresh, _ = completion_token_logps(eos_heavy_model, prompt_ids.repeat_interleave(4, 0),
+                                      prompt_mask.repeat_interleave(4, 0), rollout.completion_ids,
+                                      rollout.completion_mask, 1.0)
+    mask = rollout.completion_mask.bool()
+    torch.testing.assert_close(rollout.logps[mask], fresh[mask], atol=1e-5, rtol=0)
+    assert (rollout.logps[~mask] == 0).all() and (rollout.completion_ids[~mask] == tokenizer.pad_token_id).all()
+
+
 def test_all_rows_ending_early_stop_the_loop_and_several_eos_ids(eos_heavy_model, tokenizer, monkeypatch):
     """Every row has ended within a few tokens: the loop stops at its next check, the result is as wide as the
     longest row. A second EOS id ends rows too."""
