@@ -33,11 +33,14 @@ completions of those rounds (``compl/s``). ``compl/CPU-s`` divides by the proces
 on a machine shared with other jobs it leaves out the time the run waited for a core (not the slowdown from shared
 caches and memory), so look at it too when the load average, printed, is above the core count; and with more threads
 than free cores, OpenMP's waits make any figure meaningless (use ``--threads 1`` there).
+``tok/s`` divides the completion tokens of those rounds instead (EOS included): where completions end at a sampled
+EOS their lengths differ between runs by chance, and both the sampling and the training cost grow with them, so
+with long completions (``--max-new-tokens 256``) compare ``tok/s`` rather than ``compl/s``.
 ``gen s/round`` is the time inside the sampler (lit_align: ``sampler.generate``; TRL:
 ``_generate_single_turn``) per timed round, ``gen CPU-s/round`` its CPU time (their ratios are TRL's time over
 lit_align's: the sampler's speed-up). ``tok/compl`` is the mean count of completion tokens (EOS included): it depends
-on where the sampled EOS fell, a matter of chance, while a round's decoding runs until its longest completion ends,
-so it barely moves the times (it is there to show that neither side stops early).
+on where the sampled EOS fell, a matter of chance. ``generate`` decodes a round until its longest completion ends;
+the native engine drops the rows that ended as it goes, so its sampling time follows the tokens kept.
 """
 
 from __future__ import annotations
@@ -217,7 +220,7 @@ def child(args) -> None:
     result.update(completions_per_s=timed * per_round / seconds, s_per_round=seconds / timed,
                   completions_per_cpu_s=timed * per_round / cpu_seconds,
                   gen_s_per_round=gen_s / timed, gen_cpu_s_per_round=gen_cpu_s / timed,
-                  gen_tokens_per_s=gen_tokens / gen_s,
+                  gen_tokens_per_s=gen_tokens / gen_s, tokens_per_s=gen_tokens / seconds,
                   tokens_per_completion=gen_tokens / (timed * per_round), peak_rss_mib=rusage, vm_hwm_mib=hwm)
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -266,12 +269,12 @@ def main() -> None:
           f"({per_round // args.num_generations} prompts x {args.num_generations}), {args.steps_per_generation} steps "
           f"of {args.batch_size}, max {args.max_new_tokens} new tokens, {args.rounds} rounds (1 warm-up), fp32, CPU, "
           f"{args.threads} threads; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
-    header = (f"{'engine':<12}{'compl/s':>9}{'compl/CPU-s':>13}{'gen s/round':>13}{'gen CPU-s/round':>17}"
+    header = (f"{'engine':<12}{'compl/s':>9}{'tok/s':>8}{'compl/CPU-s':>13}{'gen s/round':>13}{'gen CPU-s/round':>17}"
               f"{'tok/compl':>11}{'peak RSS MiB':>14}{'threads':>9}{'wall s':>8}")
     print(header)
     print("-" * len(header))
     for engine, r in results.items():
-        print(f"{engine:<12}{r['completions_per_s']:>9.2f}{r['completions_per_cpu_s']:>13.2f}"
+        print(f"{engine:<12}{r['completions_per_s']:>9.2f}{r['tokens_per_s']:>8.0f}{r['completions_per_cpu_s']:>13.2f}"
               f"{r['gen_s_per_round']:>13.2f}{r['gen_cpu_s_per_round']:>17.2f}{r['tokens_per_completion']:>11.1f}"
               f"{r['peak_rss_mib']:>14.0f}{r['threads']:>9}{r['wall_s']:>8.1f}")
     if "trl" in results:
@@ -280,6 +283,7 @@ def main() -> None:
         for engine, r in results.items():
             if engine != "trl":  # throughput ratios lit/TRL; sampler ratios TRL time / lit time; RSS lit/TRL
                 print(f"{engine + '/TRL':<12}{r['completions_per_s'] / ref['completions_per_s']:>8.2f}x"
+                      f"{r['tokens_per_s'] / ref['tokens_per_s']:>7.2f}x"
                       f"{r['completions_per_cpu_s'] / ref['completions_per_cpu_s']:>12.2f}x"
                       f"{ref['gen_s_per_round'] / r['gen_s_per_round']:>12.2f}x"
                       f"{ref['gen_cpu_s_per_round'] / r['gen_cpu_s_per_round']:>16.2f}x{'':>11}"

@@ -396,3 +396,47 @@ def test_advantages_are_normalized_over_every_ranks_rewards(tokenizer, scale_rew
     torch.testing.assert_close(r["advantages"], expected)
     alone = group_advantages(mine, 2, scale_rewards)
     assert torch.allclose(r["advantages"], alone) == (scale_rewards == "group")
+
+
+def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, prompts_file, tokenizer):
+    """A round is as wide as its longest prompt and completion; each step's forward gets its own rows' widths, and
+    its log-probs are still the sampler's at the round's first step (the ratio is 1)."""
+    torch.manual_seed(0)
+    module = GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, max_completion_length=12, learning_rate=1e-3)
+    module.configure_model()
+    head = module.policy.lm_head  # biased towards EOS: completions end at different lengths
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[tokenizer.eos_token_id] = 1.5
+    module.policy.lm_head = biased
+    dm = PromptDataModule(path=prompts_file, val_split=None, batch_size=4, num_generations=2, steps_per_generation=4)
+    seen = []  # (forward's prompt and completion widths, its rows' longest prompt and completion, round widths)
+    real_logps, real_losses = grpo_mod.completion_token_logps, grpo_mod.grpo_token_losses
+
+    def recording_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
+        r = module.round
+        seen.append((prompt_ids.shape[1], completion_ids.shape[1], int(prompt_mask.sum(1).max()),
+                     int(completion_mask.sum(1).max()), r["prompt_ids"].shape[1], r["completion_ids"].shape[1]))
+        return real_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
+
+    ratios = []
+
+    def recording_losses(logps, old_logps, *args, **kwargs):
+        valid = old_logps != 0
+        ratios.append(float((torch.exp(logps.detach() - old_logps) - 1)[valid].abs().max()))
+        return real_losses(logps, old_logps, *args, **kwargs)
+
+    trainer = L.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grpo_mod, "completion_token_logps", recording_logps)
+        mp.setattr(grpo_mod, "grpo_token_losses", recording_losses)
+        trainer.fit(module, dm)
+    assert len(seen) == 8
+    for prompt_width, width, longest_prompt, longest, _, _ in seen:
+        assert (prompt_width, width) == (longest_prompt, longest)  # no column is padding in every row
+    assert any(width < round_width for _, width, _, _, _, round_width in seen)
+    assert any(prompt_width < round_width for prompt_width, _, _, _, round_width, _ in seen)
+    assert max(ratios[0], ratios[4]) < 1e-4  # round starts: the trimmed forward gives the sampler's log-probs

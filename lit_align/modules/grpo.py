@@ -251,7 +251,14 @@ class GRPOModule(AlignModule):
         size = len(r["order"]) // r["steps"]
         k = batch["round_pos"] % r["steps"]
         rows = torch.tensor(r["order"][k * size : (k + 1) * size], device=self.device)
-        take = lambda key: None if r[key] is None else r[key][rows]  # noqa: E731
+        # this step's rows, without the columns that are padding in all of them (the round is as wide as its longest
+        # prompt and completion; a step's rows usually need less, and pad columns cost as much as real ones)
+        start = int(r["prompt_mask"][rows].any(0).int().argmax())
+        width = int(r["completion_mask"][rows].sum(1).max())
+        columns = {"prompt_ids": slice(start, None), "prompt_mask": slice(start, None), "advantages": ...}
+
+        def take(key: str) -> torch.Tensor | None:
+            return None if r[key] is None else r[key][rows][:, columns.get(key, slice(width))]
 
         mask = take("loss_mask")
         logps, entropy = completion_token_logps(self.network, take("prompt_ids"), take("prompt_mask"),
