@@ -3,6 +3,7 @@
     python bench/grpo_vs_trl.py                              # builtin:small, lit (hf engine) and TRL
     python bench/grpo_vs_trl.py --lit-engine native          # lit_align with its native sampler
     python bench/grpo_vs_trl.py --lit-engine hf,native --threads 1 --rounds 4
+    python bench/grpo_vs_trl.py --lit-engine native,native+padfree --max-new-tokens 256 --lr 0   # long completions
 
 Each run is a fresh process (this script re-invoked with ``--engine lit`` / ``--engine trl``), so the peak RSS
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss`` in that process, after its run) is its own. The parent imports no torch.
@@ -25,7 +26,10 @@ What both sides get, so that they do the same work:
 
 Where they differ by design (and this is what is measured): lit_align keeps the sampler's own log-probs as the old
 policy's (TRL recomputes them with a forward pass when a round feeds several optimizer steps), and with
-``--lit-engine native`` it samples with ``NativeSampler`` (one prefill per prompt, static KV cache).
+``--lit-engine native`` it samples with ``NativeSampler`` (one prefill per prompt, static KV cache); with
+``+padfree`` (``native+padfree``) its training forward packs each step's rows into one sequence (``padding_free``),
+where TRL pads them. ``--lr 0`` keeps the policy where it started: completion lengths then stay alike on both sides
+(with learning, they drift apart by chance, and long completions cost more to sample and to train on).
 
 Throughput: whole generation rounds after the first (the warm-up): the wall time from the end of the warm-up round's
 last step to the end of the last step (each side's own step-end callback, after the optimizer step), divided into the
@@ -126,7 +130,8 @@ def run_lit(args, spec: dict) -> dict:
     module = GRPOModule(
         model=spec["model_dir"], reward_funcs=[REWARD], loss_type="dapo", beta=0.0, epsilon=0.2,
         scale_rewards="group", max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        engine=args.engine_name, learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0,
+        engine=args.engine_name.removesuffix("+padfree"), padding_free=args.engine_name.endswith("+padfree"),
+        learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0,
         dtype="float32", attn_implementation="sdpa", gradient_checkpointing=False, disable_dropout=True,
     )
     timer = GenTimer(module.sampler.generate, lambda rollout: int(rollout.completion_mask.sum()))
@@ -236,7 +241,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
     parser.add_argument("--lit-engine", default="hf",
-                        help="lit_align sampler(s): hf, native, or both comma-separated (default hf)")
+                        help="lit_align sampler(s), comma-separated: hf, native; +padfree: padding_free training "
+                             "(default hf)")
     parser.add_argument("--engines", default="lit,trl", help="which to run, in order (default lit,trl)")
     parser.add_argument("--engine", choices=["lit", "trl", "prepare"], help=argparse.SUPPRESS)
     parser.add_argument("--engine-name", default="hf", help=argparse.SUPPRESS)

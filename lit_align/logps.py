@@ -198,27 +198,28 @@ def next_token_logps(
     Logits divided by ``temperature``. With ``chunk_size`` (and a chunkable model, see ``chunkable_head``) the head
     runs chunk by chunk (``chunked_token_logps``); otherwise the model's forward computes the logits of the last
     ``L - start + 1`` positions only (``logits_to_keep``). ``stats``: as in ``chunked_token_logps``, on the same
-    tempered logits. ``source`` (``[N, L - start]``, positions ``>= start - 1``): the position whose output predicts
-    each label, when it is not the one just before it (DPO's shared-prompt rows). ``forward_kwargs``
-    (``attention_mask``, ``position_ids``, ...) go to the model.
+    tempered logits. ``source`` (``[N, L - start]``): the position whose output predicts each label, when it is not
+    the one just before it (DPO's shared-prompt rows, packed rows). ``forward_kwargs`` (``attention_mask``,
+    ``position_ids``, ...) go to the model.
     """
     start = max(int(start), 1)
     labels = input_ids[:, start:]
     rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
+    first = start - 1 if source is None else min(start - 1, int(source.min()))  # the first output needed
 
-    def predicting(outputs: torch.Tensor) -> torch.Tensor:  # outputs of positions start - 1 .. L - 1
-        return outputs[:, :-1] if source is None else outputs[rows, source - (start - 1)]
+    def predicting(outputs: torch.Tensor) -> torch.Tensor:  # outputs of positions first .. L - 1
+        return outputs[:, :-1] if source is None else outputs[rows, source - first]
 
     forward_kwargs = {"use_cache": False, **forward_kwargs}
     parts = chunkable_head(model) if chunk_size else None
     if parts is not None:
         decoder, head, scale = parts
-        hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0][:, start - 1 :])
+        hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0][:, first:])
         return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size, scale / temperature, stats)
     if _takes_logits_to_keep(model):
-        logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=input_ids.shape[1] - start + 1).logits
+        logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=input_ids.shape[1] - first).logits
     else:
-        logits = model(input_ids=input_ids, **forward_kwargs).logits[:, start - 1 :]
+        logits = model(input_ids=input_ids, **forward_kwargs).logits[:, first:]
     logits = predicting(logits)
     if temperature != 1.0:
         logits = logits / temperature

@@ -440,3 +440,52 @@ def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, 
     assert any(width < round_width for _, width, _, _, _, round_width in seen)
     assert any(prompt_width < round_width for prompt_width, _, _, _, round_width, _ in seen)
     assert max(ratios[0], ratios[4]) < 1e-4  # round starts: the trimmed forward gives the sampler's log-probs
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch,chunk_size", [("llama", None), ("llama", 3), ("qwen2", None)])
+def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, attn, tokenizer):
+    """``packed_completion_logps`` (one row, block-causal mask) gives ``completion_token_logps``'s log-probs, entropy
+    and gradients: left-padded prompts and completions of different lengths, one completion a single token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch == "llama":
+        model = load_model("builtin:tiny", attn_implementation=attn)
+    else:  # GQA and q/k/v biases
+        config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model.train()
+    torch.manual_seed(1)
+    prompt_ids, completion_ids = torch.randint(10, 90, (4, 6)), torch.randint(10, 90, (4, 5))
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    results = []
+    for fn in (completion_token_logps, grpo_mod.packed_completion_logps):
+        model.zero_grad()
+        logps, entropy = fn(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7, with_entropy=True,
+                            chunk_size=chunk_size)
+        (logps * completion_mask).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((logps * completion_mask, entropy * completion_mask, grads))
+    (padded, padded_entropy, padded_grads), (packed, packed_entropy, packed_grads) = results
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed_entropy, padded_entropy, atol=1e-5, rtol=0)
+    assert len(packed_grads) == len(padded_grads) > 0
+    for a, b in zip(packed_grads, padded_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, tiny_path):
+    """The same run with ``padding_free``: the same losses step by step, and it is refused without sdpa/eager."""
+    runs = [fit_grpo(tmp_path / str(flag), prompts_file, 4, model={"padding_free": flag, "beta": 0.04},
+                     data={"steps_per_generation": 2}) for flag in (False, True)]
+    for step in range(4):
+        assert metric(runs[1], "train/loss", step) == pytest.approx(metric(runs[0], "train/loss", step), abs=1e-5)
+        assert metric(runs[1], "train/entropy", step) == pytest.approx(metric(runs[0], "train/entropy", step), abs=1e-5)
+    model = load_model("builtin:tiny")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(LitAlignError, match="padding_free needs sdpa or eager attention"):
+        grpo_mod.packed_completion_logps(model, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+                                         torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long))

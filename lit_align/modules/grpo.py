@@ -23,6 +23,7 @@ from lit_align.losses import (
 )
 from lit_align.logps import next_token_logps
 from lit_align.modules.base import AlignModule
+from lit_align.modules.pair_logps import attention_mask_4d
 from lit_align.rewards import import_reward, reward_name, score
 
 SAMPLERS = {"hf": HFSampler, "native": NativeSampler}
@@ -43,6 +44,42 @@ def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, compl
                                     stats=("entropy",) if with_entropy else (), attention_mask=attention_mask,
                                     position_ids=position_ids)
     return logps, stats.get("entropy")
+
+
+def packed_completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                            with_entropy: bool = False, chunk_size: int | None = None):
+    """``completion_token_logps`` without padding: the same ``[N, C]`` log-probs (and entropy), from one row.
+
+    Every prompt's real tokens, then every completion's real tokens, go into a single sequence::
+
+        [ p_1 | p_2 | ... | p_N | c_1 | c_2 | ... | c_N ]      positions restart in each prompt and go on in its
+                                                               completion; a block-causal mask keeps the rows apart
+
+    so the layers compute real tokens only, where a padded batch computes ``N * (P + C)`` positions however short most
+    rows are (completion lengths have a long tail). The mask is ``[T, T]`` for ``T`` real tokens: for sdpa and eager
+    attention, at batch sizes where that fits.
+    """
+    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        raise LitAlignError(f"padding_free needs sdpa or eager attention; the model uses "
+                            f"{model.config._attn_implementation!r}")
+    prompt_real, completion_real = prompt_mask.bool(), completion_mask.bool()
+    prompt_lengths, rows = prompt_real.sum(1), torch.arange(len(prompt_ids), device=prompt_ids.device)
+    input_ids = torch.cat([prompt_ids[prompt_real], completion_ids[completion_real]])[None]
+    segment = torch.cat([rows.repeat_interleave(prompt_lengths), rows.repeat_interleave(completion_real.sum(1))])
+    position = torch.cat([(prompt_real.cumsum(1) - 1)[prompt_real],
+                          (completion_real.cumsum(1) - 1 + prompt_lengths[:, None])[completion_real]])
+    allowed = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
+    # each completion token is predicted by the token before it: its row's last prompt token for the first one
+    start = int(prompt_lengths.sum())
+    source = torch.arange(start - 1, input_ids.shape[1] - 1, device=input_ids.device)
+    first_token = (completion_real.cumsum(1) == 1) & completion_real
+    source[first_token[completion_real]] = prompt_lengths.cumsum(0)[first_token.any(1)] - 1
+    logps, stats = next_token_logps(model, input_ids, start, chunk_size, temperature,
+                                    stats=("entropy",) if with_entropy else (), source=source[None],
+                                    attention_mask=attention_mask_4d(model, allowed[None, None]),
+                                    position_ids=position[None])
+    unpack = lambda flat: flat.new_zeros(completion_ids.shape).masked_scatter(completion_real, flat[0])  # noqa: E731
+    return unpack(logps), None if not with_entropy else unpack(stats["entropy"])
 
 
 def _repeat(values: list, times: int) -> list:
@@ -67,6 +104,10 @@ class GRPOModule(AlignModule):
         top_p: nucleus sampling (1.0: off).
         top_k: top-k sampling (0: off).
         engine: sampler: ``hf`` (transformers ``generate``) or ``native`` (lit_align's batched decode loop, faster).
+        padding_free: compute each step's training log-probs with its rows packed into one sequence
+            (``packed_completion_logps``): the same values, without the cost of padding. sdpa or eager attention;
+            the attention mask is ``T * T`` bytes for a step's ``T`` real tokens. The round-level no-grad passes
+            (old and reference log-probs) stay padded.
     """
 
     def __init__(
@@ -86,6 +127,7 @@ class GRPOModule(AlignModule):
         top_p: float = 1.0,
         top_k: int = 0,
         engine: str = "hf",
+        padding_free: bool = False,
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
@@ -107,7 +149,7 @@ class GRPOModule(AlignModule):
         self.loss_type, self.beta, self.ref_model_name = loss_type, beta, ref_model
         self.epsilon, self.epsilon_high, self.scale_rewards = epsilon, epsilon_high, scale_rewards
         self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
-        self.temperature = temperature
+        self.temperature, self.padding_free = temperature, padding_free
         self.sampler = SAMPLERS[engine](max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
                                         top_k=top_k)
         self.greedy = SAMPLERS[engine](max_new_tokens=max_completion_length, temperature=0.0)
@@ -165,12 +207,13 @@ class GRPOModule(AlignModule):
         accumulate = self.trainer.accumulate_grad_batches
         old_logps = None
         if accumulate % (steps * batch["num_iterations"]):
-            old_logps = rollout.logps if rollout.logps is not None else self._logps(self.network, prompt_ids, prompt_mask,
-                                                                                     completion_ids, completion_mask)
+            old_logps = rollout.logps
+            if old_logps is None:
+                old_logps = self._logps(self.network, prompt_ids, prompt_mask, completion_ids, completion_mask)[0]
         ref_logps = None
         if self.beta != 0.0:
             with self.reference_model() as ref:  # the frozen copy, or the policy with its adapters disabled (PEFT)
-                ref_logps = self._logps(ref, prompt_ids, prompt_mask, completion_ids, completion_mask)
+                ref_logps = self._logps(ref, prompt_ids, prompt_mask, completion_ids, completion_mask)[0]
 
         # dapo: every token of the round weighs the same; normalize by active tokens per step over all ranks
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
@@ -239,9 +282,12 @@ class GRPOModule(AlignModule):
         if self.round is not None:  # restored from a checkpoint (on the CPU)
             self.round = apply_to_collection(self.round, torch.Tensor, lambda t: t.to(self.device))
 
-    def _logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-        return completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      self.temperature, chunk_size=self.logps_chunk_size)[0]
+    def _logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, with_entropy: bool = False,
+               packed: bool = False):
+        """Per-token log-probs (and entropy) of completions, padded or packed."""
+        fn = packed_completion_logps if packed else completion_token_logps
+        return fn(model, prompt_ids, prompt_mask, completion_ids, completion_mask, self.temperature,
+                  with_entropy=with_entropy, chunk_size=self.logps_chunk_size)
 
     # -- what is computed -------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -261,9 +307,8 @@ class GRPOModule(AlignModule):
             return None if r[key] is None else r[key][rows][:, columns.get(key, slice(width))]
 
         mask = take("loss_mask")
-        logps, entropy = completion_token_logps(self.network, take("prompt_ids"), take("prompt_mask"),
-                                                take("completion_ids"), take("completion_mask"), self.temperature,
-                                                with_entropy=True, chunk_size=self.logps_chunk_size)
+        logps, entropy = self._logps(self.network, take("prompt_ids"), take("prompt_mask"), take("completion_ids"),
+                                     take("completion_mask"), with_entropy=True, packed=self.padding_free)
         token_losses, info = grpo_token_losses(logps, take("old_logps"), take("advantages"), self.epsilon,
                                                self.epsilon_high, take("ref_logps"), self.beta)
         loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length, r["num_tokens"])

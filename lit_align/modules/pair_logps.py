@@ -129,17 +129,23 @@ def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     }
 
 
+def attention_mask_4d(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """A 4D mask ``[N, 1, L, L]`` (``allowed[n, 0, q, k]``: query ``q`` sees key ``k``) as ``model``'s attention
+    takes it: bool for sdpa, additive for eager (which adds the mask to the scores)."""
+    if model.config._attn_implementation == "sdpa":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor], stats: tuple[str, ...] = (),
                         chunk_size: int | None = None) -> CompletionLogps:
     """``completion_logps`` over the rows of ``shared_prompt_layout``, ordered ``[chosen_1..B; rejected_1..B]`` like
     the batch it was made from (each pair's row appears twice, once under its chosen mask, once under its rejected)."""
     input_ids, first = layout["input_ids"], layout["first"]
-    mask = layout["allowed"]
-    if model.config._attn_implementation != "sdpa":  # eager adds the mask to the scores
-        dtype = next(model.parameters()).dtype
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
     tokens, values = next_token_logps(model, input_ids, first, chunk_size, stats=stats,
-                                      source=layout["source"][:, first:], attention_mask=mask,
+                                      source=layout["source"][:, first:],
+                                      attention_mask=attention_mask_4d(model, layout["allowed"]),
                                       position_ids=layout["position_ids"])
     masks = torch.cat([layout["chosen"][:, first:], layout["rejected"][:, first:]])
     values = _per_token_stats(values, input_ids[:, first:])
