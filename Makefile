@@ -27,8 +27,10 @@ test-slow: setup  ## slow end-to-end runs (CI runs these too)
 bench: setup  ## side-by-side benchmarks against TRL and HF generate (figures are load-sensitive: run on a quiet machine)
 	$(PY) bench/dpo_vs_trl.py
 	$(PY) bench/dpo_ref_strategies.py
-	$(PY) bench/grpo_vs_trl.py
+	$(PY) bench/grpo_vs_trl.py --lit-engine hf,native,native+padfree
+	$(PY) bench/grpo_vs_trl.py --lit-engine native,native+padfree --max-new-tokens 256 --lr 0
 	$(PY) bench/generate_vs_hf.py
+	$(PY) bench/generate_vs_hf.py --eos --max-new-tokens 256
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

@@ -100,7 +100,7 @@ def main() -> None:
                     generated = call(engine)
                     rates[engine].append(generated / (time.perf_counter() - start))
             cell = {k: statistics.median(v) for k, v in rates.items()}
-            cell["bound"] = float("nan") if args.eos else matmul_bound(model, rows)
+            cell["bound"] = None if args.eos else matmul_bound(model, rows)
             results.append((name, rows, cell))
             print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>12.0f}{cell['native'] / cell['hf']:>9.2f}x",
                   flush=True)
@@ -115,15 +115,16 @@ def main() -> None:
     print(f"\nSampling, B*G rows x {'at most ' if args.eos else ''}{args.max_new_tokens} new tokens "
           f"({'ending at EOS' if args.eos else 'no EOS'}, G={args.num_generations}), fp32, CPU, "
           f"{args.threads} threads, median of {args.repeats}; load average {load[0]:.1f} {load[1]:.1f}\n")
-    header = (f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}{'native tok/s':>14}{'native/HF':>11}"
-              f"{'matmul bound':>14}{'bound/HF':>10}")
+    header = f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}{'native tok/s':>14}{'native/HF':>11}"
+    header += "" if args.eos else f"{'matmul bound':>14}{'bound/HF':>10}"
     print(header)
     print("-" * len(header))
     for name, rows, cell in results:
-        print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>14.0f}{cell['native'] / cell['hf']:>10.2f}x"
-              f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
-    print("\nmatmul bound: tok/s if a decode step cost only its nn.Linear matmuls (same rows, same threads): no engine "
-          "can pass it; bound/HF is the most any engine could gain over HF here.")
+        line = f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>14.0f}{cell['native'] / cell['hf']:>10.2f}x"
+        print(line if args.eos else line + f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
+    if not args.eos:
+        print("\nmatmul bound: tok/s if a decode step cost only its nn.Linear matmuls (same rows, same threads): no engine "
+              "can pass it; bound/HF is the most any engine could gain over HF here.")
 
 
 if __name__ == "__main__":
