@@ -105,9 +105,10 @@ class GRPOModule(AlignModule):
         top_k: top-k sampling (0: off).
         engine: sampler: ``hf`` (transformers ``generate``) or ``native`` (lit_align's batched decode loop, faster).
         padding_free: compute each step's training log-probs with its rows packed into one sequence
-            (``packed_completion_logps``): the same values, without the cost of padding. sdpa or eager attention;
-            the attention mask is ``T * T`` bytes for a step's ``T`` real tokens. The round-level no-grad passes
-            (old and reference log-probs) stay padded.
+            (``packed_completion_logps``): the same values, without the cost of padding. Pays with long-tailed
+            lengths and few rows per step; with many short rows the packed row's attention (quadratic in its ``T``
+            tokens) costs more than the padding saved. sdpa or eager attention; the mask is ``T * T`` bytes. The
+            round-level no-grad passes (old and reference log-probs) stay padded.
     """
 
     def __init__(
