@@ -134,7 +134,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     if temperature == 0:
         return logits.argmax(-1), None
     logps = (logits.float() / temperature).log_softmax(-1)
-    gumbel = torch.rand_like(logps).log_().neg_().log_().neg_()  # u = 0 gives -inf: never drawn
+    uniform = torch.rand_like(logps).clamp_(min=torch.finfo(logps.dtype).tiny)  # u = 0 would make a kept token -inf
+    gumbel = uniform.log_().neg_().log_().neg_()
     tokens = (filter_logits(logps, top_k, top_p) + gumbel).argmax(-1, keepdim=True)
     return tokens.squeeze(-1), logps.gather(-1, tokens).squeeze(-1)
 

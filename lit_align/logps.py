@@ -205,22 +205,24 @@ def next_token_logps(
     start = max(int(start), 1)
     labels = input_ids[:, start:]
     rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
-    first = start - 1 if source is None else min(start - 1, int(source.min()))  # the first output needed
 
-    def predicting(outputs: torch.Tensor) -> torch.Tensor:  # outputs of positions first .. L - 1
-        return outputs[:, :-1] if source is None else outputs[rows, source - first]
+    def predicting(outputs: torch.Tensor) -> torch.Tensor:  # of every position: those that predict the labels
+        return outputs[:, start - 1 : -1] if source is None else outputs[rows, source]
 
     forward_kwargs = {"use_cache": False, **forward_kwargs}
     parts = chunkable_head(model) if chunk_size else None
     if parts is not None:
         decoder, head, scale = parts
-        hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0][:, first:])
+        hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
         return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size, scale / temperature, stats)
-    if _takes_logits_to_keep(model):
-        logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=input_ids.shape[1] - first).logits
-    else:
-        logits = model(input_ids=input_ids, **forward_kwargs).logits[:, first:]
-    logits = predicting(logits)
+    if not _takes_logits_to_keep(model):
+        logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
+    elif source is None:  # the logits of the last L - start + 1 positions
+        logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=labels.shape[1] + 1).logits[:, :-1]
+    else:  # the logits of the positions in ``source`` only
+        keep = torch.unique(source)
+        logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=keep).logits
+        logits = logits[rows, torch.searchsorted(keep, source)]
     if temperature != 1.0:
         logits = logits / temperature
     return token_logps(logits, labels), plain_token_stats(logits, stats)

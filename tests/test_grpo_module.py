@@ -489,3 +489,15 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
     with pytest.raises(LitAlignError, match="padding_free needs sdpa or eager attention"):
         grpo_mod.packed_completion_logps(model, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
                                          torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long))
+
+
+def test_packed_log_probs_run_the_head_on_the_predicting_positions_only(tokenizer):
+    """Packed, the prompts come first: the LM head must not run on every position after the first row's prompt."""
+    model = load_model("builtin:tiny")
+    head_rows = []
+    model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[-2]))
+    prompt_ids, prompt_mask = torch.randint(10, 90, (3, 20)), torch.ones(3, 20, dtype=torch.long)
+    completion_ids, completion_mask = torch.randint(10, 90, (3, 4)), torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0],
+                                                                                 [1, 1, 1, 1]])
+    grpo_mod.packed_completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    assert head_rows == [int(completion_mask.sum())]  # 7 positions, not the 67 from the first prompt's end on

@@ -268,3 +268,14 @@ def test_grpo_trains_and_validates_with_the_native_engine(tmp_path, tiny_path):
     metrics = trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and "val/reward" in metrics
     assert metrics["train/completions/mean_length"] <= 4
+
+
+def test_a_zero_uniform_draw_cannot_pick_a_filtered_token(monkeypatch):
+    """``torch.rand`` returns exactly 0 about once in 2**24 draws: with a single token kept (top-k 1, or top-p on a
+    peaked step) that draw must still give the kept token, not a filtered one."""
+    monkeypatch.setattr(torch, "rand_like", lambda x: torch.zeros_like(x))
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]])
+    for kwargs in ({"top_k": 1}, {"top_p": 0.5}):
+        tokens, logps = sample_next(logits, 1.0, **kwargs)
+        assert tokens.tolist() == [2]
+        torch.testing.assert_close(logps, logits.log_softmax(-1)[:, 2])
