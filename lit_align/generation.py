@@ -209,6 +209,15 @@ def _sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+def _any_rank_decoding(decoding: bool, synced: bool, device: torch.device) -> bool:
+    """Whether this rank (or, ``synced``, any rank: an all-reduce every rank makes at the same step) has rows left."""
+    if not synced:
+        return decoding
+    flag = torch.tensor([float(decoding)], device=device)
+    torch.distributed.all_reduce(flag)
+    return bool(flag.item())
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalise in fp32, scale in the model's dtype."""
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
@@ -386,6 +395,8 @@ class NativeSampler:
         live = torch.arange(rows, device=device)  # the row of ``ids`` each row being decoded fills
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         eos = torch.tensor(eos_token_ids, device=device)[:, None]
+        # sharded weights are gathered inside every forward, a collective: each rank decodes until all have ended
+        synced = _sharded(model) and torch.distributed.is_available() and torch.distributed.is_initialized()
         fast = None
         if self.FAST_DECODE and _LlamaDecodeStep.supports(model):
             fast = _LlamaDecodeStep(model, cache, next_position + torch.arange(steps, device=device), valid)
@@ -400,9 +411,11 @@ class NativeSampler:
                 break
             if (t + 1) % self.EOS_CHECK_EVERY == 0:
                 ended = int(finished.sum())
-                if ended == len(finished):
+                if not _any_rank_decoding(ended < len(finished), synced, device):
                     break
-                if ended >= self.DROP_FINISHED * len(finished):
+                # synced, a rank whose rows have all ended decodes them on while another rank decodes (its
+                # forwards take part in the all-gathers): its last rows are never dropped
+                if len(finished) > ended >= self.DROP_FINISHED * len(finished):
                     keep = (~finished).nonzero().squeeze(1)
                     live, tokens, finished = live[keep], tokens[keep], finished[keep]
                     cache.keep_rows(keep)

@@ -279,3 +279,27 @@ def test_a_zero_uniform_draw_cannot_pick_a_filtered_token(monkeypatch):
         tokens, logps = sample_next(logits, 1.0, **kwargs)
         assert tokens.tolist() == [2]
         torch.testing.assert_close(logps, logits.log_softmax(-1)[:, 2])
+
+
+def test_sharded_ranks_decode_until_every_rank_has_ended(eos_heavy_model, tokenizer, monkeypatch):
+    """Under FSDP / ZeRO-3 every forward all-gathers weights: a rank whose rows have all ended must keep decoding (its
+    rows, ended, emit pad) until the other ranks have ended too, so the ranks agree at each check by an all-reduce.
+    Here the other rank still decodes at the first two checks."""
+    calls = []
+
+    def all_reduce(flag):  # this rank's flag plus the other rank's: decoding for two checks
+        calls.append(float(flag))
+        flag += 1.0 if len(calls) <= 2 else 0.0
+
+    monkeypatch.setattr(generation, "_sharded", lambda model: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    widths = []
+    eos_heavy_model.register_forward_pre_hook(lambda m, args, kw: widths.append(len(kw["input_ids"])), with_kwargs=True)
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    everything = list(range(len(tokenizer)))  # every row ends at its first token
+    rollout = NativeSampler(max_new_tokens=40).generate(eos_heavy_model, prompt_ids, prompt_mask, 2,
+                                                        eos_token_ids=everything, pad_token_id=0)
+    assert calls == [0.0, 0.0, 0.0]  # this rank had ended at every check; the loop left at the third
+    assert widths[1:] == [8] * (3 * NativeSampler.EOS_CHECK_EVERY - 1)  # decoding on, none of its rows dropped
+    assert rollout.completion_ids.shape == (8, 1) and rollout.completion_mask.all()

@@ -155,8 +155,9 @@ def test_fsdp_dpo_trains_like_one_process_and_exports_a_hf_model(tmp_path_factor
 
 
 def test_fsdp_grpo_generates_with_a_sharded_policy_and_reference(tmp_path_factory):
+    """12 new tokens: the native engine's EOS check (every 8) runs, an all-reduce across the two ranks."""
     grpo = ["--model.init_args.model", "builtin:tiny", "--model.init_args.beta", "0.04",
-            "--model.init_args.max_completion_length", "4", "--model.init_args.learning_rate", "1e-2",
+            "--model.init_args.max_completion_length", "12", "--model.init_args.learning_rate", "1e-2",
             "--model.init_args.warmup_steps", "0", "--model.init_args.logps_chunk_size", "3",
             "--model.init_args.reward_funcs", json.dumps(["helpers.digit_fraction"]),
             "--data.init_args.num_generations", "2", "--data.init_args.steps_per_generation", "1",
