@@ -302,10 +302,12 @@ class GRPOModule(AlignModule):
         # prompt and completion; a step's rows usually need less, and pad columns cost as much as real ones)
         start = int(r["prompt_mask"][rows].any(0).int().argmax())
         width = int(r["completion_mask"][rows].sum(1).max())
-        columns = {"prompt_ids": slice(start, None), "prompt_mask": slice(start, None), "advantages": ...}
+        columns = {"prompt_ids": slice(start, None), "prompt_mask": slice(start, None)}  # the rest: completions
 
         def take(key: str) -> torch.Tensor | None:
-            return None if r[key] is None else r[key][rows][:, columns.get(key, slice(width))]
+            if r[key] is None:
+                return None
+            return r[key][rows] if key == "advantages" else r[key][rows][:, columns.get(key, slice(width))]
 
         mask = take("loss_mask")
         logps, entropy = self._logps(self.network, take("prompt_ids"), take("prompt_mask"), take("completion_ids"),
