@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, DynamicLayer
 
 from lit_align.errors import LitAlignError
+from lit_align.logps import attention_mask_4d
 
 
 @dataclass
@@ -366,27 +367,20 @@ class NativeSampler:
         batch, prompt_len = prompt_ids.shape
         rows, steps, device = batch * num_samples, self.max_new_tokens, prompt_ids.device
         prompt_mask = prompt_mask.bool()
-        dtype = next(model.parameters()).dtype
-        eager = model.config._attn_implementation == "eager"
-
-        def as_mask(allowed: torch.Tensor) -> torch.Tensor:  # bool for sdpa, additive for eager attention
-            if not eager:
-                return allowed
-            return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
         # prefill: each prompt once; a query attends to earlier real tokens and to itself (pads too: no empty rows)
         causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril_()
         allowed = (causal & prompt_mask[:, None, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=device)
         positions = (prompt_mask.long().cumsum(1) - 1).clamp_(min=0)
         cache = _SlotCache(num_samples, prompt_len + steps)
-        logits = model(input_ids=prompt_ids, attention_mask=as_mask(allowed), position_ids=positions, cache=cache,
+        logits = model(input_ids=prompt_ids, attention_mask=attention_mask_4d(model, allowed), position_ids=positions, cache=cache,
                        use_cache=True, logits_to_keep=1).logits[:, -1]
         logits = logits.repeat_interleave(num_samples, 0)
 
         # decode: every row attends to its prompt's real tokens and to everything generated
         valid = torch.cat([prompt_mask.repeat_interleave(num_samples, 0),
                            torch.ones(rows, steps, dtype=torch.bool, device=device)], 1)
-        step_mask = as_mask(valid[:, None, None, :])
+        step_mask = attention_mask_4d(model, valid[:, None, None, :])
         next_position = prompt_mask.sum(1).repeat_interleave(num_samples, 0).unsqueeze(1)  # [N, 1]
 
         ids = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)

@@ -173,6 +173,15 @@ def _fsdp_unit(model: torch.nn.Module) -> bool:
     return isinstance(model, FullyShardedDataParallel)
 
 
+def attention_mask_4d(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
+    """A 4D mask (``allowed[n, 0, q, k]``: query ``q`` sees key ``k``; ``[N, 1, Q, K]``) as ``model``'s attention
+    takes it: bool for sdpa, additive for eager (which adds the mask to the scores)."""
+    if model.config._attn_implementation == "sdpa":
+        return allowed
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def forward_parameters(model: torch.nn.Module):
     """The parameters of the forward a call on ``model`` ends in: through FSDP's wrapper, whose own forward passes
     every keyword on to ``model.module``."""

@@ -21,9 +21,8 @@ from lit_align.generation import HFSampler, NativeSampler
 from lit_align.losses import (
     GRPO_LOSS_TYPES, SCALE_REWARDS, nanstd, aggregate_grpo_loss, group_advantages, grpo_token_losses,
 )
-from lit_align.logps import next_token_logps
+from lit_align.logps import attention_mask_4d, next_token_logps
 from lit_align.modules.base import AlignModule
-from lit_align.modules.pair_logps import attention_mask_4d
 from lit_align.rewards import import_reward, reward_name, score
 
 SAMPLERS = {"hf": HFSampler, "native": NativeSampler}

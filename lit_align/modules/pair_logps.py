@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from lit_align.logps import forward_parameters, next_token_logps
+from lit_align.logps import attention_mask_4d, forward_parameters, next_token_logps
 
 
 class CompletionLogps(NamedTuple):
@@ -127,15 +127,6 @@ def shared_prompt_layout(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tens
         "first": int(prompt_c.min()),
         "window": int(lengths.max()),
     }
-
-
-def attention_mask_4d(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
-    """A 4D mask ``[N, 1, L, L]`` (``allowed[n, 0, q, k]``: query ``q`` sees key ``k``) as ``model``'s attention
-    takes it: bool for sdpa, additive for eager (which adds the mask to the scores)."""
-    if model.config._attn_implementation == "sdpa":
-        return allowed
-    dtype = next(model.parameters()).dtype
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def shared_prompt_logps(model: torch.nn.Module, layout: dict[str, torch.Tensor], stats: tuple[str, ...] = (),
