@@ -44,7 +44,8 @@ def f_divergence_scores(logratios: torch.Tensor, f_divergence_type: str = "rever
     if f_divergence_type == "alpha_divergence":
         if abs(alpha - 1.0) < 1e-6:
             return logratios
-        exponent = ((alpha - 1.0) * logratios).float().clamp(max=11.0 if logratios.dtype == torch.float16 else 80.0)
+        upcast = ((alpha - 1.0) * logratios).to(torch.promote_types(logratios.dtype, torch.float32))
+        exponent = upcast.clamp(max=11.0 if logratios.dtype == torch.float16 else 80.0)
         return (torch.exp(exponent) - 1.0).to(logratios.dtype) / (alpha - 1.0)
     raise ValueError(f"unknown f_divergence_type {f_divergence_type!r}: expected one of {F_DIVERGENCE_TYPES}")
 

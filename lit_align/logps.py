@@ -7,7 +7,8 @@ of the step by far. Chunked (``chunk_size``): the decoder runs to hidden states 
 log-probs; backward recomputes each chunk's logits. Same values and gradients (to float rounding), peak memory of one
 ``[chunk_size, V]`` block instead of ``[N, T, V]`` (``bench/logps_memory.py``).
 
-Precision: whatever the model's dtype or autocast, the logsumexp, the log-probs and the statistics are fp32.
+Precision: whatever the model's dtype or autocast, the logsumexp, the log-probs and the statistics are fp32 (fp64 for
+an fp64 model, so that tests can check formulas free of fp32 rounding).
 
 Not chunked (falls back to the plain path, same results): models whose head is not a plain ``nn.Linear`` after
 ``get_decoder()``, models with final-logit soft-capping (Gemma 2/3), and heads that are sharded outside their own
@@ -23,14 +24,14 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from lit_align.losses import fp32_logsumexp, token_logps
+from lit_align.losses import compute_dtype, fp32_logsumexp, token_logps
 
 STATS = ("entropy", "argmax", "mean_logit", "log_sum_sq_probs")
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """fp32 ``scale * (hidden @ weight.T + bias)``, the matmul in ``weight``'s dtype."""
-    return F.linear(hidden.to(weight.dtype), weight, bias).float() * scale
+    """fp32 (fp64) ``scale * (hidden @ weight.T + bias)``, the matmul in ``weight``'s dtype."""
+    return F.linear(hidden.to(weight.dtype), weight, bias).to(compute_dtype(weight.dtype)) * scale
 
 
 def _cast(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -46,8 +47,9 @@ class _ChunkedTokenLogps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_size: int, scale: float, dtype: torch.dtype, stats: tuple):
-        logps = hidden.new_empty(labels.shape, dtype=torch.float32)
-        out = {name: hidden.new_empty(labels.shape, dtype=torch.long if name == "argmax" else torch.float32)
+        acc = compute_dtype(dtype)
+        logps = hidden.new_empty(labels.shape, dtype=acc)
+        out = {name: hidden.new_empty(labels.shape, dtype=torch.long if name == "argmax" else acc)
                for name in stats}
         w, b = _cast(weight, bias, dtype)  # once, not per chunk
         with torch.autocast(hidden.device.type, enabled=False):
@@ -74,8 +76,9 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         chunk, scale, dtype = ctx.chunk_size, ctx.scale, ctx.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
+        acc = compute_dtype(dtype)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         w, b = _cast(weight, bias, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, labels.numel(), chunk):
@@ -83,13 +86,13 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 # d logp / d logits = scale * (onehot(label) - softmax(scale * logits))
                 probs = _logits(h, w, b, scale).softmax(-1)
                 probs.scatter_add_(-1, labels[s : s + chunk, None], probs.new_full((len(h), 1), -1.0))
-                grad_logits = (probs * (-scale * grad_logps[s : s + chunk, None].float())).to(dtype)
+                grad_logits = (probs * (-scale * grad_logps[s : s + chunk, None].to(acc))).to(dtype)
                 if need_h:
                     grad_h[s : s + chunk] = (grad_logits @ w).to(hidden.dtype)
                 if need_w:
-                    grad_w += (grad_logits.T @ h).float()
+                    grad_w += (grad_logits.T @ h).to(acc)
                 if need_b:
-                    grad_b += grad_logits.float().sum(0)
+                    grad_b += grad_logits.to(acc).sum(0)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
         grad_b = None if grad_b is None else grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
@@ -128,12 +131,12 @@ def plain_token_stats(logits: torch.Tensor, stats: tuple[str, ...]) -> dict[str,
     with torch.no_grad():
         logits = logits.detach()
         if "entropy" in stats:
-            full = logits.float()
+            full = logits.to(compute_dtype(logits.dtype))
             out["entropy"] = torch.logsumexp(full, -1) - (full.softmax(-1) * full).sum(-1)
         if "argmax" in stats:
             out["argmax"] = logits.argmax(-1)
         if "mean_logit" in stats:
-            out["mean_logit"] = logits.float().mean(-1)
+            out["mean_logit"] = logits.to(compute_dtype(logits.dtype)).mean(-1)
         if "log_sum_sq_probs" in stats:
             out["log_sum_sq_probs"] = fp32_logsumexp(2 * logits) - 2 * fp32_logsumexp(logits)
     return out

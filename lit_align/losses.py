@@ -11,21 +11,26 @@ import torch
 from lit_align.dpo_losses import DPO_LOSS_TYPES, dpo_loss  # noqa: F401  (re-exported: the DPO family's own module)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype log-probs are computed in: fp32 for half precision and fp32 inputs, fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def fp32_logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """``logsumexp`` over the vocabulary in fp32: ``[N, T, V] -> [N, T]`` (half precision upcast one sequence at a time,
-    so no fp32 copy of the whole batch's logits is made)."""
+    """``logsumexp`` over the vocabulary in (at least) fp32: ``[N, T, V] -> [N, T]`` (half precision upcast one
+    sequence at a time, so no fp32 copy of the whole batch's logits is made)."""
     if logits.dtype in (torch.float32, torch.float64):
-        return torch.logsumexp(logits, dim=-1).float()
+        return torch.logsumexp(logits, dim=-1)
     return torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label under ``logits``: ``[N, T, V], [N, T] -> [N, T]`` (fp32).
+    """Log-probability of each label under ``logits``: ``[N, T, V], [N, T] -> [N, T]`` (fp32; fp64 for fp64 logits).
 
     Gathers the label logit and subtracts a logsumexp, so no ``[N, T, V]`` log-softmax is ever held beside the
     logits. Labels must be valid ids everywhere (mask afterwards; use any id, e.g. 0, at padded positions).
     """
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).float()
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(compute_dtype(logits.dtype))
     return picked - fp32_logsumexp(logits)
 
 
@@ -92,8 +97,8 @@ def grpo_token_losses(
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     losses = -torch.min(ratio * adv, clipped * adv)
     info = {
-        "low_clipped": ((ratio < 1 - epsilon) & (adv < 0)).float(),
-        "high_clipped": ((ratio > 1 + epsilon_high) & (adv > 0)).float(),
+        "low_clipped": ((ratio < 1 - epsilon) & (adv < 0)).to(ratio.dtype),
+        "high_clipped": ((ratio > 1 + epsilon_high) & (adv > 0)).to(ratio.dtype),
     }
     if beta != 0.0:
         if ref_logps is None:

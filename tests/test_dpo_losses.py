@@ -1,6 +1,7 @@
 """lit_align.dpo_losses against hand computations: every loss type, the f-divergences, label smoothing, lists of
 loss types with weights, LD-DPO's ld_alpha, the sft term and WPO weights. Each formula is written out again here in
-plain Python floats, from the papers / TRL's documented formulas, independently of the implementation."""
+plain Python floats, from the papers / TRL's documented formulas, independently of the implementation. Both sides in
+float64 (``tests/numerics.py``, rule 2)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from lit_align.dpo_losses import (
     wpo_weights,
 )
 from lit_align.losses import dpo_loss as reexported
+from numerics import f64, formula
 
 BETA = 0.1
 # three pairs, chosen so that sorting the batch (aot) pairs them differently
@@ -83,9 +85,9 @@ def hand(loss_type: str, i: int, eps: float = 0.0, tau: float = 0.05) -> float:
 
 def run(loss_type="sigmoid", **kwargs):
     return dpo_loss(
-        torch.tensor(PI_C), torch.tensor(PI_R), torch.tensor(REF_C), torch.tensor(REF_R), beta=BETA,
+        f64(PI_C), f64(PI_R), f64(REF_C), f64(REF_R), beta=BETA,
         loss_type=loss_type, chosen_lengths=torch.tensor(LEN_C), rejected_lengths=torch.tensor(LEN_R),
-        sft_nll=torch.tensor(SFT_NLL), **kwargs,
+        sft_nll=f64(SFT_NLL), **kwargs,
     )
 
 
@@ -94,43 +96,43 @@ def test_each_loss_type_matches_hand_computation(loss_type):
     eps = 1e-3 if loss_type == "exo_pair" else 0.0
     losses, chosen, rejected = run(loss_type, label_smoothing=eps)
     assert losses.shape == (3,)
-    assert losses.tolist() == pytest.approx([hand(loss_type, i, eps) for i in range(3)], rel=1e-5, abs=1e-6)
+    assert losses.tolist() == formula([hand(loss_type, i, eps) for i in range(3)])
     # the rewards are beta * (pi - ref) whatever the loss
-    assert chosen.tolist() == pytest.approx([BETA * u for u in U_C], abs=1e-6)
-    assert rejected.tolist() == pytest.approx([BETA * u for u in U_R], abs=1e-6)
+    assert chosen.tolist() == formula([BETA * u for u in U_C])
+    assert rejected.tolist() == formula([BETA * u for u in U_R])
 
 
 def test_sigmoid_written_out():
     losses, _, _ = run("sigmoid")
     # -log(sigmoid(0.1 * (1 + 0.5))), -log(sigmoid(0.1 * (1 + 19))), -log(sigmoid(0.1 * (0.5 - 2)))
     expected = [math.log(1 + math.exp(-0.15)), math.log(1 + math.exp(-2.0)), math.log(1 + math.exp(0.15))]
-    assert losses.tolist() == pytest.approx(expected, abs=1e-6)
+    assert losses.tolist() == formula(expected)
     assert reexported is dpo_loss  # lit_align.losses.dpo_loss is the same function
 
 
 def test_loss_at_identical_policy_and_reference_is_ln2():
-    x = torch.tensor([-5.0, -17.25])
+    x = f64([-5.0, -17.25])
     losses, chosen, rejected = dpo_loss(x, x - 1, x, x - 1, beta=0.3)
-    assert losses.tolist() == [torch.tensor(math.log(2)).item()] * 2
+    assert losses.tolist() == formula([math.log(2)] * 2)
     assert chosen.tolist() == [0.0, 0.0] and rejected.tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("loss_type,eps", [("robust", 0.1), ("exo_pair", 0.1), ("aot", 0.2), ("aot_unpaired", 0.2)])
 def test_label_smoothing(loss_type, eps):
     losses, _, _ = run(loss_type, label_smoothing=eps)
-    assert losses.tolist() == pytest.approx([hand(loss_type, i, eps) for i in range(3)], rel=1e-5, abs=1e-6)
+    assert losses.tolist() == formula([hand(loss_type, i, eps) for i in range(3)])
     if loss_type != "exo_pair":  # it changes the loss (exo_pair needs eps > 0 anyway)
         assert not torch.allclose(losses, run(loss_type)[0])
 
 
 def test_label_smoothing_is_ignored_where_trl_ignores_it():
     for loss_type in ("sigmoid", "hinge", "ipo", "bco_pair", "discopop"):
-        torch.testing.assert_close(run(loss_type, label_smoothing=0.3)[0], run(loss_type)[0])
+        assert torch.equal(run(loss_type, label_smoothing=0.3)[0], run(loss_type)[0])  # the same computation
 
 
 def test_discopop_tau():
     losses, _, _ = run("discopop", discopop_tau=0.5)
-    assert losses.tolist() == pytest.approx([hand("discopop", i, tau=0.5) for i in range(3)], rel=1e-5)
+    assert losses.tolist() == formula([hand("discopop", i, tau=0.5) for i in range(3)])
     assert not torch.allclose(losses, run("discopop")[0])
 
 
@@ -155,22 +157,22 @@ def test_f_divergence_sigmoid_and_ipo(kind, alpha):
     scores_r = [f_prime(kind, u, alpha) for u in U_R]
     losses, chosen, _ = run("sigmoid", f_divergence_type=kind, f_alpha_divergence_coef=alpha)
     expected = [-logsig(BETA * (c - r)) for c, r in zip(scores_c, scores_r)]
-    assert losses.tolist() == pytest.approx(expected, rel=1e-5)
-    assert chosen.tolist() == pytest.approx([BETA * u for u in U_C], abs=1e-6)  # rewards stay beta * log-ratio
+    assert losses.tolist() == formula(expected)
+    assert chosen.tolist() == formula([BETA * u for u in U_C])  # rewards stay beta * log-ratio
     losses, _, _ = run("ipo", f_divergence_type=kind, f_alpha_divergence_coef=alpha)
     expected = [(c / max(lc, 1) - r / max(lr, 1) - 5.0) ** 2
                 for c, r, lc, lr in zip(scores_c, scores_r, LEN_C, LEN_R)]
-    assert losses.tolist() == pytest.approx(expected, rel=1e-5)
+    assert losses.tolist() == formula(expected)
 
 
 def test_f_divergence_limits():
-    u = torch.tensor([0.7, -2.0, 0.0])
+    u = f64([0.7, -2.0, 0.0])
     # alpha -> 1 is reverse KL; at u = 0 (t = 1) every f'(t) is 0 but JS's log 1 = 0 too
-    torch.testing.assert_close(f_divergence_scores(u, "alpha_divergence", 1.0), u)
-    assert f_divergence_scores(u, "js_divergence")[2].item() == pytest.approx(0.0, abs=1e-7)
+    assert torch.equal(f_divergence_scores(u, "alpha_divergence", 1.0), u)
+    assert f_divergence_scores(u, "js_divergence")[2].item() == formula(0.0)
     # the exponent (alpha - 1) * u is clamped at 80, so a huge negative log-ratio stays finite
-    big = f_divergence_scores(torch.tensor([-1000.0]), "alpha_divergence", 0.5)
-    assert big.item() == pytest.approx((math.exp(80.0) - 1) / -0.5, rel=1e-5)
+    big = f_divergence_scores(f64([-1000.0]), "alpha_divergence", 0.5)
+    assert big.item() == formula((math.exp(80.0) - 1) / -0.5)
     with pytest.raises(ValueError, match="unknown f_divergence_type 'kl'"):
         f_divergence_scores(u, "kl")
 
@@ -186,9 +188,9 @@ def test_f_divergence_only_for_difference_losses():
 def test_list_of_loss_types_with_weights():
     losses, _, _ = run(["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0])  # MPO's mix
     expected = [0.8 * hand("sigmoid", i) + 0.2 * hand("bco_pair", i) + 1.0 * SFT_NLL for i in range(3)]
-    assert losses.tolist() == pytest.approx(expected, rel=1e-5)
+    assert losses.tolist() == formula(expected)
     losses, _, _ = run(["sigmoid", "hinge"])  # weights default to 1
-    assert losses.tolist() == pytest.approx([hand("sigmoid", i) + hand("hinge", i) for i in range(3)], rel=1e-5)
+    assert losses.tolist() == formula([hand("sigmoid", i) + hand("hinge", i) for i in range(3)])
     with pytest.raises(ValueError, match="1 loss_weights for 2 loss types"):
         run(["sigmoid", "hinge"], loss_weights=[1.0])
 
@@ -204,19 +206,19 @@ def test_bad_arguments():
 
 
 def test_rewards_are_detached_and_gradient_matches_formula():
-    pi_c = torch.tensor(PI_C, requires_grad=True)
-    pi_r = torch.tensor(PI_R, requires_grad=True)
-    losses, chosen, rejected = dpo_loss(pi_c, pi_r, torch.tensor(REF_C), torch.tensor(REF_R), beta=BETA)
+    pi_c = f64(PI_C).requires_grad_()
+    pi_r = f64(PI_R).requires_grad_()
+    losses, chosen, rejected = dpo_loss(pi_c, pi_r, f64(REF_C), f64(REF_R), beta=BETA)
     assert not chosen.requires_grad and not rejected.requires_grad
     losses.sum().backward()
     # d/d pi_c of -logsigmoid(beta * delta) = -beta * sigmoid(-beta * delta); d/d pi_r is its negative
     s = [sig(-BETA * (c - r)) for c, r in zip(U_C, U_R)]
-    assert pi_c.grad.tolist() == pytest.approx([-BETA * x for x in s], abs=1e-6)
-    assert pi_r.grad.tolist() == pytest.approx([BETA * x for x in s], abs=1e-6)
+    assert pi_c.grad.tolist() == formula([-BETA * x for x in s])
+    assert pi_r.grad.tolist() == formula([BETA * x for x in s])
 
 
 # -- per-token pieces: rows [chosen_1, chosen_2; rejected_1, rejected_2] ---------------------------------------------
-TOKENS = torch.tensor([
+TOKENS = f64([
     [-1.0, -2.0, -3.0, 0.0, 0.0],  # chosen 1: 3 tokens
     [0.0, -0.5, -0.25, 0.0, 0.0],  # chosen 2: 2 tokens (a leading non-completion position)
     [-4.0, -1.0, -2.0, -8.0, -16.0],  # rejected 1: 5 tokens
@@ -235,16 +237,16 @@ def test_ld_alpha_weights_the_longer_completions_tail():
     # second token weighs alpha
     a = 0.25
     expected = [-6.0, -0.5 + a * -0.25, -7.0 + a * (-8.0 - 16.0), -1.5]
-    assert ld_sequence_logps(TOKENS, MASK, a).tolist() == pytest.approx(expected)
+    assert ld_sequence_logps(TOKENS, MASK, a).tolist() == formula(expected)
     plain = [-6.0, -0.75, -31.0, -1.5]
-    assert ld_sequence_logps(TOKENS, MASK).tolist() == pytest.approx(plain)
-    assert ld_sequence_logps(TOKENS, MASK, 1.0).tolist() == pytest.approx(plain)
+    assert ld_sequence_logps(TOKENS, MASK).tolist() == formula(plain)
+    assert ld_sequence_logps(TOKENS, MASK, 1.0).tolist() == formula(plain)
     # ld_alpha = 0: only the shared lengths count
-    assert ld_sequence_logps(TOKENS, MASK, 0.0).tolist() == pytest.approx([-6.0, -0.5, -7.0, -1.5])
+    assert ld_sequence_logps(TOKENS, MASK, 0.0).tolist() == formula([-6.0, -0.5, -7.0, -1.5])
 
 
 def test_sft_nll_is_the_token_mean_over_chosen():
-    assert sft_nll(TOKENS, MASK).item() == pytest.approx((1 + 2 + 3 + 0.5 + 0.25) / 5)
+    assert sft_nll(TOKENS, MASK).item() == formula((1 + 2 + 3 + 0.5 + 0.25) / 5)
 
 
 def test_wpo_weights():
@@ -258,9 +260,9 @@ def test_wpo_weights():
     chosen_2 = math.exp(((-0.5 + 0.5) + (-0.25 + 0.5)) / 2)
     rejected_1 = math.exp(((-4.0 - 1.0 - 2.0 - 8.0 - 16.0) + 5 * 0.5) / 5)
     rejected_2 = math.exp(-1.5 + 0.5)
-    assert weights.tolist() == pytest.approx([chosen_1 * rejected_1, chosen_2 * rejected_2], rel=1e-6)
+    assert weights.tolist() == formula([chosen_1 * rejected_1, chosen_2 * rejected_2])
     # they multiply each pair's loss
-    pair_weights = torch.tensor([0.5, 2.0, 0.0])
+    pair_weights = f64([0.5, 2.0, 0.0])
     losses, _, _ = run(["sigmoid", "sft"], pair_weights=pair_weights)
     expected = [w * (hand("sigmoid", i) + SFT_NLL) for i, w in enumerate([0.5, 2.0, 0.0])]
-    assert losses.tolist() == pytest.approx(expected, rel=1e-5)
+    assert losses.tolist() == formula(expected)

@@ -60,7 +60,9 @@ def test_filter_logits_top_p_by_hand():
     probs = torch.tensor([[0.1, 0.5, 0.3, 0.1]])
     logits = probs.log()
     keep = lambda **kw: (filter_logits(logits, **kw) > NEG).int().tolist()[0]  # noqa: E731
-    assert keep(top_p=0.5) == [0, 1, 0, 0]  # the top token alone holds 0.5
+    # (no top_p exactly at a cumulative probability: there the softmax's last bit, which depends on the CPU's kernels,
+    # would decide)
+    assert keep(top_p=0.45) == [0, 1, 0, 0]  # the top token alone holds 0.5
     assert keep(top_p=0.55) == [0, 1, 1, 0]  # 0.5 < 0.55: the next one is needed
     assert keep(top_p=0.85) == [0, 1, 1, 1] or keep(top_p=0.85) == [1, 1, 1, 0]  # 0.8 < 0.85: one of the 0.1 ties
     assert keep(top_p=0.01) == [0, 1, 0, 0]  # the most likely token is always kept
