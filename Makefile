@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-numerics test-slow bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,12 @@ demo: setup  ## the main job: SFT -> DPO -> GRPO on the built-in task, offline, 
 
 test: setup  ## the test suite (no slow end-to-end runs): a few minutes on 2 cores
 	$(PY) -m pytest -q
+
+# Tolerances follow tests/numerics.py; this reruns the numeric comparisons with the generic CPU kernels (as a machine
+# without AVX2 computes), then with AVX2 kernels, so a tolerance that holds only on this CPU fails here, not elsewhere.
+test-numerics: setup  ## the numeric comparisons again under other CPU kernels
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m "numerics and not slow"
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "numerics and not slow"
 
 test-slow: setup  ## slow end-to-end runs (CI runs these too)
 	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 5 ] && echo "no slow tests" && exit 0; exit $$rc

@@ -22,6 +22,8 @@ from lit_align.dpo_losses import (
 from lit_align.losses import dpo_loss as reexported
 from numerics import f64, formula
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
+
 BETA = 0.1
 # three pairs, chosen so that sorting the batch (aot) pairs them differently
 PI_C, PI_R = [-10.0, -3.0, -6.0], [-12.0, -30.0, -5.0]

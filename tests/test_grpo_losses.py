@@ -17,6 +17,8 @@ import torch
 from lit_align.losses import aggregate_grpo_loss, group_advantages, grpo_token_losses
 from numerics import assert_formula, f64, formula
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
+
 nan = math.nan
 
 

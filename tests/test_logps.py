@@ -10,6 +10,8 @@ from lit_align.logps import chunkable_head, chunked_token_logps, next_token_logp
 from lit_align.losses import token_logps
 from numerics import assert_rounding_close
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
+
 N, T, H, V = 3, 7, 16, 50
 
 

@@ -10,6 +10,8 @@ import torch
 from lit_align.losses import sequence_logps, token_logps
 from numerics import assert_formula, assert_rounding_close, f64, formula
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
+
 # [N=2, T=3, V=4] logits and their labels; labels at masked positions are garbage (out of vocabulary).
 LOGITS = [
     [[1.0, 2.0, 0.5, -1.0], [0.0, 0.0, 0.0, 0.0], [3.0, -2.0, 1.0, 0.25]],

@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 
 from lit_align.cli import AlignCLI
 from lit_align.strategies import DecoderLayers
+from numerics import TINY_TERMS, assert_rounding_close
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = ["sft.yaml", "dpo.yaml", "grpo.yaml"]
@@ -133,7 +134,8 @@ def test_fsdp_dpo_trains_like_one_process_and_exports_a_hf_model(tmp_path_factor
     fsdp, single = (read_metrics(d / "dpo" / "version_0" / "metrics.csv") for d in (fsdp_dir, single_dir))
     assert metric_at(fsdp, "train/loss", 0) == pytest.approx(math.log(2), abs=1e-6)
     assert metric_at(fsdp, "train/loss", 1) != pytest.approx(math.log(2), abs=1e-4)
-    assert metric_at(fsdp, "train/loss", 1) == pytest.approx(metric_at(single, "train/loss", 1), abs=1e-5)
+    assert_rounding_close(metric_at(fsdp, "train/loss", 1), metric_at(single, "train/loss", 1), scale=1.0,
+                          terms=TINY_TERMS)  # a loss of ~ln 2 after one update from other reduction orders
 
     run = fsdp_dir / "dpo" / "version_0"
     (ckpt,) = (run / "checkpoints").glob("*.ckpt")

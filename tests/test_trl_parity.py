@@ -35,6 +35,8 @@ from lit_align.modules.pair_logps import (  # noqa: E402
 )
 from numerics import assert_rounding_close, rounding_tol  # noqa: E402
 
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
+
 BETA = 0.1
 PAIRS = 8  # pairs per batch
 STEPS = 3
