@@ -72,8 +72,7 @@ def test_log_probs_are_fp32_from_a_bf16_model_and_under_autocast(tiny_path, chun
         mixed, _ = next_token_logps(fp32, input_ids, 3, chunk_size)
     assert mixed.dtype == torch.float32
     exact, _ = next_token_logps(fp32, input_ids, 3, chunk_size)
-    # bf16 weights: close, not equal; the rounding of each layer's bf16 output compounds over the network's depth
-    depth = fp32.config.num_hidden_layers
-    assert_rounding_close(logps, exact, terms=depth, dtype=torch.bfloat16)
-    assert_rounding_close(mixed, exact, terms=depth, dtype=torch.bfloat16)
+    # bf16 weights: close (a few bf16 units of the log-probs' size), not equal
+    assert_rounding_close(logps, exact, dtype=torch.bfloat16)
+    assert_rounding_close(mixed, exact, dtype=torch.bfloat16)
     assert not torch.equal(logps, exact)
