@@ -1,4 +1,4 @@
-"""The bad-input corpus (``tests/data/bad/``) through the real CLI entry: each input ends the run with exit status 2,
+"""The bad-input corpus (``tests/fixtures/bad/``) through the real CLI entry: each input ends the run with exit status 2,
 one ``error:`` line naming the file, row or field (or jsonargparse's usage error for a config mistake), no traceback,
 and nothing an earlier run wrote is touched.
 
@@ -14,7 +14,7 @@ import pytest
 from test_cli import run_main
 
 TESTS = Path(__file__).resolve().parent
-BAD = TESTS / "data" / "bad"
+BAD = TESTS / "fixtures" / "bad"
 DPO = str(TESTS.parent / "configs" / "dpo.yaml")
 GRPO = str(TESTS.parent / "configs" / "grpo.yaml")
 
@@ -32,7 +32,7 @@ def grpo(reward: str, *extra: str) -> list[str]:
             *extra]
 
 
-# (id, CLI arguments, the error line exactly; {bad} is tests/data/bad)
+# (id, CLI arguments, the error line exactly; {bad} is tests/fixtures/bad)
 CASES = [
     ("empty file", dpo(BAD / "empty.jsonl"), "error: {bad}/empty.jsonl: the file is empty"),
     ("wrong columns", dpo(BAD / "wrong_columns.jsonl"),
