@@ -78,7 +78,7 @@ def run(args, spec: dict) -> dict:
     trainer.fit(module, datamodule=data)
     trainable = sum(p.numel() for p in module.policy.parameters() if p.requires_grad)
     return {"ends": clock.ends, "setup_s": clock.train_start - start, "trainable": trainable,
-            "ref_resident": module.ref_model is not None, "loss": float(trainer.callback_metrics["train/loss"])}
+            "ref_resident": bool(list(module.reference.parameters())), "loss": float(trainer.callback_metrics["train/loss"])}
 
 
 def child(args) -> None:

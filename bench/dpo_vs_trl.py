@@ -102,7 +102,7 @@ def run_lit(args, spec: dict, on_step=lambda step: None) -> dict:
     return {"ends": clock.ends, "threads": clock.threads, "rss_at_start_mib": clock.rss_at_start,
             "rss_imports_mib": rss_imports,
             "attn": module.policy.config._attn_implementation,
-            "ref_attn": module.ref_model.config._attn_implementation, "dtype": str(module.policy.dtype),
+            "ref_attn": module.reference.model.config._attn_implementation, "dtype": str(module.policy.dtype),
             "loss": float(trainer.callback_metrics["train/loss"])}
 
 

@@ -8,7 +8,7 @@ For each (recipe, strategy): ``lit-align fit -c configs/<recipe>.yaml -c configs
 ``builtin:small`` (offline, ~10M parameters) with ``--steps`` steps, a reference model (DPO always; GRPO with
 ``beta: 0.04``), chunked log-probs if ``--chunk-size``, and the HF export at the end; then the exported directory is
 loaded with ``from_pretrained`` and compared with the run's last checkpoint (max |difference| of the weights; the
-checkpoint's ``ref_model.*`` keys are counted: 0 expected). A DeepSpeed strategy is skipped (said so) when
+checkpoint's ``reference.*`` keys are counted: 0 expected). A DeepSpeed strategy is skipped (said so) when
 ``deepspeed`` is not importable. Exit status 1 if any run failed or gave a non-finite loss.
 
 What it exercises that tests/ (CPU) cannot: FSDP on CUDA (tests/test_strategies.py runs torch's FSDP on CPU through
@@ -76,7 +76,7 @@ def check_export(out: Path, recipe: str) -> dict:
     diff = max((exported[k[len("policy."):]].float() - v.float()).abs().max().item()
                for k, v in state.items() if k.startswith("policy."))
     return {"export_keys": len(exported), "export_vs_ckpt": diff,
-            "ref_keys_in_ckpt": sum(k.startswith("ref_model.") for k in state)}
+            "ref_keys_in_ckpt": sum(k.startswith("reference.") for k in state)}
 
 
 def main() -> None:

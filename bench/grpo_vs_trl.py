@@ -133,6 +133,7 @@ def run_lit(args, spec: dict) -> dict:
         engine=args.engine_name.removesuffix("+padfree"), padding_free=args.engine_name.endswith("+padfree"),
         learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0,
         dtype="float32", attn_implementation="sdpa", gradient_checkpointing=False, disable_dropout=True,
+        num_generations=args.num_generations, steps_per_generation=args.steps_per_generation,
     )
     timer = GenTimer(module.sampler.generate, lambda rollout: int(rollout.completion_mask.sum()))
     module.sampler.generate = timer

@@ -36,7 +36,7 @@ def child(args) -> None:
     import torch.nn.functional as F
 
     from lit_align.logps import chunked_token_logps
-    from lit_align.losses import token_logps
+    from lit_align.logps import token_logps
 
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)

@@ -12,8 +12,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_align.capabilities import sharded_strategy
 from lit_align.errors import LitAlignError
-from lit_align.strategies import full_policy_state_dict, sharded_strategy
+from lit_align.reference import FrozenReference
+from lit_align.strategies import full_policy_state_dict
 
 
 def run_dir(trainer: L.Trainer) -> Path:
@@ -68,8 +70,8 @@ class CompletionsLogger(L.Callback):
     """Every ``every_n_steps`` optimizer steps, write the latest generation round's prompts, completions and rewards.
 
     Rows go to ``<run dir>/completions.csv`` (columns: step, prompt, completion, reward), and to the logger's table
-    when it has one (``WandbLogger.log_table``). Works with any module exposing a ``round`` buffer with a ``log``
-    entry (GRPOModule).
+    when it has one (``WandbLogger.log_table``). Works with any module exposing its latest ``round``
+    (``lit_align.generation_round.GenerationRound``: GRPOModule).
 
     Args:
         every_n_steps: cadence in optimizer steps.
@@ -81,15 +83,14 @@ class CompletionsLogger(L.Callback):
         self._last_step: int | None = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        buffer = getattr(pl_module, "round", None)
+        latest = getattr(pl_module, "round", None)
         step = trainer.global_step  # optimizer steps done; 0 until the first one (gradient accumulation)
-        if not trainer.is_global_zero or buffer is None or step == 0 or step % self.every_n_steps:
+        if not trainer.is_global_zero or latest is None or step == 0 or step % self.every_n_steps:
             return
         if self._last_step == trainer.global_step:  # several batches per step under gradient accumulation
             return
         self._last_step = trainer.global_step
-        log = buffer["log"]
-        rows = list(zip(log["prompts"], log["completions"], log["rewards"]))[: self.max_rows]
+        rows = list(zip(latest.prompts, latest.completions, latest.rewards))[: self.max_rows]
         path = run_dir(trainer) / "completions.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         new = not path.exists()
@@ -155,7 +156,7 @@ class RefModelSync(L.Callback):
         self.synced_at: list[int] = []  # optimizer steps after which this run synced
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if getattr(pl_module, "ref_model", None) is None:
+        if not isinstance(getattr(pl_module, "reference", None), FrozenReference):
             raise LitAlignError("RefModelSync (sync_ref_model) needs a reference model held in memory; it cannot be "
                                 "combined with precompute_ref_log_probs or peft_config")
         if sharded_strategy(trainer):
@@ -170,16 +171,13 @@ class RefModelSync(L.Callback):
         if step == 0 or step % self.every or self._last_step == step:
             return
         self._last_step = step
-        policy = pl_module.network if hasattr(pl_module, "network") else pl_module.policy
-        with torch.no_grad():
-            for ref, param in zip(pl_module.ref_model.parameters(), policy.parameters(), strict=True):
-                ref.mul_(1.0 - self.alpha).add_(param, alpha=self.alpha)
+        pl_module.reference.mix_in(pl_module.network, self.alpha)
         self.synced_at.append(step)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if trainer.global_step >= self.every:  # synced at least once: the reference is not the initial model
-            checkpoint["ref_model_state"] = pl_module.ref_model.state_dict()
+            checkpoint["ref_model_state"] = pl_module.reference.model.state_dict()
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if "ref_model_state" in checkpoint:
-            pl_module.ref_model.load_state_dict(checkpoint["ref_model_state"])
+            pl_module.reference.model.load_state_dict(checkpoint["ref_model_state"])

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_align.callbacks import HFExport, SigtermCheckpoint
 from lit_align.checkpoint_io import AtomicCheckpointIO
 from lit_align.errors import LitAlignError
+from lit_align.generation_round import ROUND_SETTINGS
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process the signal ended: the run is not finished
 
@@ -27,6 +28,9 @@ class AlignCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # always on, configured under `export:` (like any callback, but no need to list it in every config)
         parser.add_lightning_class_args(HFExport, "export")
+        # a GRPO round's shape: set once under `data:` (the DataModule shapes the batches), read by the module too
+        for name in ROUND_SETTINGS:
+            parser.link_arguments(f"data.init_args.{name}", f"model.init_args.{name}", apply_on="parse")
 
     def instantiate_trainer(self, **kwargs):
         """The trainer, plus crash safety: atomic checkpoint writes, a checkpoint on SIGTERM (README: Reliability)."""

@@ -5,5 +5,5 @@ its traceback.
 """
 
 
-class LitAlignError(Exception):
+class LitAlignError(ValueError):
     """A problem with the user's input: the message names the file, row or field and what was expected."""

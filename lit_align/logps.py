@@ -19,14 +19,38 @@ policy under FSDP is chunked: its head lives in the root unit, whole during ``tr
 
 from __future__ import annotations
 
-import inspect
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from lit_align.losses import compute_dtype, fp32_logsumexp, token_logps
+from lit_align.capabilities import is_fsdp_unit, takes_custom_mask, takes_logits_to_keep
+from lit_align.errors import LitAlignError
 
 STATS = ("entropy", "argmax", "mean_logit", "log_sum_sq_probs")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype log-probs are computed in: fp32 for half precision and fp32 inputs, fp64 for fp64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def fp32_logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` over the vocabulary in (at least) fp32: ``[N, T, V] -> [N, T]`` (half precision upcast one
+    sequence at a time, so no fp32 copy of the whole batch's logits is made)."""
+    if logits.dtype in (torch.float32, torch.float64):
+        return torch.logsumexp(logits, dim=-1)
+    return torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])
+
+
+def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label under ``logits``: ``[N, T, V], [N, T] -> [N, T]`` (fp32; fp64 for fp64 logits).
+
+    Gathers the label logit and subtracts a logsumexp, so no ``[N, T, V]`` log-softmax is ever held beside the
+    logits. Labels must be valid ids everywhere (mask afterwards; use any id, e.g. 0, at padded positions).
+    """
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(compute_dtype(logits.dtype))
+    return picked - fp32_logsumexp(logits)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
@@ -158,7 +182,7 @@ def chunkable_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Li
     head = get_head()
     # a sharded head is only whole inside its FSDP unit's or ZeRO-3 module's forward: an FSDP-wrapped model (the
     # reference under lit_align.strategies.DecoderLayers), a flat 1-D shard, a ZeRO-3 partition (ds_id)
-    if type(head) is not torch.nn.Linear or head.weight.dim() != 2 or hasattr(head.weight, "ds_id") or _fsdp_unit(model):
+    if type(head) is not torch.nn.Linear or head.weight.dim() != 2 or hasattr(head.weight, "ds_id") or is_fsdp_unit(model):
         return None
     decoder = get_decoder()
     if decoder is None or decoder is model:
@@ -168,14 +192,6 @@ def chunkable_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Li
     return decoder, head, scale
 
 
-def _fsdp_unit(model: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(model, FullyShardedDataParallel)
-
-
 def attention_mask_4d(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Tensor:
     """A 4D mask (``allowed[n, 0, q, k]``: query ``q`` sees key ``k``; ``[N, 1, Q, K]``) as ``model``'s attention
     takes it: bool for sdpa, additive for eager (which adds the mask to the scores)."""
@@ -183,16 +199,6 @@ def attention_mask_4d(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Te
         return allowed
     dtype = next(model.parameters()).dtype
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-def forward_parameters(model: torch.nn.Module):
-    """The parameters of the forward a call on ``model`` ends in: through FSDP's wrapper, whose own forward passes
-    every keyword on to ``model.module``."""
-    return inspect.signature(getattr(model, "module", model).forward).parameters
-
-
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in forward_parameters(model)
 
 
 def next_token_logps(
@@ -227,7 +233,7 @@ def next_token_logps(
         decoder, head, scale = parts
         hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
         return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size, scale / temperature, stats)
-    if not _takes_logits_to_keep(model):
+    if not takes_logits_to_keep(model):
         logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
     elif source is None:  # the logits of the last L - start + 1 positions
         logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=labels.shape[1] + 1).logits[:, :-1]
@@ -238,3 +244,36 @@ def next_token_logps(
     if temperature != 1.0:
         logits = logits / temperature
     return token_logps(logits, labels), plain_token_stats(logits, stats)
+
+
+class TokenLogps(NamedTuple):
+    """Per-token results of one forward over a ``Layout``, on the layout's output grid ``[N, C]``."""
+
+    tokens: torch.Tensor  # log-prob of each scored token (fp32, fp64 for fp64 models; 0 where ``mask`` is 0)
+    mask: torch.Tensor  # bool: which grid positions are scored tokens
+    labels: torch.Tensor  # the token ids scored (arbitrary where ``mask`` is 0)
+    stats: dict[str, torch.Tensor]  # the asked ``STATS`` per token, without gradient
+
+
+def layout_logps(model: torch.nn.Module, layout, stats: tuple[str, ...] = (), chunk_size: int | None = None,
+                 temperature: float = 1.0) -> TokenLogps:
+    """The log-probs (and ``stats``) of a ``lit_align.layouts.Layout``'s scored tokens: one forward of ``model``.
+
+    Every recipe's log-probs come from here: SFT's rows, DPO's pairs (plain or shared-prompt), GRPO's completions
+    (padded or packed); the layout says how the rows are laid out and where each token lands in the caller's grid.
+    """
+    kwargs = {}
+    if layout.allowed is not None:
+        if not takes_custom_mask(model):
+            raise LitAlignError(f"{layout.name} needs sdpa or eager attention; the model uses "
+                                f"{model.config._attn_implementation!r}")
+        kwargs["attention_mask"] = attention_mask_4d(model, layout.allowed)
+    elif layout.attention_mask is not None:
+        kwargs["attention_mask"] = layout.attention_mask
+    if layout.position_ids is not None:
+        kwargs["position_ids"] = layout.position_ids
+    tokens, values = next_token_logps(model, layout.input_ids, layout.start, chunk_size, temperature, stats=stats,
+                                      source=layout.source, **kwargs)
+    labels = layout.to_grid(layout.input_ids[:, layout.start:])
+    return TokenLogps(layout.to_grid(tokens).masked_fill(~layout.mask, 0), layout.mask, labels,
+                      {name: layout.to_grid(v) for name, v in values.items()})

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import torch
 
+from lit_align.reference import FrozenReference
+
 
 class DecoderLayers:
-    """FSDP auto-wrap (and activation-checkpointing) policy: each Hugging Face decoder layer, plus ``ref_model`` whole.
+    """FSDP auto-wrap (and activation-checkpointing) policy: each Hugging Face decoder layer, plus a frozen reference
+    model whole.
 
     A callable ``(module, recurse, nonwrapped_numel) -> bool`` as ``torch.distributed.fsdp.wrap`` calls it, parents
     before children: a ``PreTrainedModel`` met on the way down contributes its ``_no_split_modules`` class names.
 
     Args:
-        wrap_reference: also wrap the LightningModule's ``ref_model`` as one unit (for ``auto_wrap_policy``; leave it
+        wrap_reference: also wrap a ``FrozenReference``'s model as one unit (for ``auto_wrap_policy``; leave it
             false for ``activation_checkpointing_policy``, the reference runs without gradients).
         extra: more class names to wrap.
     """
@@ -35,9 +38,8 @@ class DecoderLayers:
     def __call__(self, module: torch.nn.Module, recurse: bool, nonwrapped_numel: int = 0) -> bool:
         if recurse:  # on the way down: learn layer names (and which module is a reference); always descend
             self.names.update(getattr(module, "_no_split_modules", None) or ())
-            ref = getattr(module, "ref_model", None)
-            if self.wrap_reference and isinstance(ref, torch.nn.Module):
-                self.references.add(id(ref))
+            if self.wrap_reference and isinstance(module, FrozenReference) and module.model is not None:
+                self.references.add(id(module.model))
             return True
         return type(module).__name__ in self.names or id(module) in self.references
 
@@ -72,11 +74,3 @@ def full_policy_state_dict(trainer, policy: torch.nn.Module) -> dict[str, torch.
                 return None
             return {k: v.detach().cpu().clone() for k, v in policy.state_dict().items()}
     return None
-
-
-def sharded_strategy(trainer) -> bool:
-    """Whether ``trainer``'s strategy keeps parameters sharded outside a forward (FSDP, DeepSpeed ZeRO-3)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
-
-    strategy = trainer.strategy
-    return isinstance(strategy, FSDPStrategy) or (isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3)

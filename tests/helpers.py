@@ -163,9 +163,11 @@ def digit_fraction(completions, **_):
 class ReplayRollouts(L.Callback):
     """Record what GRPO's sampler returns on this rank (``record_dir``), or replay recorded rounds (``replay_dir``).
 
-    Replaying, each round's completions and rewards come from the recording of whichever rank sampled that prompt in
-    that round, in the order of this run's prompts: a one-process run then trains on exactly the completions a DDP
-    run sampled, so their losses can be compared (sampling itself depends on each rank's random stream).
+    Replaying, each round's completions come from the recording of whichever rank sampled that prompt in that round,
+    in the order of this run's prompts (rewards are recomputed from them): a one-process run then trains on exactly
+    the completions a DDP run sampled, so their losses can be compared (sampling itself depends on each rank's
+    random stream). Both work through the engine interface: the module's ``sampler`` is replaced by one that
+    records or replays (``lit_align.generation.Sampler``).
 
     Args:
         record_dir: write ``<record_dir>/rank<R>.pt`` at the end of training.
@@ -177,45 +179,55 @@ class ReplayRollouts(L.Callback):
         self.rounds: list[dict] = []
 
     def setup(self, trainer, pl_module, stage) -> None:
-        real = pl_module.sample
-        if self.replay_dir is not None:
-            recorded = [torch.load(p) for p in sorted(Path(self.replay_dir).glob("rank*.pt"))]
-            by_round = [{} for _ in recorded[0]]
-            for rank in recorded:
-                for k, rnd in enumerate(rank):
-                    for i, prompt in enumerate(rnd["prompts"]):
-                        by_round[k].setdefault(json.dumps(prompt), []).append({key: rnd[key][i] for key in rnd})
-
-        def sample(sampler, batch, num_samples):
-            if sampler is not pl_module.sampler:  # validation: greedy, unchanged
-                return real(sampler, batch, num_samples)
-            if self.replay_dir is None:
-                rollout, prompts, completions, per_func = real(sampler, batch, num_samples)
-                self.rounds.append({"prompts": prompts, "completions": completions, "per_func": per_func,
-                                    "ids": [row[m.bool()] for row, m in zip(rollout.completion_ids,
-                                                                            rollout.completion_mask)],
-                                    "truncated": rollout.truncated})
-                return rollout, prompts, completions, per_func
-            from lit_align.generation import Rollout
-
-            k = len(self.rounds)
-            self.rounds.append(None)
-            rows = [r for p in batch["prompts"] for r in by_round[k][json.dumps(p)]]
-            width = max(len(r["ids"]) for r in rows)
-            pad = pl_module.tokenizer.pad_token_id
-            ids = torch.stack([torch.cat([r["ids"], r["ids"].new_full((width - len(r["ids"]),), pad)]) for r in rows])
-            mask = torch.stack([torch.arange(width) < len(r["ids"]) for r in rows]).long()
-            rollout = Rollout(ids, mask, torch.stack([r["truncated"] for r in rows]))
-            return (rollout, [r["prompts"] for r in rows], [r["completions"] for r in rows],
-                    torch.stack([r["per_func"] for r in rows]))
-
-        pl_module.sample = sample
+        if self.replay_dir is None:
+            pl_module.sampler = _RecordingSampler(pl_module.sampler, self.rounds)
+        else:
+            pl_module.sampler = _ReplayingSampler([torch.load(p) for p in sorted(Path(self.replay_dir).glob("rank*.pt"))])
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.record_dir is not None:
             Path(self.record_dir).mkdir(parents=True, exist_ok=True)
             torch.save(self.rounds, Path(self.record_dir) / f"rank{trainer.global_rank}.pt")
 
+
+def _prompt_keys(prompt_ids, prompt_mask) -> list[str]:
+    return [json.dumps(ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
+
+
+class _RecordingSampler:
+    def __init__(self, inner, rounds: list[dict]):
+        self.inner, self.rounds = inner, rounds
+
+    def generate(self, model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id):
+        rollout = self.inner.generate(model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id)
+        self.rounds.append({
+            "prompts": [key for key in _prompt_keys(prompt_ids, prompt_mask) for _ in range(num_samples)],
+            "ids": [row[m.bool()] for row, m in zip(rollout.completion_ids, rollout.completion_mask)],
+            "truncated": list(rollout.truncated),
+        })
+        return rollout
+
+
+class _ReplayingSampler:
+    def __init__(self, recorded: list[list[dict]]):
+        self.by_round = [{} for _ in recorded[0]]  # round -> prompt -> its recorded completions
+        for rank in recorded:
+            for k, rnd in enumerate(rank):
+                for prompt, ids, truncated in zip(rnd["prompts"], rnd["ids"], rnd["truncated"]):
+                    self.by_round[k].setdefault(prompt, []).append((ids, truncated))
+        self.calls = 0
+
+    def generate(self, model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id):
+        from lit_align.generation import Rollout
+
+        recorded = self.by_round[self.calls]
+        self.calls += 1
+        rows = [row for key in _prompt_keys(prompt_ids, prompt_mask) for row in recorded[key]]
+        width = max(len(ids) for ids, _ in rows)
+        completion_ids = torch.stack([torch.cat([ids, ids.new_full((width - len(ids),), pad_token_id)])
+                                      for ids, _ in rows])
+        mask = torch.stack([torch.arange(width) < len(ids) for ids, _ in rows]).long()
+        return Rollout(completion_ids, mask, torch.stack([t for _, t in rows]))
 
 
 class CPUFSDPStrategy(FSDPStrategy):

@@ -65,7 +65,7 @@ def original(tiny_path) -> dict[str, torch.Tensor]:
 def test_step0_loss_is_ln2_on_a_real_batch(original):
     module = DPOModule(model="builtin:tiny")
     module.configure_model()
-    assert same(params(module.policy), original) and same(params(module.ref_model), original)
+    assert same(params(module.policy), original) and same(params(module.reference.model), original)
     dm = data(tokenizer="builtin:tiny", batch_size=8)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
@@ -80,15 +80,15 @@ def test_step0_loss_is_ln2_on_a_real_batch(original):
     assert (out["logps/chosen"] < 0).all() and (out["logps/rejected"] < 0).all()
     assert set(out) == set(METRICS)
     # the reference stays in eval mode and frozen while the policy trains
-    assert module.policy.training and not module.ref_model.training
-    assert not any(p.requires_grad for p in module.ref_model.parameters())
+    assert module.policy.training and not module.reference.model.training
+    assert not any(p.requires_grad for p in module.reference.model.parameters())
     assert all(p.requires_grad for p in module.policy.parameters())
 
 
 def test_completion_logps_match_a_plain_forward(original):
     """The per-token completion log-probs (with logits_to_keep), and WPO's log sum_v p(v)^2, equal a full forward +
     log_softmax by hand."""
-    from lit_align.modules.pair_logps import completion_logps
+    from test_layouts import completion_logps
 
     module = DPOModule(model="builtin:tiny")
     module.configure_model()
@@ -116,7 +116,7 @@ def test_completion_logps_match_a_plain_forward(original):
 
 def test_share_prompt_gives_the_plain_batch_numbers(tmp_path, tiny_path):
     """``share_prompt`` ([prompt, chosen, rejected] rows) and the plain [chosen; rejected] batch: same statistics."""
-    from lit_align.modules.pair_logps import supports_shared_prompt
+    from lit_align.capabilities import supports_shared_prompt
 
     noisy = AutoModelForCausalLM.from_pretrained(tiny_path)
     with torch.no_grad():
@@ -152,7 +152,7 @@ def test_training_reference_frozen_checkpoint_and_resume(tmp_path, original):
     assert record.losses[0] == pytest.approx(math.log(2), abs=1e-6)  # step 0 in a real fit, too
     assert record.losses[-1] < record.losses[0]
 
-    assert same(params(module.ref_model), original), "the reference model changed during training"
+    assert same(params(module.reference.model), original), "the reference model changed during training"
     policy_after = params(module.policy)
     changed = [k for k in original if not torch.equal(original[k], policy_after[k])]
     assert len(changed) == len(original), f"policy tensors left unchanged: {set(original) - set(changed)}"
@@ -162,7 +162,7 @@ def test_training_reference_frozen_checkpoint_and_resume(tmp_path, original):
     assert path.exists(), list(ckpt_dir.iterdir())
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     keys = list(ckpt["state_dict"])
-    assert not [k for k in keys if k.startswith("ref_model.")]
+    assert not [k for k in keys if k.startswith("reference.")]
     assert {f"policy.{k}" for k in original} <= set(keys)
     embed = "model.embed_tokens.weight"
     assert torch.equal(ckpt["state_dict"][f"policy.{embed}"], policy_after[embed])
@@ -172,7 +172,7 @@ def test_training_reference_frozen_checkpoint_and_resume(tmp_path, original):
     class AtStart(L.Callback):
         def on_train_start(self, trainer, pl_module):
             self.policy = params(pl_module.policy)
-            self.ref = params(pl_module.ref_model)
+            self.ref = params(pl_module.reference.model)
 
     at_start, record2 = AtStart(), Record()
     resumed = DPOModule(model="builtin:tiny", learning_rate=1e-3)
@@ -180,7 +180,7 @@ def test_training_reference_frozen_checkpoint_and_resume(tmp_path, original):
     t2.fit(resumed, data(), ckpt_path=str(path))
     assert record2.steps == [4, 5, 6] and t2.global_step == 7
     assert same(at_start.policy, policy_after), "resume did not restore the trained policy"
-    assert same(at_start.ref, original) and same(params(resumed.ref_model), original), "resume changed the reference"
+    assert same(at_start.ref, original) and same(params(resumed.reference.model), original), "resume changed the reference"
     assert record2.losses[0] != pytest.approx(math.log(2), abs=1e-3)  # a trained policy, not a fresh one
     assert not same(params(resumed.policy), policy_after)
 
@@ -237,7 +237,7 @@ def test_explicit_ref_model(tmp_path, tiny_path, original):
     module = DPOModule(model="builtin:tiny", ref_model=str(tmp_path / "ref"))
     module.configure_model()
     assert same(params(module.policy), original)
-    assert same(params(module.ref_model), params(noisy))
+    assert same(params(module.reference.model), params(noisy))
     dm = data(tokenizer="builtin:tiny")
     dm.setup("fit")
     out, _ = module.pair_outputs(next(iter(dm.train_dataloader())))

@@ -24,8 +24,9 @@ from lit_align.data import PreferenceDataModule
 from lit_align.data.tasks import SortTask
 from lit_align.errors import LitAlignError
 from lit_align.modules import DPOModule
-from lit_align.modules import reference as reference_module
-from lit_align.modules.pair_logps import logps_of
+from lit_align import reference as reference_module
+from lit_align.reference import FrozenReference, PrecomputedReference
+from test_layouts import completion_logps
 from numerics import TINY_TERMS, assert_rounding_close
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,20 +124,19 @@ def test_lora_reference_is_the_base_model_even_when_the_adapters_are_not_zero(ro
     dm = data(rows_path, tokenizer="builtin:tiny")
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
-    with torch.no_grad(), module.reference_model() as ref:
-        adapters_off = logps_of(ref, batch, None)[0]
+    with torch.no_grad(), module.reference.network() as ref:
+        adapters_off = completion_logps(ref, batch)[0]
     with torch.no_grad():
-        assert torch.equal(adapters_off, logps_of(base.policy, batch, None)[0])
-        assert not torch.allclose(logps_of(module.network, batch, None)[0], adapters_off, atol=1e-3)
-    assert module.ref_model is None
+        assert torch.equal(adapters_off, completion_logps(base.policy, batch)[0])
+        assert not torch.allclose(completion_logps(module.network, batch)[0], adapters_off, atol=1e-3)
+    assert not isinstance(module.reference, FrozenReference)  # no second copy
+    assert not list(module.reference.parameters())
 
 
 # -- precomputed: the cache ------------------------------------------------------------------------------------------
-def test_precompute_reuses_its_cache(tmp_path, rows_path, lit_align_cache, monkeypatch):
+def test_precompute_reuses_its_cache(tmp_path, rows_path, lit_align_cache):
     shutil.rmtree(lit_align_cache / "ref_logps", ignore_errors=True)  # other tests may have cached these rows
-    passes = []
-    compute = reference_module.compute
-    monkeypatch.setattr(reference_module, "compute", lambda *a, **kw: passes.append(1) or compute(*a, **kw))
+    passes = []  # the splits each run ran the reference over (PrecomputedReference.computed)
     val = rows_path.replace("train.jsonl", "val.jsonl")
 
     def run(name, **kw):
@@ -144,7 +144,9 @@ def test_precompute_reuses_its_cache(tmp_path, rows_path, lit_align_cache, monke
         module = DPOModule(model="builtin:tiny", precompute_ref_log_probs=True, learning_rate=1e-3)
         dm = data(rows_path, val_split="train", val_path=val, **kw)
         fit(tmp_path / name, module, dm, steps=3, callbacks=[record])
-        assert module.ref_model is None  # no reference resident while training
+        assert isinstance(module.reference, PrecomputedReference)  # no reference resident while training
+        assert not list(module.reference.parameters())
+        passes.extend(module.reference.computed)
         return record, dm
 
     first, dm = run("first")
@@ -219,7 +221,7 @@ class Snapshots(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.steps.append(trainer.global_step)
-        self.ref.append([p.detach().clone() for p in pl_module.ref_model.parameters()])
+        self.ref.append([p.detach().clone() for p in pl_module.reference.model.parameters()])
         self.policy.append([p.detach().clone() for p in pl_module.policy.parameters()])
 
 
@@ -232,7 +234,7 @@ def test_sync_moves_the_reference_exactly_on_schedule(tmp_path, rows_path):
     trainer = fit(tmp_path, module, data(rows_path), steps=5, callbacks=[snaps], accumulate_grad_batches=2)
     sync = next(cb for cb in trainer.callbacks if isinstance(cb, RefModelSync))
     assert sync.synced_at == [2, 4]
-    final_ref = [p.detach().clone() for p in module.ref_model.parameters()]
+    final_ref = [p.detach().clone() for p in module.reference.model.parameters()]
     final_policy = [p.detach().clone() for p in module.policy.parameters()]
     snaps.ref.append(final_ref)
     snaps.policy.append(final_policy)
@@ -253,11 +255,11 @@ def test_sync_reference_survives_resume(tmp_path, rows_path):
     module = DPOModule(model="builtin:tiny", learning_rate=1e-2, sync_ref_model=True, ref_model_sync_steps=2)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="last", every_n_train_steps=3)
     fit(tmp_path, module, data(rows_path), steps=3, callbacks=[checkpoint], enable_checkpointing=True)
-    synced_ref = [p.detach().clone() for p in module.ref_model.parameters()]
+    synced_ref = [p.detach().clone() for p in module.reference.model.parameters()]
 
     class AtStart(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            self.ref = [p.detach().clone() for p in pl_module.ref_model.parameters()]
+            self.ref = [p.detach().clone() for p in pl_module.reference.model.parameters()]
 
     at_start = AtStart()
     resumed = DPOModule(model="builtin:tiny", learning_rate=1e-2, sync_ref_model=True, ref_model_sync_steps=2)
@@ -291,8 +293,8 @@ def test_precompute_under_ddp_matches_one_process(tmp_path, rows_path, lit_align
     dm.setup("fit")
     module = DPOModule(model="builtin:tiny")
     module.configure_model()
-    single = reference_module.compute(
-        dm.train_data, dm.collate, 16, lambda batch: logps_of(module.ref_model, batch, None).tokens.sum(1).chunk(2),
+    single = reference_module.compute_ref_logps(
+        dm.train_data, dm.collate, 16, lambda batch: completion_logps(module.reference.model, batch).tokens.sum(1).chunk(2),
         torch.device("cpu"), L.Trainer(accelerator="cpu", devices=1, logger=False).strategy)
     assert ddp_values.shape == (48, 2)
     assert_rounding_close(ddp_values, single, terms=TINY_TERMS)  # other batches: other padding, other orders
@@ -345,11 +347,11 @@ def test_sync_does_not_repeat_on_resume_and_refuses_sharded_strategies():
     module = DPOModule(model="builtin:tiny")
     module.configure_model()
     sync = RefModelSync(ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
-    before = {k: v.clone() for k, v in module.ref_model.state_dict().items()}
+    before = {k: v.clone() for k, v in module.reference.model.state_dict().items()}
     resumed = SimpleNamespace(global_step=2)
     sync.on_train_start(resumed, module)
     sync.on_train_batch_end(resumed, module, None, None, 0)
-    assert sync.synced_at == [] and all(torch.equal(v, before[k]) for k, v in module.ref_model.state_dict().items())
+    assert sync.synced_at == [] and all(torch.equal(v, before[k]) for k, v in module.reference.model.state_dict().items())
     with pytest.raises(LitAlignError, match="not under FSDP or DeepSpeed ZeRO-3"):
         sync.on_fit_start(SimpleNamespace(strategy=FSDPStrategy()), module)
     with pytest.raises(LitAlignError, match="LoRA is not supported under FSDP"):

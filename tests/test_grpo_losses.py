@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_align.losses import aggregate_grpo_loss, group_advantages, grpo_token_losses
+from lit_align.losses.grpo import aggregate_grpo_loss, group_advantages, grpo_token_losses
 from numerics import assert_formula, f64, formula
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`

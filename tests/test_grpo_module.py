@@ -22,12 +22,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from helpers import write_sort_rows
 from lightning.pytorch.loggers import CSVLogger
 
-import lit_align.modules.grpo as grpo_mod
 from lit_align.callbacks import CompletionsLogger
 from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
-from lit_align.losses import group_advantages
+from lit_align.losses.grpo import group_advantages
 from lit_align.models import load_model
 from lit_align.modules.grpo import GRPOModule, completion_token_logps
 from numerics import TINY_TERMS, assert_rounding_close
@@ -52,23 +51,25 @@ class GenerationProbe(L.Callback):
         self.round_prompts: list[list] = []
         self.old_logps_present: list[bool] = []
         self.round_pos: list[int] = []
-
-    def setup(self, trainer, pl_module, stage) -> None:
-        generate = pl_module.sampler.generate
-
-        def counted(*args, **kwargs):
-            self.generate_steps.append(trainer.global_step)
-            return generate(*args, **kwargs)
-
-        pl_module.sampler.generate = counted
+        self.ratios: list[float | None] = []  # per step: max |exp(logps - old_logps) - 1| over real tokens
+        self._rounds = self._step = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._rounds, self._step = pl_module.generation_rounds, trainer.global_step
         self.round_pos.append(batch["round_pos"])
         if batch["round_pos"] == 0:
             self.round_prompts.append(list(batch["prompts"]))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.old_logps_present.append(pl_module.round["old_logps"] is not None)
+        if pl_module.generation_rounds > self._rounds:  # this step sampled a round
+            self.generate_steps.append(self._step)
+        self.old_logps_present.append(pl_module.round.old_logps is not None)
+        old = outputs["rows"].old_logps
+        if old is None:
+            self.ratios.append(None)
+        else:  # the rollout's old log-probs are 0 past each completion's end: compare real tokens only
+            valid = old != 0
+            self.ratios.append(float((torch.exp(outputs["logps"] - old) - 1)[valid].abs().max()))
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.out_dir is None:
@@ -91,28 +92,18 @@ def fit_grpo(root: Path, prompts: str, max_steps: int, model: dict | None = None
              callbacks: list | None = None, **trainer_kwargs) -> SimpleNamespace:
     """Fit GRPOModule on the tiny model; also record every ``grpo_token_losses`` call's ratio ``exp(logps - old)``."""
     torch.manual_seed(0)
+    data = {"batch_size": 4, "num_generations": 2, **(data or {})}
+    rounds = {k: data[k] for k in ("num_generations", "steps_per_generation", "num_iterations") if k in data}
     module = GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, max_completion_length=4, learning_rate=1e-3,
-                        **(model or {}))
-    dm = PromptDataModule(path=prompts, val_split=None, **{"batch_size": 4, "num_generations": 2, **(data or {})})
+                        **rounds, **(model or {}))
+    dm = PromptDataModule(path=prompts, val_split=None, **data)
     probe = GenerationProbe()
-    ratios = []
-    real = grpo_mod.grpo_token_losses
-
-    def recording(logps, old_logps, *args, **kwargs):
-        if old_logps is None:
-            ratios.append(None)
-        else:  # the rollout's old log-probs are 0 past each completion's end: compare real tokens only
-            valid = old_logps != 0
-            ratios.append(float((torch.exp(logps.detach() - old_logps) - 1)[valid].abs().max()))
-        return real(logps, old_logps, *args, **kwargs)
-
     trainer_kwargs.setdefault("enable_checkpointing", False)
     trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=CSVLogger(root, name="grpo"),
                         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[probe, *(callbacks or [])], **trainer_kwargs)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grpo_mod, "grpo_token_losses", recording)
-        trainer.fit(module, dm)
+    trainer.fit(module, dm)
+    ratios = probe.ratios
     with open(Path(trainer.log_dir) / "metrics.csv", newline="") as f:
         metrics = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
     return SimpleNamespace(trainer=trainer, module=module, probe=probe, ratios=ratios, metrics=metrics,
@@ -166,12 +157,12 @@ def test_checkpoint_cadence_is_exact_and_reference_is_not_saved(run_a):
     assert sorted(f.name for f in files) == ["epoch=0-step=12.ckpt", "epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
     state = torch.load(files[0], map_location="cpu", weights_only=False)["state_dict"]
     assert any(k.startswith("policy.") for k in state)
-    assert not any(k.startswith("ref_model.") for k in state)
+    assert not any(k.startswith("reference.") for k in state)
 
 
 def test_reference_is_frozen_unchanged_and_policy_trained(run_a, run_b, tiny_path):
     initial = load_model("builtin:tiny").state_dict()
-    ref = run_a.module.ref_model
+    ref = run_a.module.reference.model
     assert ref is not None and not ref.training
     assert not any(p.requires_grad for p in ref.parameters())
     for name, value in ref.state_dict().items():
@@ -180,7 +171,7 @@ def test_reference_is_frozen_unchanged_and_policy_trained(run_a, run_b, tiny_pat
         policy = run.module.policy.state_dict()
         changed = [name for name, value in policy.items() if not torch.equal(value, initial[name])]
         assert len(changed) > len(policy) // 2
-    assert run_b.module.ref_model is None  # beta = 0: no reference loaded
+    assert run_b.module.reference is None  # beta = 0: no reference loaded
 
 
 # -- old log-probs ---------------------------------------------------------------------------------------------------------
@@ -207,17 +198,19 @@ class LogpsSampler:
         return self.rollout
 
 
-def stub_round(module: GRPOModule, tokenizer, spg: int = 1, iterations: int = 1, accumulate: int = 1,
-               all_gather=lambda t: t, sampler=None) -> dict:
-    """``generate_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device Trainer."""
+def stub_round(tokenizer, spg: int = 1, iterations: int = 1, accumulate: int = 1, all_gather=lambda t: t,
+               sampler=None, **options):
+    """``(module, round)``: ``generate_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device
+    Trainer."""
+    module = GRPOModule(reward_funcs=["test_grpo_module.reward_digit_fraction"], num_generations=2,
+                        steps_per_generation=spg, num_iterations=iterations, **options)
     module.tokenizer, module.sampler = tokenizer, sampler or LogpsSampler()
     module._trainer = SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
                                       strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t,
                                                                 all_gather=all_gather))
     batch = {"prompt_ids": torch.tensor([[30, 31], [0, 32]]), "prompt_mask": torch.tensor([[1, 1], [0, 1]]),
-             "prompts": ["ab", "c"], "columns": {}, "round_pos": 0, "num_generations": 2,
-             "steps_per_generation": spg, "num_iterations": iterations}
-    return module.generate_round(batch)
+             "prompts": ["ab", "c"], "columns": {}, "round_pos": 0}
+    return module, module.generate_round(batch)
 
 
 @pytest.mark.parametrize("spg,iterations,accumulate,needed", [
@@ -231,23 +224,20 @@ def stub_round(module: GRPOModule, tokenizer, spg: int = 1, iterations: int = 1,
     (2, 1, 3, True),  # windows of 3 microsteps straddle rounds of 2
 ])
 def test_old_logps_computed_only_when_the_policy_moves_within_a_round(tokenizer, spg, iterations, accumulate, needed):
-    module = GRPOModule(reward_funcs=["test_grpo_module.reward_digit_fraction"])
-    r = stub_round(module, tokenizer, spg, iterations, accumulate)
-    assert (r["old_logps"] is not None) == needed
+    module, r = stub_round(tokenizer, spg, iterations, accumulate)
+    assert (r.old_logps is not None) == needed
     if needed:
-        assert torch.equal(r["old_logps"], module.sampler.rollout.logps)  # the sampler's, no extra forward
-    assert r["num_tokens"] == 12 / spg  # dapo's normalizer: the round's 12 tokens spread over its spg steps
+        assert torch.equal(r.old_logps, module.sampler.rollout.logps)  # the sampler's, no extra forward
+    assert r.num_tokens == 12 / spg  # dapo's normalizer: the round's 12 tokens spread over its spg steps
 
 
 def test_mask_truncated_completions(tokenizer):
-    r = stub_round(GRPOModule(reward_funcs=["test_grpo_module.reward_digit_fraction"]), tokenizer, spg=2)
-    assert r["loss_mask"].sum(1).tolist() == [3, 3, 3, 3]
-    module = GRPOModule(reward_funcs=["test_grpo_module.reward_digit_fraction"], mask_truncated_completions=True)
-    r = stub_round(module, tokenizer, spg=2)
-    assert r["loss_mask"].sum(1).tolist() == [0, 3, 0, 3]  # truncated rows leave the loss
-    assert r["num_tokens"] == 6 / 2
-    stats = dict(zip(r["stat_names"], r["stats"].tolist()))
-    assert stats["completions/clipped_ratio"] == 0.5
+    _, r = stub_round(tokenizer, spg=2)
+    assert r.loss_mask.sum(1).tolist() == [3, 3, 3, 3]
+    _, r = stub_round(tokenizer, spg=2, mask_truncated_completions=True)
+    assert r.loss_mask.sum(1).tolist() == [0, 3, 0, 3]  # truncated rows leave the loss
+    assert r.num_tokens == 6 / 2
+    assert float(r.stats["completions/clipped_ratio"]) == 0.5
 
 
 # -- metrics ---------------------------------------------------------------------------------------------------------------
@@ -269,11 +259,11 @@ def test_metrics_have_trl_names_and_values(run_a, run_b):
     assert [metric(run_a, "train/generation_rounds", s) for s in (0, 5, 6, 11)] == [1.0, 1.0, 2.0, 2.0]
     assert [metric(run_b, "train/generation_rounds", s) for s in (0, 3, 4, 11)] == [1.0, 1.0, 2.0, 3.0]
     # the round's statistics are logged at each of its steps: the last round's reward is the mean of its rewards
-    rewards = torch.tensor(run_a.module.round["log"]["rewards"])
+    rewards = torch.tensor(run_a.module.round.rewards)
     for step in range(6, 12):
         assert metric(run_a, "train/reward", step) == pytest.approx(float(rewards.mean()), rel=1e-6, abs=1e-7)
         assert metric(run_a, "train/reward_std", step) == pytest.approx(float(rewards.std()), rel=1e-6, abs=1e-7)
-    lengths = run_a.module.round["completion_mask"].sum(1).float()
+    lengths = run_a.module.round.completion_mask.sum(1).float()
     assert metric(run_a, "train/completions/mean_length", 11) == pytest.approx(float(lengths.mean()))
     assert 1.0 <= metric(run_a, "train/completions/mean_length", 0) <= 4.0
     assert 0.0 <= metric(run_a, "train/completions/clipped_ratio", 0) <= 1.0
@@ -287,10 +277,10 @@ def test_completions_logger_writes_rows_at_its_cadence(run_a, prompts_file):
     assert [r[0] for r in rows[1:]] == ["5"] * 3 + ["10"] * 3  # every 5 steps, max_rows=3
     prompts = {json.loads(line)["prompt"] for line in Path(prompts_file).read_text().splitlines()}
     assert all(r[1] in prompts for r in rows[1:])
-    logged = run_a.module.round["log"]  # step 10 is in the second round
-    assert [r[1] for r in rows[4:]] == [str(p) for p in logged["prompts"][:3]]
-    assert [r[2] for r in rows[4:]] == logged["completions"][:3]
-    assert [float(r[3]) for r in rows[4:]] == pytest.approx(logged["rewards"][:3])
+    logged = run_a.module.round  # step 10 is in the second round
+    assert [r[1] for r in rows[4:]] == [str(p) for p in logged.prompts[:3]]
+    assert [r[2] for r in rows[4:]] == logged.completions[:3]
+    assert [float(r[3]) for r in rows[4:]] == pytest.approx(logged.rewards[:3])
 
 
 def test_gradient_accumulation_counts_optimizer_steps(tmp_path, prompts_file, tiny_path):
@@ -305,23 +295,6 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path, prompts_file, ti
 
 
 # -- the training forward ------------------------------------------------------------------------------------------------
-def test_completion_logps_do_not_depend_on_left_padding(tokenizer, tiny_path):
-    torch.manual_seed(0)
-    model = load_model("builtin:tiny")
-    prompts = [tokenizer("sort 123456:")["input_ids"], tokenizer("s")["input_ids"]]
-    completions = torch.tensor([[20, 21, 2, 0], [22, 23, 24, 25]])
-    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    batched, _ = completion_token_logps(model, ids, mask, completions, completion_mask, temperature=0.8)
-    for i, p in enumerate(prompts):
-        alone, _ = completion_token_logps(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
-                                          completions[i : i + 1], completion_mask[i : i + 1], temperature=0.8)
-        m = completion_mask[i].bool()
-        assert_rounding_close(batched[i][m], alone[0][m], terms=TINY_TERMS)  # other padding, other kernels
-
-
 @pytest.mark.parametrize("kwargs,match", [
     ({"temperature": 0.0}, "model.temperature must be > 0"),
     ({"loss_type": "ppo"}, "model.loss_type 'ppo'"),
@@ -387,24 +360,25 @@ def test_advantages_are_normalized_over_every_ranks_rewards(tokenizer, scale_rew
     """As TRL: rewards are gathered before the advantages, so ``batch`` divides by the global batch's std (groups
     never span ranks, so ``group`` is unchanged); each rank keeps its own rows."""
     other = torch.tensor([0.0, 3.0, 1.0, 5.0])  # another rank's rewards, spread wider than this rank's
-    module = GRPOModule(reward_funcs=["test_grpo_module.reward_digit_fraction"], scale_rewards=scale_rewards)
     sampler = LogpsSampler()
     digit, letter = tokenizer.convert_tokens_to_ids(["1", "a"])
     sampler.rollout.completion_ids = torch.tensor([[digit] * 3, [letter] * 3, [digit, letter, letter], [letter] * 3])
-    r = stub_round(module, tokenizer, all_gather=lambda t: torch.stack([t, other.to(t)]), sampler=sampler)
-    mine = torch.tensor(r["log"]["rewards"])
+    _, r = stub_round(tokenizer, all_gather=lambda t: torch.stack([t, other.to(t)]), sampler=sampler,
+                      scale_rewards=scale_rewards)
+    mine = torch.tensor(r.rewards)
     assert mine.unique().numel() == 3  # rewards 1, 0, 1/3, 0: non-zero advantages
     expected = group_advantages(torch.cat([mine, other]), 2, scale_rewards)[:4]
-    assert torch.equal(r["advantages"], expected)  # the same function on the same gathered rewards
+    assert torch.equal(r.advantages, expected)  # the same function on the same gathered rewards
     alone = group_advantages(mine, 2, scale_rewards)
-    assert torch.allclose(r["advantages"], alone) == (scale_rewards == "group")
+    assert torch.allclose(r.advantages, alone) == (scale_rewards == "group")
 
 
 def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, prompts_file, tokenizer):
     """A round is as wide as its longest prompt and completion; each step's forward gets its own rows' widths, and
     its log-probs are still the sampler's at the round's first step (the ratio is 1)."""
     torch.manual_seed(0)
-    module = GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, max_completion_length=12, learning_rate=1e-3)
+    module = GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, max_completion_length=12, learning_rate=1e-3,
+                        num_generations=2, steps_per_generation=4)
     module.configure_model()
     head = module.policy.lm_head  # biased towards EOS: completions end at different lengths
     biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
@@ -415,70 +389,25 @@ def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, 
     module.policy.lm_head = biased
     dm = PromptDataModule(path=prompts_file, val_split=None, batch_size=4, num_generations=2, steps_per_generation=4)
     seen = []  # (forward's prompt and completion widths, its rows' longest prompt and completion, round widths)
-    real_logps, real_losses = grpo_mod.completion_token_logps, grpo_mod.grpo_token_losses
-
-    def recording_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
-        r = module.round
-        seen.append((prompt_ids.shape[1], completion_ids.shape[1], int(prompt_mask.sum(1).max()),
-                     int(completion_mask.sum(1).max()), r["prompt_ids"].shape[1], r["completion_ids"].shape[1]))
-        return real_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
-
     ratios = []
 
-    def recording_losses(logps, old_logps, *args, **kwargs):
-        valid = old_logps != 0
-        ratios.append(float((torch.exp(logps.detach() - old_logps) - 1)[valid].abs().max()))
-        return real_losses(logps, old_logps, *args, **kwargs)
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            rows, r = outputs["rows"], pl_module.round
+            seen.append((rows.prompt_ids.shape[1], rows.completion_ids.shape[1], int(rows.prompt_mask.sum(1).max()),
+                         int(rows.completion_mask.sum(1).max()), r.prompt_ids.shape[1], r.completion_ids.shape[1]))
+            valid = rows.old_logps != 0
+            ratios.append(float((torch.exp(outputs["logps"] - rows.old_logps) - 1)[valid].abs().max()))
 
     trainer = L.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grpo_mod, "completion_token_logps", recording_logps)
-        mp.setattr(grpo_mod, "grpo_token_losses", recording_losses)
-        trainer.fit(module, dm)
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()])
+    trainer.fit(module, dm)
     assert len(seen) == 8
     for prompt_width, width, longest_prompt, longest, _, _ in seen:
         assert (prompt_width, width) == (longest_prompt, longest)  # no column is padding in every row
     assert any(width < round_width for _, width, _, _, _, round_width in seen)
     assert any(prompt_width < round_width for prompt_width, _, _, _, round_width, _ in seen)
     assert max(ratios[0], ratios[4]) < 1e-4  # round starts: the trimmed forward gives the sampler's log-probs
-
-
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("arch,chunk_size", [("llama", None), ("llama", 3), ("qwen2", None)])
-def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, attn, tokenizer):
-    """``packed_completion_logps`` (one row, block-causal mask) gives ``completion_token_logps``'s log-probs, entropy
-    and gradients: left-padded prompts and completions of different lengths, one completion a single token."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if arch == "llama":
-        model = load_model("builtin:tiny", attn_implementation=attn)
-    else:  # GQA and q/k/v biases
-        config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    model.train()
-    torch.manual_seed(1)
-    prompt_ids, completion_ids = torch.randint(10, 90, (4, 6)), torch.randint(10, 90, (4, 5))
-    prompt_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]])
-    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
-    results = []
-    for fn in (completion_token_logps, grpo_mod.packed_completion_logps):
-        model.zero_grad()
-        logps, entropy = fn(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7, with_entropy=True,
-                            chunk_size=chunk_size)
-        (logps * completion_mask).sum().backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        results.append((logps * completion_mask, entropy * completion_mask, grads))
-    (padded, padded_entropy, padded_grads), (packed, packed_entropy, packed_grads) = results
-    # one packed sequence against padded rows: other attention shapes, the same formula (rule 3)
-    assert_rounding_close(packed, padded, terms=TINY_TERMS)
-    assert_rounding_close(packed_entropy, padded_entropy, terms=TINY_TERMS)
-    assert len(packed_grads) == len(padded_grads) > 0
-    positions = int(completion_mask.sum())
-    for a, b in zip(packed_grads, padded_grads):  # each weight's gradient sums every position's products
-        assert_rounding_close(a, b, terms=TINY_TERMS * positions)
 
 
 def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, tiny_path):
@@ -493,17 +422,5 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
     model = load_model("builtin:tiny")
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(LitAlignError, match="padding_free needs sdpa or eager attention"):
-        grpo_mod.packed_completion_logps(model, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
-                                         torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long))
-
-
-def test_packed_log_probs_run_the_head_on_the_predicting_positions_only(tokenizer):
-    """Packed, the prompts come first: the LM head must not run on every position after the first row's prompt."""
-    model = load_model("builtin:tiny")
-    head_rows = []
-    model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[-2]))
-    prompt_ids, prompt_mask = torch.randint(10, 90, (3, 20)), torch.ones(3, 20, dtype=torch.long)
-    completion_ids, completion_mask = torch.randint(10, 90, (3, 4)), torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0],
-                                                                                 [1, 1, 1, 1]])
-    grpo_mod.packed_completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    assert head_rows == [int(completion_mask.sum())]  # 7 positions, not the 67 from the first prompt's end on
+        completion_token_logps(model, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
+                               torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), packed=True)

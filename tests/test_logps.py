@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_align.logps import chunkable_head, chunked_token_logps, next_token_logps, plain_token_stats
-from lit_align.losses import token_logps
+from lit_align.logps import token_logps
 from numerics import assert_rounding_close
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`

@@ -1,4 +1,5 @@
-"""lit_align.losses against hand computations on small known numbers (the DPO family: test_dpo_losses.py)."""
+"""Token log-probs (``lit_align.logps.token_logps``) and their masked sums (``lit_align.losses.dpo.sequence_logps``)
+against hand computations on small known numbers."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import math
 import pytest
 import torch
 
-from lit_align.losses import sequence_logps, token_logps
+from lit_align.logps import token_logps
+from lit_align.losses.dpo import sequence_logps as summed
 from numerics import assert_formula, assert_rounding_close, f64, formula
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
@@ -19,6 +21,12 @@ LOGITS = [
 ]
 LABELS = [[1, 3, 999], [2, -7, 0]]
 MASK = [[1, 1, 0], [1, 0, 1]]
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """What DPO sums: token log-probs of the masked labels (garbage labels where masked), summed per sequence."""
+    mask = mask.bool()
+    return summed(token_logps(logits, labels.masked_fill(~mask, 0)), mask)
 
 
 def log_softmax_at(row: list[float], index: int) -> float:

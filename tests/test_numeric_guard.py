@@ -12,7 +12,6 @@ import torch
 from datasets import Dataset
 from lightning.pytorch.loggers import CSVLogger
 
-import lit_align.modules.grpo as grpo_mod
 from helpers import read_metrics
 from lit_align.data import PreferenceDataModule, PromptDataModule
 from lit_align.errors import LitAlignError
@@ -66,23 +65,31 @@ def test_bad_option():
         DPOModule(on_nonfinite_loss="ignore")
 
 
-def test_grpo_names_the_completions_prompts_dataset_rows(tmp_path, tiny_path, monkeypatch, write_jsonl):
-    """A NaN in one completion's token losses (round slice row 1): the error names it and its prompt's dataset row."""
+class PoisonOneAdvantage(L.Callback):
+    """Before the round's second step, a NaN advantage for the completion at position 1 of that step's rows."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        r = pl_module.round
+        if batch["round_pos"] == 1:
+            self.row = r.order[len(r.order) // r.steps + 1]
+            self.dataset_row = r.dataset_rows[self.row]
+            r.advantages[self.row] = math.nan
+
+
+def test_grpo_names_the_completions_prompts_dataset_rows(tmp_path, tiny_path, write_jsonl):
+    """A NaN in one completion's token losses (step row 1): the error names it and its prompt's dataset row."""
     path = write_jsonl([{"prompt": f"sort {i}{i + 3}:", "answer": "x"} for i in range(8)])
-    real = grpo_mod.grpo_token_losses
-
-    def poisoned(*args, **kwargs):
-        losses, info = real(*args, **kwargs)
-        return losses.index_fill(0, torch.tensor([1]), math.nan), info
-
-    monkeypatch.setattr(grpo_mod, "grpo_token_losses", poisoned)
     module = GRPOModule(model="builtin:tiny", reward_funcs=["test_grpo_module.reward_digit_fraction"],
-                        max_completion_length=4)
-    dm = PromptDataModule(path=path, val_split=None, batch_size=4, num_generations=2, shuffle=False)
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False)
-    with pytest.raises(LitAlignError, match=r"at step 0, batch 0, rows \[1\] \(dataset rows \[\d\]\)"):
+                        max_completion_length=4, num_generations=2, steps_per_generation=2)
+    dm = PromptDataModule(path=path, val_split=None, batch_size=4, num_generations=2, steps_per_generation=2,
+                          shuffle=False)
+    poison = PoisonOneAdvantage()
+    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[poison])
+    with pytest.raises(LitAlignError, match=r"at step 1, batch 1, rows \[1\] \(dataset rows \[\d\]\)") as error:
         trainer.fit(module, dm)
+    assert f"(dataset rows [{poison.dataset_row}])" in str(error.value)
+    assert poison.dataset_row == poison.row // 2  # completion i of the round is of prompt i // G (no shuffle)
     assert all(torch.isfinite(p).all() for p in module.policy.parameters())
 
 

@@ -168,6 +168,7 @@ def stub_trainer(accumulate: int = 1):
 def round_for(module: GRPOModule, tokenizer, prompts, texts, columns, num_generations=2, accumulate=1, spg=1,
               iterations=1):
     module.tokenizer = tokenizer
+    module.num_generations, module.steps_per_generation, module.num_iterations = num_generations, spg, iterations
     module.sampler = FixedSampler(tokenizer, texts)
     module._trainer = stub_trainer(accumulate)
     ids = [tokenizer(p)["input_ids"] for p in prompts]
@@ -176,7 +177,6 @@ def round_for(module: GRPOModule, tokenizer, prompts, texts, columns, num_genera
         "prompt_ids": torch.tensor([[0] * (width - len(i)) + i for i in ids]),
         "prompt_mask": torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]),
         "prompts": prompts, "columns": columns, "round_pos": 0,
-        "num_generations": num_generations, "steps_per_generation": spg, "num_iterations": iterations,
     }
     return module.generate_round(batch)
 
@@ -189,15 +189,15 @@ def test_reward_weights_combine_functions_by_hand(tokenizer):
     r = round_for(module, tokenizer, ["sort 31:", "sort 502:"], ["13", "31", "025", "052"],
                   {"answer": ["13", "025"]})
     rewards = [3.0, 0.0, 3.0, 1 / 6]  # 1 * accuracy + 2 * exact
-    assert r["log"]["rewards"] == pytest.approx(rewards)
-    assert r["log"]["completions"] == ["13", "31", "025", "052"]
-    assert r["log"]["prompts"] == ["sort 31:", "sort 31:", "sort 502:", "sort 502:"]
+    assert r.rewards == pytest.approx(rewards)
+    assert r.completions == ["13", "31", "025", "052"]
+    assert r.prompts == ["sort 31:", "sort 31:", "sort 502:", "sort 502:"]
     # advantages per group of 2: (r - mean) / (unbiased std + 1e-4)
     a = 1.5 / (math.sqrt(4.5) + 1e-4)  # group A: mean 1.5, std sqrt(2 * 1.5^2)
     d = (3 - 1 / 6) / 2
     b = d / (math.sqrt(2 * d * d) + 1e-4)
-    assert_rounding_close(r["advantages"], [a, -a, b, -b], scale=max(rewards), terms=2)  # fp32, groups of 2
-    stats = dict(zip(r["stat_names"], r["stats"].tolist()))
+    assert_rounding_close(r.advantages, [a, -a, b, -b], scale=max(rewards), terms=2)  # fp32, groups of 2
+    stats = {k: float(v) for k, v in r.stats.items()}
     assert stats["reward"] == pytest.approx(sum(rewards) / 4)
     assert stats["reward_std"] == pytest.approx(float(torch.tensor(rewards).std()))
     assert stats["rewards/sort_accuracy/mean"] == pytest.approx((1 + 0 + 1 + 1 / 6) / 4)
@@ -205,7 +205,7 @@ def test_reward_weights_combine_functions_by_hand(tokenizer):
     assert stats["frac_reward_zero_std"] == 0.0
     assert stats["completions/mean_length"] == pytest.approx((3 + 3 + 4 + 4) / 4)  # text + EOS
     assert stats["completions/clipped_ratio"] == 0.0
-    assert r["old_logps"] is None and r["ref_logps"] is None  # one step per round, beta 0: neither needed
+    assert r.old_logps is None and r.ref_logps is None  # one step per round, beta 0: neither needed
 
 
 def test_none_rewards_are_skipped_and_unscorable_completions_get_zero_advantage(tokenizer):
@@ -216,18 +216,18 @@ def test_none_rewards_are_skipped_and_unscorable_completions_get_zero_advantage(
     # prompt B (answer "123"): "123" -> (None) - 1 = -1.0; "321" -> (None) - 0 = 0.0
     r = round_for(module, tokenizer, ["sort 21:", "sort 321:"], ["1", "12", "123", "321"],
                   {"answer": ["12", "123"]})
-    assert r["log"]["rewards"] == pytest.approx([0.5, 0.0, -1.0, 0.0])
-    stats = dict(zip(r["stat_names"], r["stats"].tolist()))
+    assert r.rewards == pytest.approx([0.5, 0.0, -1.0, 0.0])
+    stats = {k: float(v) for k, v in r.stats.items()}
     assert stats["rewards/reward_length_or_none/mean"] == pytest.approx(1.5)  # the mean over rows it applied to
 
     # a function whose every value is None leaves the row unscorable: NaN reward, advantage 0, left out of stats
     module = GRPOModule(reward_funcs=["test_rewards.reward_length_or_none"])
     r = round_for(module, tokenizer, ["a", "b"], ["1", "123", "12", "1"], {})
-    assert r["log"]["rewards"][:1] == [1.0] and math.isnan(r["log"]["rewards"][1])
+    assert r.rewards[:1] == [1.0] and math.isnan(r.rewards[1])
     # group A = [1, NaN]: one scored value, no spread -> advantage 0; group B = [2, 1] -> +-1 / (std + 1e-4)
     b = 0.5 / (math.sqrt(0.5) + 1e-4)
-    assert_rounding_close(r["advantages"], [0.0, 0.0, b, -b], scale=2.0, terms=2)
-    stats = dict(zip(r["stat_names"], r["stats"].tolist()))
+    assert_rounding_close(r.advantages, [0.0, 0.0, b, -b], scale=2.0, terms=2)
+    stats = {k: float(v) for k, v in r.stats.items()}
     assert stats["reward"] == pytest.approx((1 + 2 + 1) / 3)
     assert stats["frac_reward_zero_std"] == 0.5  # group A carries no signal
 
@@ -236,6 +236,6 @@ def test_frac_reward_zero_std_ignores_unscorable_rows(tokenizer):
     module = GRPOModule(reward_funcs=["test_rewards.reward_length_or_none"])
     # G=4, one group: [1, NaN, 1, 1] -> the scored rewards are all equal: zero std, all advantages 0
     r = round_for(module, tokenizer, ["a"], ["1", "123", "1", "1"], {}, num_generations=4)
-    assert r["advantages"].tolist() == [0.0, 0.0, 0.0, 0.0]
-    stats = dict(zip(r["stat_names"], r["stats"].tolist()))
+    assert r.advantages.tolist() == [0.0, 0.0, 0.0, 0.0]
+    stats = {k: float(v) for k, v in r.stats.items()}
     assert stats["frac_reward_zero_std"] == 1.0

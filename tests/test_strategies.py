@@ -90,11 +90,11 @@ def test_decoder_layers_policy_wraps_each_layer_of_policy_and_reference_and_the_
     module.configure_model()
     layers = len(module.policy.model.layers)
     wrapped = wrapped_by(DecoderLayers(), module)
-    assert "ref_model" in wrapped
-    assert sorted(wrapped) == sorted(["ref_model", *(f"{m}.model.layers.{i}" for m in ("policy", "ref_model")
-                                                     for i in range(layers))])
+    assert "reference.model" in wrapped
+    assert sorted(wrapped) == sorted(["reference.model", *(f"{m}.model.layers.{i}" for m in ("policy", "reference.model")
+                                                           for i in range(layers))])
     no_ref = wrapped_by(DecoderLayers(wrap_reference=False), module)  # activation checkpointing: layers only
-    assert "ref_model" not in no_ref and len(no_ref) == 2 * layers
+    assert "reference.model" not in no_ref and len(no_ref) == 2 * layers
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])

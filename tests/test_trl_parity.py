@@ -27,12 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 from lit_align.data.preference import PreferenceDataModule, collate_pairs  # noqa: E402
 from lit_align.data.tasks import SortTask  # noqa: E402
 from lit_align.modules.dpo import METRICS, DPOModule  # noqa: E402
-from lit_align.modules.pair_logps import (  # noqa: E402
-    completion_logps,
-    shared_prompt_layout,
-    shared_prompt_logps,
-    supports_shared_prompt,
-)
+from lit_align.capabilities import supports_shared_prompt  # noqa: E402
+from lit_align.layouts import shared_prompt_pairs  # noqa: E402
 from numerics import assert_rounding_close, rounding_tol  # noqa: E402
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
@@ -223,7 +219,7 @@ def test_loss_and_metrics_match_trl(setup, tmp_path, case, share_prompt):
     module = lit_module(setup, share_prompt, **options)
     # same attention kernels on both sides (TRL loads the policy with transformers' default)
     assert trainer.model.config._attn_implementation == module.policy.config._attn_implementation == "sdpa"
-    assert (shared_prompt_layout(lit_batch) is not None) and supports_shared_prompt(module.policy)
+    assert (shared_prompt_pairs(lit_batch) is not None) and supports_shared_prompt(module.policy)
 
     theirs = trl_metrics(trainer, trl_batch)
     with torch.no_grad():
@@ -261,7 +257,7 @@ class Record(L.Callback):
         self.steps: list[dict[str, float]] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        assert pl_module.policy.training and not pl_module.ref_model.training
+        assert pl_module.policy.training and not pl_module.reference.model.training
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = {name: trainer.callback_metrics[f"train/{name}"].item() for name in (*METRICS, "num_tokens")}
@@ -325,63 +321,18 @@ def test_training_steps_match_trl(setup, tmp_path):
 
 
 # -- the shared-prompt rows compute what the plain [chosen; rejected] batch computes, on every listed architecture ----
-TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0)
-
-
-def random_pairs(seed: int = 0, pairs: int = 4) -> list[dict[str, list[int]]]:
-    g = torch.Generator().manual_seed(seed)
-
-    def ids(lo, hi):
-        return torch.randint(3, 100, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
-
-    return [{"prompt_ids": ids(2, 9), "chosen_ids": ids(1, 7), "rejected_ids": ids(1, 7)} for _ in range(pairs)]
-
-
-@pytest.mark.parametrize("chunk_size", [None, 3])
-@pytest.mark.parametrize("model_type,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"),
-                                             ("mistral", "sdpa"), ("gemma2", "eager"), ("phi3", "sdpa")])
-def test_shared_prompt_rows_match_plain_batch(model_type, attn, chunk_size):
-    """Shared-prompt rows, and (``chunk_size``) the chunked LM head on either layout, give the plain batch's per-token
-    log-probs, statistics and gradients."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY), attn_implementation=attn)
-    assert supports_shared_prompt(model)
-    batch = collate_pairs(random_pairs(), pad_token_id=0, max_length=None)
-    layout = shared_prompt_layout(batch)
-    assert layout["input_ids"].numel() < batch["input_ids"].numel()  # the point: fewer positions
-    stats = ("mean_logit", "log_sum_sq_probs", "entropy", "argmax")
-    plain_out = completion_logps(model, batch, stats)
-    plain = plain_out.tokens.sum(1)
-    plain.sum().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    others = {"shared": shared_prompt_logps(model, layout, stats, chunk_size)}
-    if chunk_size:
-        others["plain, chunked"] = completion_logps(model, batch, stats, chunk_size)
-    for what, out in others.items():
-        terms = TINY["intermediate_size"]  # other layouts, the same formula: rule 3 of tests/numerics.py
-        assert_rounding_close(out.tokens.sum(1), plain, terms=terms, msg=what)
-        # the same tokens, in the same order within each completion, with the same statistics
-        assert_rounding_close(out.tokens[out.mask], plain_out.tokens[plain_out.mask], terms=terms, msg=what)
-        for name in ("mean_logit", "log_sum_sq_probs", "entropy"):
-            assert_rounding_close(out.stats[name][out.mask], plain_out.stats[name][plain_out.mask],
-                                  scale=plain_out.tokens.abs().max(), terms=terms, msg=f"{what} {name}")
-        assert torch.equal(out.stats["is_top1"][out.mask], plain_out.stats["is_top1"][plain_out.mask]), what
-        model.zero_grad()
-        out.tokens.sum().backward()
-        positions = int(batch["attention_mask"].sum())
-        for name, param in model.named_parameters():
-            assert_rounding_close(param.grad, grads[name], terms=terms * positions, msg=f"{what} {name}")
 
 
 def test_shared_prompt_falls_back_on_other_batches(setup):
+    from test_layouts import random_pairs
+
     rows = random_pairs(1)
     batch = collate_pairs(rows, pad_token_id=0, max_length=None)
     other = dict(batch, input_ids=batch["input_ids"].clone())
     other["input_ids"][len(rows), 0] += 1  # rejected_1's prompt differs from chosen_1's
-    assert shared_prompt_layout(other) is None
+    assert shared_prompt_pairs(other) is None
     left = {k: v.flip(1) for k, v in batch.items()}  # left padding
-    assert shared_prompt_layout(left) is None
+    assert shared_prompt_pairs(left) is None
     module = lit_module(setup)
     out, _ = module.pair_outputs(other)  # the plain batch runs instead
     assert torch.isfinite(out["loss"]).all()

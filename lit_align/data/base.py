@@ -69,6 +69,9 @@ class SkippingSampler(DistributedSampler):
 class AlignDataModule(L.LightningDataModule):
     """Base class: loads train/validation rows, tokenizes them once, serves them in batches.
 
+    Each subclass declares its own ``max_length``: its default, what it cuts and which end it keeps
+    (``lit_align.data.rows`` has the table).
+
     Args:
         path: ``builtin:<task>``, a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, or a ``datasets`` hub name.
         config_name: the hub dataset's configuration, if it has several.
@@ -82,7 +85,6 @@ class AlignDataModule(L.LightningDataModule):
         batch_size: rows per device per step.
         val_batch_size: rows per device per validation step (default: ``batch_size``).
         num_workers: DataLoader worker processes.
-        max_length: truncate each tokenized sequence to this many tokens (None: no truncation).
         seed: seed of the held-out split and of the training order.
         rename_columns: rename source columns to the names lit_align reads, e.g. ``{question: prompt}``.
         shuffle: shuffle the training rows each epoch (off: file order, e.g. to compare runs row for row).
@@ -102,7 +104,6 @@ class AlignDataModule(L.LightningDataModule):
         batch_size: int = 8,
         val_batch_size: int | None = None,
         num_workers: int = 0,
-        max_length: int | None = 1024,
         seed: int = 0,
         shuffle: bool = True,
         rename_columns: dict[str, str] | None = None,
@@ -112,13 +113,11 @@ class AlignDataModule(L.LightningDataModule):
             raise LitAlignError(f"data.batch_size must be >= 1, got {batch_size}")
         if not 0.0 <= val_fraction < 1.0:
             raise LitAlignError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-        if max_length is not None and max_length < 2:
-            raise LitAlignError(f"data.max_length must be >= 2 or null, got {max_length}")
         self.path, self.config_name = path, config_name
         self.train_split, self.val_split, self.val_path, self.val_fraction = train_split, val_split, val_path, val_fraction
         self.tokenizer_name = tokenizer
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
-        self.num_workers, self.max_length, self.seed, self.shuffle = num_workers, max_length, seed, shuffle
+        self.num_workers, self.seed, self.shuffle = num_workers, seed, shuffle
         self.rename_columns = rename_columns or {}
         self.tokenizer = None
         self.train_data = self.val_data = None

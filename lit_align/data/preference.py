@@ -1,10 +1,6 @@
-"""Preference pairs: row formats, tokenization and the [chosen; rejected] batch the DPO step consumes.
+"""Preference pairs: tokenization and the [chosen; rejected] batch the DPO step consumes.
 
-Row formats, as TRL accepts them:
-  - standard: ``prompt``, ``chosen``, ``rejected`` strings; EOS is appended to each completion.
-  - conversational: ``prompt`` a list of ``{role, content}`` messages, ``chosen``/``rejected`` lists of assistant
-    messages; rendered with the tokenizer's chat template.
-  - implicit prompt: only ``chosen`` and ``rejected`` (strings or messages); the shared prefix is the prompt.
+The row formats (standard, conversational, implicit prompt) and their checks are in ``lit_align.data.rows``.
 """
 
 from __future__ import annotations
@@ -16,85 +12,18 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.utils.rnn import pad_sequence
 
 from lit_align.data.base import AlignDataModule
+from lit_align.data.rows import check_max_length, encode_prompt_completion, keep_start, normalize_pair
 from lit_align.errors import LitAlignError
-
-ROLES = ("system", "user", "assistant", "tool")
-
-
-def split_implicit_prompt(chosen, rejected):
-    """Split two completions at their longest shared prefix: ``(prompt, chosen, rejected)`` (strings or messages)."""
-    idx = 0
-    while idx < min(len(chosen), len(rejected)) and chosen[idx] == rejected[idx]:
-        idx += 1
-    if isinstance(chosen, str) and idx > 0 and chosen[idx - 1] == " ":
-        idx -= 1  # keep the space with the completion
-    return chosen[:idx], chosen[idx:], rejected[idx:]
-
-
-def _check_field(value, field: str, where: str, conversational: bool) -> None:
-    if value is None:  # a key absent from some rows of a JSON file reads as null
-        raise LitAlignError(f"{where}: field {field!r} is missing or null")
-    if conversational:
-        if not isinstance(value, list) or not value:
-            raise LitAlignError(f"{where}: field {field!r} must be a non-empty list of {{role, content}} messages")
-        for i, message in enumerate(value):
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-                raise LitAlignError(f"{where}: {field}[{i}] must be a {{role, content}} message with string content")
-            if message.get("role") not in ROLES:
-                raise LitAlignError(f"{where}: {field}[{i}] has role {message.get('role')!r}, expected one of {ROLES}")
-    elif not isinstance(value, str):
-        raise LitAlignError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
-    elif not value.strip():
-        raise LitAlignError(f"{where}: field {field!r} is empty")
-
-
-def normalize_pair(row: dict[str, Any], where: str) -> tuple[Any, Any, Any, bool]:
-    """Check one preference row; return ``(prompt, chosen, rejected, conversational)`` with the prompt made explicit."""
-    for field in ("chosen", "rejected"):
-        if field not in row:
-            raise LitAlignError(f"{where}: missing column {field!r} (expected prompt/chosen/rejected, or chosen/rejected)")
-    chosen, rejected = row["chosen"], row["rejected"]
-    conversational = isinstance(chosen, list)
-    implicit = row.get("prompt") is None
-    if implicit:
-        _check_field(chosen, "chosen", where, conversational)
-        _check_field(rejected, "rejected", where, conversational)
-        prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
-        if not prompt:
-            raise LitAlignError(f"{where}: no 'prompt' column and chosen/rejected share no prefix to use as prompt")
-    else:
-        prompt = row["prompt"]
-        _check_field(prompt, "prompt", where, conversational)
-    _check_field(chosen, "chosen", where, conversational)
-    _check_field(rejected, "rejected", where, conversational)
-    if chosen == rejected:
-        raise LitAlignError(f"{where}: 'chosen' and 'rejected' are identical (a pair must differ)")
-    return prompt, chosen, rejected, conversational
-
-
-def _common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def tokenize_pair(tokenizer, prompt, chosen, rejected, conversational: bool) -> dict[str, list[int]]:
-    """Token ids of prompt, chosen and rejected, as TRL builds them (the prompt ends where the tokenizations diverge)."""
-    if conversational:
-        def encode(messages, **kw):
-            return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)["input_ids"])
-
-        prompt_ids = encode(prompt, add_generation_prompt=True)
-        chosen_full, rejected_full = encode(prompt + chosen), encode(prompt + rejected)
-    else:
-        eos = tokenizer.eos_token
-        chosen = chosen if chosen.endswith(eos) else chosen + eos
-        rejected = rejected if rejected.endswith(eos) else rejected + eos
-        prompt_ids = tokenizer(prompt)["input_ids"]
-        chosen_full, rejected_full = tokenizer(prompt + chosen)["input_ids"], tokenizer(prompt + rejected)["input_ids"]
-    n = min(_common_prefix_length(prompt_ids, chosen_full), _common_prefix_length(prompt_ids, rejected_full))
-    return {"prompt_ids": prompt_ids[:n], "chosen_ids": chosen_full[n:], "rejected_ids": rejected_full[n:]}
+    """Token ids of prompt, chosen and rejected, as TRL builds them: each side split by TRL's rule
+    (``encode_prompt_completion``), the prompt cut to what the two sides share."""
+    prompt_chosen, chosen_ids = encode_prompt_completion(tokenizer, prompt, chosen, conversational)
+    prompt_rejected, rejected_ids = encode_prompt_completion(tokenizer, prompt, rejected, conversational)
+    n = min(len(prompt_chosen), len(prompt_rejected))
+    return {"prompt_ids": prompt_chosen[:n], "chosen_ids": prompt_chosen[n:] + chosen_ids,
+            "rejected_ids": prompt_rejected[n:] + rejected_ids}
 
 
 def collate_pairs(rows: list[dict[str, Any]], pad_token_id: int, max_length: int | None) -> dict[str, torch.Tensor]:
@@ -109,8 +38,8 @@ def collate_pairs(rows: list[dict[str, Any]], pad_token_id: int, max_length: int
         for row in rows:
             ids = row["prompt_ids"] + row[side]
             mask = [0] * len(row["prompt_ids"]) + [1] * len(row[side])
-            seqs.append(torch.tensor(ids[:max_length]))
-            masks.append(torch.tensor(mask[:max_length]))
+            seqs.append(torch.tensor(keep_start(ids, max_length)))
+            masks.append(torch.tensor(keep_start(mask, max_length)))
     batch = {
         "input_ids": pad_sequence(seqs, batch_first=True, padding_value=pad_token_id),
         "attention_mask": pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True, padding_value=0),
@@ -128,6 +57,8 @@ class PreferenceDataModule(AlignDataModule):
     """Preference pairs for DPO; ``batch_size`` counts pairs per device (each step runs ``2 * batch_size`` sequences).
 
     Args:
+        max_length: tokens of prompt + completion kept of each side (chosen, rejected), cut at collate keeping the
+            start (None: no truncation).
         drop_long_prompts: drop rows whose prompt alone fills ``max_length`` (TRL drops them silently) instead of
             stopping with an error that names the first such row.
         num_proc: processes for tokenization (``datasets.map``).
@@ -135,9 +66,26 @@ class PreferenceDataModule(AlignDataModule):
 
     kind = "preference"
 
-    def __init__(self, *args, drop_long_prompts: bool = False, num_proc: int | None = None, **kwargs):
+    def __init__(self, *args, max_length: int | None = 1024, drop_long_prompts: bool = False,
+                 num_proc: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.max_length = check_max_length(max_length)
         self.drop_long_prompts, self.num_proc = drop_long_prompts, num_proc
+
+    def setup(self, stage: str) -> None:
+        """Tokenize the rows; then, when the model's reference is precomputed (``precompute_ref_log_probs``), give
+        them its log-probs (``lit_align.reference.PrecomputedReference.annotate``: cached, or one pass)."""
+        super().setup(stage)
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        annotate = getattr(getattr(module, "reference", None), "annotate", None)
+        if annotate is None:
+            return
+        if self.train_data is not None:
+            self.train_data = annotate(self.train_data, "train", self.collate, self.batch_size, self.max_length,
+                                       self.trainer)
+        if self.val_data is not None:
+            self.val_data = annotate(self.val_data, "val", self.collate, self.val_batch_size, self.max_length,
+                                     self.trainer)
 
     def process(self, rows, source: str):
         tokenizer, max_length = self.tokenizer, self.max_length

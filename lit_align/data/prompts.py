@@ -28,8 +28,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lit_align.data.base import AlignDataModule, ResumableLoader, SkippingSampler
-from lit_align.data.preference import ROLES
+from lit_align.data.rows import check_max_length, check_prompt, encode_prompt, keep_end
 from lit_align.errors import LitAlignError
+from lit_align.generation_round import check_round_settings
 
 
 class RoundSampler(SkippingSampler):
@@ -70,32 +71,20 @@ class _RoundItems(Dataset):
         return {**self.data[index], "round_pos": pos, "row": index}
 
 
-def check_prompt(prompt: Any, where: str) -> bool:
-    """Validate a prompt; True if conversational (a list of {role, content} messages)."""
-    if isinstance(prompt, str):
-        if not prompt.strip():
-            raise LitAlignError(f"{where}: field 'prompt' is empty")
-        return False
-    if isinstance(prompt, list) and prompt:
-        for i, message in enumerate(prompt):
-            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-                raise LitAlignError(f"{where}: prompt[{i}] must be a {{role, content}} message with string content")
-            if message.get("role") not in ROLES:
-                raise LitAlignError(f"{where}: prompt[{i}] has role {message.get('role')!r}, expected one of {ROLES}")
-        return True
-    raise LitAlignError(f"{where}: field 'prompt' must be a string or a list of messages, got {type(prompt).__name__}")
-
-
 class PromptDataModule(AlignDataModule):
     """Prompts for GRPO; extra columns (e.g. ``answer``) reach the reward functions.
 
     ``batch_size`` counts *completions* per device per optimizer step, as TRL's ``per_device_train_batch_size``
     does. One generation round per device covers ``batch_size * steps_per_generation`` completions, that is
-    ``batch_size * steps_per_generation / num_generations`` prompts (must divide evenly). ``max_length`` caps prompt
-    tokens (the start is cut, the end kept). ``val_batch_size`` counts prompts (one greedy completion each).
+    ``batch_size * steps_per_generation / num_generations`` prompts (must divide evenly). ``val_batch_size`` counts
+    prompts (one greedy completion each).
 
     Args:
-        num_generations: completions sampled per prompt (G; TRL's default 8).
+        max_length: tokens of each prompt kept, cut at tokenize time keeping the end (TRL truncates prompts from the
+            left; None: no truncation).
+        num_generations: completions sampled per prompt (G; TRL's default 8). These three settings shape a generation
+            round; ``lit-align`` passes them on to the module (``GRPOModule`` needs them too), so they are set here
+            only.
         steps_per_generation: training steps fed by one generation round (with ``accumulate_grad_batches: 1``,
             optimizer steps).
         num_iterations: passes over each round's completions (TRL's mu); the round serves
@@ -104,14 +93,11 @@ class PromptDataModule(AlignDataModule):
 
     kind = "prompt"
 
-    def __init__(self, *args, num_generations: int = 8, steps_per_generation: int = 1, num_iterations: int = 1,
-                 **kwargs):
-        kwargs.setdefault("max_length", 512)
+    def __init__(self, *args, max_length: int | None = 512, num_generations: int = 8, steps_per_generation: int = 1,
+                 num_iterations: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
-        if num_generations < 2:
-            raise LitAlignError(f"data.num_generations must be >= 2 (group statistics need a group), got {num_generations}")
-        if steps_per_generation < 1 or num_iterations < 1:
-            raise LitAlignError("data.steps_per_generation and data.num_iterations must be >= 1")
+        self.max_length = check_max_length(max_length)
+        check_round_settings(num_generations, steps_per_generation, num_iterations)
         if (self.batch_size * steps_per_generation) % num_generations:
             raise LitAlignError(
                 f"data.batch_size * data.steps_per_generation = {self.batch_size * steps_per_generation} completions "
@@ -128,12 +114,7 @@ class PromptDataModule(AlignDataModule):
 
         def tokenize(row, index):
             conversational = check_prompt(row["prompt"], f"{source} row {index}")
-            if conversational:
-                ids = tokenizer.apply_chat_template(row["prompt"], tokenize=True, return_dict=True,
-                                                    add_generation_prompt=True)["input_ids"]
-            else:
-                ids = tokenizer(row["prompt"])["input_ids"]
-            return {"prompt_ids": list(ids)[-max_length:] if max_length else list(ids)}
+            return {"prompt_ids": keep_end(encode_prompt(tokenizer, row["prompt"], conversational), max_length)}
 
         return rows.map(tokenize, with_indices=True, desc=f"Tokenizing {source}")
 
@@ -152,9 +133,6 @@ class PromptDataModule(AlignDataModule):
             "columns": {k: [r[k] for r in rows] for k in rows[0] if k not in skip},
             "round_pos": rows[0].get("round_pos", 0),
             "rows": [r["row"] for r in rows] if "row" in rows[0] else None,  # dataset indices (numeric guard)
-            "num_generations": self.num_generations,
-            "steps_per_generation": self.steps_per_generation,
-            "num_iterations": self.num_iterations,
         }
 
     def train_dataloader(self) -> DataLoader:

@@ -1,14 +1,13 @@
 """What every lit_align LightningModule shares: the policy, its tokenizer, the optimizer and the HF export.
 
-The reference model, for the recipes that have one, is either ``ref_model`` (a frozen copy, never in a checkpoint)
-or, when the policy trains LoRA adapters (``peft_config``), the policy itself with its adapters switched off: no
-second copy. ``reference_model()`` hands out whichever it is.
+Names: ``model`` is the setting (a hub name, a directory, ``builtin:tiny``), ``policy`` the module being trained (a
+``PeftModel`` under LoRA), ``network`` the Hugging Face causal LM that forwards run on (the policy, or the model
+inside the ``PeftModel``), ``reference`` what recipes with one compare against (``lit_align.reference``).
 """
 
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -18,8 +17,9 @@ from torchmetrics import Metric
 from transformers import get_scheduler
 
 from lit_align.errors import LitAlignError
+from lit_align.capabilities import sharded_strategy
 from lit_align.models import load_model, load_tokenizer
-from lit_align.strategies import sharded_strategy
+from lit_align.reference import Reference
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -29,16 +29,9 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def frozen(model: torch.nn.Module) -> torch.nn.Module:
-    """Eval mode, no gradients: how a reference model lives."""
-    model.eval()
-    model.requires_grad_(False)
-    return model
-
-
 def _reference_not_in_checkpoints(module, incompatible_keys) -> None:
     """Checkpoints leave the reference out: its keys are not missing (also when FSDP loads the wrapped module)."""
-    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if "ref_model." not in k]
+    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if "reference." not in k]
 
 
 class AlignModule(L.LightningModule):
@@ -104,7 +97,7 @@ class AlignModule(L.LightningModule):
                                 f"got {logps_chunk_size}")
         self.logps_chunk_size = logps_chunk_size
         self.policy: torch.nn.Module | None = None
-        self.ref_model: torch.nn.Module | None = None  # set by recipes that need a reference (load_reference)
+        self.reference: Reference | None = None  # set by the recipes that compare against one
         self.tokenizer = None
         self.skipped_batches = 0
         self.num_tokens = 0.0  # attended training tokens so far, all ranks (TRL's num_tokens; recipes that log it)
@@ -137,6 +130,8 @@ class AlignModule(L.LightningModule):
             self.policy = get_peft_model(self.policy, copy.deepcopy(self.lora_config))  # freezes the base weights
             if self.hparams.disable_dropout:
                 disable_dropout(self.policy)  # lora_dropout too
+        if self.reference is not None:
+            self.reference.setup(self)
 
     @property
     def network(self) -> torch.nn.Module:
@@ -144,45 +139,16 @@ class AlignModule(L.LightningModule):
         layers carry the adapters; its ``forward`` takes ``position_ids`` and ``logits_to_keep`` explicitly)."""
         return self.policy.get_base_model() if self.lora_config is not None else self.policy
 
-    def load_reference(self, name: str | None) -> torch.nn.Module | None:
-        """A frozen reference: the model ``name``, or (None) a copy of the freshly loaded policy; under PEFT, None
-        (``reference_model()`` then disables the adapters instead of holding a copy)."""
-        if name is not None:
-            return frozen(self.load(name))
-        if self.lora_config is not None:
-            return None
-        ref = copy.deepcopy(self.policy)
-        if self.hparams.gradient_checkpointing:
-            ref.gradient_checkpointing_disable()
-        return frozen(ref)
-
-    @contextmanager
-    def reference_model(self):
-        """The reference network, for no-grad forwards: ``ref_model``, or the policy's with its adapters disabled."""
-        if self.ref_model is not None:
-            yield self.ref_model
-        elif self.lora_config is not None:
-            with self.policy.disable_adapter():
-                yield self.network
-        else:
-            raise LitAlignError(f"{type(self).__name__} has no reference model here")
-
-    # -- a reference stays frozen, in eval mode, and is never part of a checkpoint ----------------------------------
-    def train(self, mode: bool = True):
-        super().train(mode)
-        if self.ref_model is not None:
-            self.ref_model.eval()
-        return self
-
+    # -- the reference is never part of a checkpoint (``lit_align.reference``) ---------------------------------------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        for key in [k for k in state if k.startswith(prefix + "ref_model.")]:  # in place: FSDP passes `destination`
+        for key in [k for k in state if k.startswith(prefix + "reference.")]:  # in place: FSDP passes `destination`
             del state[key]
         return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if self.ref_model is not None:  # refill the reference from itself: checkpoints do not carry it
-            state_dict = {**state_dict, **{f"ref_model.{k}": v for k, v in self.ref_model.state_dict().items()}}
+        if self.reference is not None:  # refill the reference from itself: checkpoints do not carry it
+            state_dict = {**state_dict, **{f"reference.{k}": v for k, v in self.reference.state_dict().items()}}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- the numeric guard: one place, called by every training_step before it returns its loss ------------------------

@@ -1,7 +1,7 @@
 """Supervised fine-tuning as a LightningModule: next-token cross-entropy on the completion tokens.
 
 One step: a forward of the policy over the right-padded ``prompt + completion`` batch (the model gets no labels and
-returns logits), per-token log-probs of the next tokens from ``lit_align.logps.next_token_logps`` (the one log-prob
+returns logits), per-token log-probs of the next tokens from ``lit_align.logps.layout_logps`` (the one log-prob
 path every recipe uses, plain or chunked), and the negative log-likelihood averaged over the loss tokens of the batch:
 completion tokens only by default, every real token with ``completion_only_loss: false``. Metrics carry TRL's names.
 """
@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torchmetrics import MeanMetric
 
+from lit_align import layouts
 from lit_align.generation import HFSampler
-from lit_align.logps import next_token_logps
+from lit_align.logps import layout_logps
 from lit_align.modules.base import AlignModule
 from lit_align.rewards import sort_exact
 
@@ -27,18 +28,12 @@ def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], comp
     sequence is never one (nothing predicts it). Only positions from the batch's first loss token on need logits, so
     the LM head skips the prefix before it. ``chunk_size``: chunked log-probs (``lit_align.logps``).
     """
-    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    attention_mask = batch["attention_mask"]
     loss_mask = batch["completion_mask"] if completion_only_loss else attention_mask
-    has_tokens = loss_mask[:, 1:].any(1)
-    first = loss_mask[:, 1:].int().argmax(1)[has_tokens] + 1
-    start = int(first.min()) if first.numel() else 1  # first position whose token is a label
-    # pad labels are valid ids; the mask drops them
-    logps, stats = next_token_logps(model, input_ids, start, chunk_size, stats=("argmax",),
-                                    attention_mask=attention_mask)
-    labels, mask = input_ids[:, start:], loss_mask[:, start:].bool()
-    count = mask.sum()
-    loss = -(logps * mask).sum() / count.clamp(min=1)
-    correct = ((stats["argmax"] == labels) & mask).sum()
+    out = layout_logps(model, layouts.padded(batch["input_ids"], attention_mask, loss_mask), ("argmax",), chunk_size)
+    count = out.mask.sum()
+    loss = -out.tokens.sum() / count.clamp(min=1)
+    correct = ((out.stats["argmax"] == out.labels) & out.mask).sum()
     return loss, correct, count
 
 

@@ -1,49 +1,11 @@
-"""Pure tensor math of alignment: token log-probs and the preference losses (DPO family: ``lit_align.dpo_losses``).
+"""GRPO's pure tensor math: group-relative advantages, the clipped per-token surrogate, TRL's loss aggregations.
 
-No Lightning here: every function takes tensors and returns tensors, so tests and users can call them directly.
-Shapes: ``B`` pairs, ``N`` sequences, ``T`` positions, ``V`` vocabulary.
+Shapes: ``N`` completions (``num_generations`` consecutive ones per prompt), ``C`` completion positions.
 """
 
 from __future__ import annotations
 
 import torch
-
-from lit_align.dpo_losses import DPO_LOSS_TYPES, dpo_loss  # noqa: F401  (re-exported: the DPO family's own module)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype log-probs are computed in: fp32 for half precision and fp32 inputs, fp64 for fp64 inputs."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def fp32_logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """``logsumexp`` over the vocabulary in (at least) fp32: ``[N, T, V] -> [N, T]`` (half precision upcast one
-    sequence at a time, so no fp32 copy of the whole batch's logits is made)."""
-    if logits.dtype in (torch.float32, torch.float64):
-        return torch.logsumexp(logits, dim=-1)
-    return torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])
-
-
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label under ``logits``: ``[N, T, V], [N, T] -> [N, T]`` (fp32; fp64 for fp64 logits).
-
-    Gathers the label logit and subtracts a logsumexp, so no ``[N, T, V]`` log-softmax is ever held beside the
-    logits. Labels must be valid ids everywhere (mask afterwards; use any id, e.g. 0, at padded positions).
-    """
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1).to(compute_dtype(logits.dtype))
-    return picked - fp32_logsumexp(logits)
-
-
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Summed log-probability of the masked labels of each sequence: ``[N, T, V], [N, T], [N, T] -> [N]``.
-
-    ``logits[:, t]`` must already predict ``labels[:, t]`` (the caller shifts: ``logits[:, :-1]`` predicts
-    ``input_ids[:, 1:]``). Positions where ``mask`` is 0 contribute nothing, whatever their label.
-    """
-    mask = mask.bool()
-    logps = token_logps(logits, labels.masked_fill(~mask, 0))
-    return (logps * mask).sum(-1)
-
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")

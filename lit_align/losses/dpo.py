@@ -1,4 +1,4 @@
-"""TRL's DPO loss family as pure tensor functions (re-exported by ``lit_align.losses``).
+"""TRL's DPO loss family as pure tensor functions, and its settings (``DPOLoss``), validated in one place.
 
 Every loss is per pair (``[B]``): the module takes the mean over pairs, which is TRL's mean over the batch. A list of
 loss types is a weighted sum of their per-pair losses (MPO-style mixes). The pieces that need per-token log-probs
@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from lit_align.errors import LitAlignError
 
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
@@ -161,11 +164,8 @@ def dpo_loss(
     loss: TRL's ``rewards/chosen`` and ``rewards/rejected``. Take ``losses.mean()`` for the batch loss.
     """
     loss_types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    _check_combination(loss_types, loss_weights, f_divergence_type)
     weights = [1.0] * len(loss_types) if loss_weights is None else list(loss_weights)
-    if len(weights) != len(loss_types):
-        raise ValueError(f"dpo_loss: {len(weights)} loss_weights for {len(loss_types)} loss types")
-    if f_divergence_type != "reverse_kl" and not set(loss_types) <= set(F_DIVERGENCE_LOSS_TYPES):
-        raise ValueError(f"dpo_loss: f_divergence_type {f_divergence_type!r} supports only {F_DIVERGENCE_LOSS_TYPES}")
     u_chosen = policy_chosen_logps - ref_chosen_logps
     u_rejected = policy_rejected_logps - ref_rejected_logps
     chosen_scores = f_divergence_scores(u_chosen, f_divergence_type, f_alpha_divergence_coef)
@@ -184,8 +184,74 @@ def dpo_loss(
     return losses, beta * u_chosen.detach(), beta * u_rejected.detach()
 
 
+def _check_combination(loss_types: list[str], loss_weights, f_divergence_type: str) -> None:
+    if loss_weights is not None and len(loss_weights) != len(loss_types):
+        raise LitAlignError(f"model.loss_weights {loss_weights}: expected one weight per loss_type {loss_types}")
+    if f_divergence_type != "reverse_kl" and not set(loss_types) <= set(F_DIVERGENCE_LOSS_TYPES):
+        raise LitAlignError(f"model.f_divergence_type {f_divergence_type!r} with loss_type {loss_types}: expected "
+                            f"'reverse_kl', or only loss types from {F_DIVERGENCE_LOSS_TYPES}")
+
+
+@dataclass(frozen=True)
+class DPOLoss:
+    """The DPO loss settings under TRL's names (documented on ``DPOModule``), checked once, here.
+
+    ``loss(pi_c, pi_r, ref_c, ref_r, **per_batch)`` is ``dpo_loss`` with these settings.
+    """
+
+    loss_type: str | Sequence[str] = "sigmoid"
+    loss_weights: Sequence[float] | None = None
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+    discopop_tau: float = 0.05
+    ld_alpha: float | None = None
+    use_weighting: bool = False
+
+    def __post_init__(self) -> None:
+        types = self.loss_types
+        unknown = [name for name in types if name not in DPO_LOSS_TYPES]
+        if not types or unknown:
+            given = repr(unknown[0]) if unknown else "[]"
+            raise LitAlignError(f"model.loss_type {given}: expected one or a list of {DPO_LOSS_TYPES}")
+        if self.f_divergence_type not in F_DIVERGENCE_TYPES:
+            raise LitAlignError(f"model.f_divergence_type {self.f_divergence_type!r}: expected one of "
+                                f"{F_DIVERGENCE_TYPES}")
+        _check_combination(types, None if self.loss_weights is None else list(self.loss_weights),
+                           self.f_divergence_type)
+        smoothing = self.label_smoothing
+        if "robust" in types and not 0 <= smoothing < 0.5:
+            raise LitAlignError(f"model.label_smoothing {smoothing}: expected a value in [0, 0.5) for 'robust'")
+        if "exo_pair" in types and not 0 < smoothing < 1:
+            raise LitAlignError(f"model.label_smoothing {smoothing}: expected a value in (0, 1) for 'exo_pair' "
+                                "(the EXO paper suggests 1e-3)")
+        if not 0 <= smoothing <= 1:
+            raise LitAlignError(f"model.label_smoothing {smoothing}: expected a value in [0, 1]")
+        if self.ld_alpha is not None and not 0 <= self.ld_alpha <= 1:
+            raise LitAlignError(f"model.ld_alpha {self.ld_alpha}: expected None or a value in [0, 1]")
+        if self.use_weighting and {"aot", "aot_unpaired"} & set(types):
+            raise LitAlignError("model.use_weighting: not available with loss_type 'aot' or 'aot_unpaired' "
+                                "(they sort the batch, so per-pair weights would not match their pairs)")
+        if not self.discopop_tau > 0:
+            raise LitAlignError(f"model.discopop_tau {self.discopop_tau}: expected a value > 0")
+
+    @property
+    def loss_types(self) -> list[str]:
+        return [self.loss_type] if isinstance(self.loss_type, str) else list(self.loss_type)
+
+    def __call__(self, policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, **per_batch):
+        """``dpo_loss`` with these settings; ``per_batch``: lengths, ``sft_nll``, ``pair_weights``."""
+        return dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                        beta=self.beta, loss_type=self.loss_types,
+                        loss_weights=None if self.loss_weights is None else list(self.loss_weights),
+                        label_smoothing=self.label_smoothing, f_divergence_type=self.f_divergence_type,
+                        f_alpha_divergence_coef=self.f_alpha_divergence_coef, discopop_tau=self.discopop_tau,
+                        **per_batch)
+
+
 # -- per-token pieces: rows [chosen_1..B; rejected_1..B], token log-probs 0 where the mask is 0 ----------------------
-def ld_sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None = None) -> torch.Tensor:
+def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None = None) -> torch.Tensor:
     """Summed completion log-probs ``[2B, T] -> [2B]``, LD-DPO style: within each pair, the tokens past the shorter
     completion's length (the "verbose" tail of the longer one) count ``ld_alpha`` times. None: the plain sum."""
     mask = mask.bool()

@@ -5,30 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import left_padded
+from tiny_models import PROMPTS
 
-from lit_align.generation import HFSampler, completion_mask_from_eos
+from lit_align.generation import HFSampler
 from lit_align.models import load_model
 from lit_align.modules.grpo import completion_token_logps
 from numerics import TINY_TERMS, assert_rounding_close
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
 
-PROMPTS = ["sort 1:", "sort 123456:", "sort 42:", "s"]  # different lengths: the batch is left-padded
-
 
 @pytest.fixture(scope="module")
 def model(tiny_path):
     return load_model("builtin:tiny").train()
-
-
-def test_completion_mask_from_eos_by_hand():
-    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0], [9, 9, 9, 2]])
-    mask, truncated = completion_mask_from_eos(ids, [2])
-    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
-    assert truncated.tolist() == [False, True, False, False]
-    mask, truncated = completion_mask_from_eos(ids, [2, 6])  # several EOS ids: the first of any ends the row
-    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
-    assert truncated.tolist() == [False, False, False, False]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

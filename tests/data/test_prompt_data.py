@@ -142,7 +142,8 @@ def test_train_batches_follow_the_round_pattern(write_jsonl, tiny_path, tokenize
     assert [b["round_pos"] for b in batches] == [0, 1, 2, 3, 4, 5] * 3
     for b in batches:
         assert len(b["prompts"]) == 6 and b["prompt_ids"].shape[0] == 6
-        assert (b["num_generations"], b["steps_per_generation"], b["num_iterations"]) == (2, 3, 2)
+        assert not {"num_generations", "steps_per_generation", "num_iterations"} & set(b)  # settings: not in batches
+    assert (dm.num_generations, dm.steps_per_generation, dm.num_iterations) == (2, 3, 2)
     for r in range(3):
         block = batches[r * 6 : (r + 1) * 6]
         assert all(b["prompts"] == block[0]["prompts"] for b in block)

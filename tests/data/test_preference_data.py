@@ -8,7 +8,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lit_align.data.preference import PreferenceDataModule, collate_pairs, normalize_pair, tokenize_pair
+from lit_align.data.preference import PreferenceDataModule, collate_pairs, tokenize_pair
+from lit_align.data.rows import normalize_pair
 from lit_align.errors import LitAlignError
 from lit_align.models import CHARACTERS, SPECIAL_TOKENS, load_tokenizer
 

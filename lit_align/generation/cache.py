@@ -1,0 +1,63 @@
+"""A preallocated KV cache for ``NativeSampler``: one prefill per prompt shared by its samples, one slot per step."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class SlotLayer(DynamicLayer):
+    """One layer's keys and values for ``B * G`` rows, in buffers allocated once: ``[B * G, H, capacity, D]``.
+
+    The prefill (the first update) runs on the ``B`` prompts alone and is written once into each prompt's ``G`` rows
+    (a broadcast copy: the prompt's cache is shared, not recomputed). Each decode step then writes its position in
+    place, and attention reads the filled prefix as a view: no concatenation, no attention over empty slots.
+    """
+
+    def __init__(self, num_samples: int, capacity: int):
+        super().__init__()
+        self.num_samples, self.capacity, self.length = num_samples, capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        rows = key_states.shape[0] * self.num_samples
+        self.device = key_states.device
+        self.keys = key_states.new_empty((rows, key_states.shape[1], self.capacity, key_states.shape[3]))
+        self.values = value_states.new_empty((rows, value_states.shape[1], self.capacity, value_states.shape[3]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.length
+        end = start + key_states.shape[-2]
+        self.length = end
+        if start == 0:  # the prefill: B prompts, each copied into its G rows
+            self.keys.unflatten(0, (-1, self.num_samples))[:, :, :, :end] = key_states.unsqueeze(1)
+            self.values.unflatten(0, (-1, self.num_samples))[:, :, :, :end] = value_states.unsqueeze(1)
+            return key_states, value_states
+        self.keys[:, :, start:end] = key_states
+        self.values[:, :, start:end] = value_states
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+
+class SlotCache(Cache):
+    """A transformers ``Cache`` of ``SlotLayer`` (created lazily, one per attention layer)."""
+
+    def __init__(self, num_samples: int, capacity: int):
+        super().__init__(layer_class_to_replicate=partial(SlotLayer, num_samples, capacity))
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the cache rows ``rows`` (indices), in that order: the rows still decoding."""
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]

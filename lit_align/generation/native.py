@@ -1,0 +1,244 @@
+"""The native engine: lit_align's own batched decode loop over the model's forward.
+
+``NativeSampler`` returns what ``HFSampler`` does, faster: one prefill per prompt shared by its samples (a
+preallocated ``SlotCache``), sampling on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, a
+Gumbel-max draw), rows that ended dropped from the batch, and Llama-like models decoded by ``LlamaDecodeStep``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from lit_align.capabilities import attention_implementation, full_attention_only, is_sharded, takes_custom_mask
+from lit_align.errors import LitAlignError
+from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
+from lit_align.generation.cache import SlotCache
+from lit_align.generation.llama_decode import LlamaDecodeStep
+from lit_align.logps import attention_mask_4d
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set to ``-inf`` the logits of the tokens top-k / top-p sampling may not emit: ``[..., V] -> [..., V]``.
+
+    Pure (the input is left untouched). ``logits`` are already divided by the temperature. Top-k first, then top-p on
+    the softmax of what top-k kept, as transformers' logits warpers do: top-k keeps every token whose logit reaches the
+    k-th largest (ties kept); top-p keeps, in order of decreasing probability, the tokens needed to reach mass
+    ``top_p`` (a token is dropped once the tokens before it already hold ``top_p``; the most likely is always kept).
+    ``top_k=0`` and ``top_p=1.0`` are off.
+    """
+    if top_k and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token per row from ``logits [N, V]``: ``(tokens [N], logps [N] or None)``.
+
+    Temperature 0 is greedy (argmax, no log-probs). Otherwise the token is drawn from the temperature-scaled,
+    top-k/top-p filtered distribution, and its log-prob is taken under the temperature-scaled, *unfiltered*
+    distribution (HFSampler's and the training forward's definition).
+
+    The draw is the Gumbel-max trick: ``argmax(log p + g)`` with ``g = -log(-log u)``, ``u`` uniform, is an exact
+    sample of ``p``. It costs one uniform per logit and an argmax, where ``torch.multinomial`` on CPU spends most of
+    its time drawing exponentials. ``noise`` is ``u`` (``[N, V]`` in ``[0, 1)``, left untouched); by default
+    ``torch.rand_like``.
+    """
+    if temperature == 0:
+        return logits.argmax(-1), None
+    logps = (logits.float() / temperature).log_softmax(-1)
+    uniform = torch.rand_like(logps) if noise is None else noise.to(logps.dtype, copy=True)
+    uniform.clamp_(min=torch.finfo(logps.dtype).tiny)  # u = 0 would make a kept token -inf
+    gumbel = uniform.log_().neg_().log_().neg_()
+    tokens = (filter_logits(logps, top_k, top_p) + gumbel).argmax(-1, keepdim=True)
+    return tokens.squeeze(-1), logps.gather(-1, tokens).squeeze(-1)
+
+
+def _check_native_model(model) -> None:
+    layer_types = full_attention_only(model)
+    if layer_types is not None:
+        raise LitAlignError(f"engine 'native' handles full-attention layers only; this model has {layer_types} "
+                            "(use engine 'hf')")
+    if not takes_custom_mask(model):
+        raise LitAlignError(f"engine 'native' runs the 'sdpa' and 'eager' attention; this model uses "
+                            f"{attention_implementation(model)!r} (use engine 'hf' or attn_implementation 'sdpa')")
+
+
+def _all_reduce_sync(model, device: torch.device) -> Callable[[bool], bool] | None:
+    """Sharded weights are gathered inside every forward, a collective: each rank decodes until all have ended. The
+    sync every rank makes at the same check (an all-reduce: whether any rank has rows left), or None when unsharded."""
+    if not (is_sharded(model) and torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+
+    def any_rank_decoding(decoding: bool) -> bool:
+        flag = torch.tensor([float(decoding)], device=device)
+        torch.distributed.all_reduce(flag)
+        return bool(flag.item())
+
+    return any_rank_decoding
+
+
+@dataclass
+class DecodeStats:
+    """What ``NativeSampler``'s last decode loop did."""
+
+    fast: bool  # decode steps ran through ``LlamaDecodeStep`` (else through the model's forward)
+    rows: list[int] = field(default_factory=list)  # rows sampled at each step; rows[i + 1] were fed to decode step i
+
+    @property
+    def steps(self) -> int:
+        """Tokens sampled per row (the loop's iterations)."""
+        return len(self.rows)
+
+
+class _LiveRows:
+    """The rows still decoding and what their decode steps need: attention mask, positions, KV cache, fast step."""
+
+    def __init__(self, model, cache: SlotCache, prompt_mask: torch.Tensor, num_samples: int, steps: int,
+                 fast_decode: bool):
+        rows, device = len(prompt_mask) * num_samples, prompt_mask.device
+        self.model, self.cache, self.prompt_len = model, cache, prompt_mask.shape[1]
+        # every row attends to its prompt's real tokens and to everything generated
+        valid = torch.cat([prompt_mask.repeat_interleave(num_samples, 0),
+                           torch.ones(rows, steps, dtype=torch.bool, device=device)], 1)
+        self.step_mask = attention_mask_4d(model, valid[:, None, None, :])
+        self.next_position = prompt_mask.sum(1).repeat_interleave(num_samples, 0).unsqueeze(1)  # [N, 1]
+        self.live = torch.arange(rows, device=device)  # the row of the result each row being decoded fills
+        self.finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.fast = None
+        if fast_decode and LlamaDecodeStep.supports(model):
+            self.fast = LlamaDecodeStep(model, cache, self.next_position + torch.arange(steps, device=device), valid)
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """Keep only the rows ``keep`` (indices), KV cache included."""
+        self.live, self.finished = self.live[keep], self.finished[keep]
+        self.cache.keep_rows(keep)
+        if self.fast is not None:
+            self.fast.keep_rows(keep)
+        self.step_mask, self.next_position = self.step_mask[keep], self.next_position[keep]
+
+    def logits(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
+        """Next-token logits ``[N, V]`` after feeding ``tokens [N]``, the ``t``-th generated token of each row."""
+        if self.fast is not None:
+            return self.fast(tokens, t, self.prompt_len + t)
+        return self.model(input_ids=tokens.unsqueeze(1), attention_mask=self.step_mask[..., : self.prompt_len + t + 1],
+                          position_ids=self.next_position + t, cache=self.cache, use_cache=True).logits[:, -1]
+
+
+def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+    """Each prompt once (its cache copied into its rows): the logits ``[B, V]`` after its last token. A query attends
+    to earlier real tokens and to itself (pads too: no empty rows); positions follow the prompt mask."""
+    prompt_len, device = prompt_ids.shape[1], prompt_ids.device
+    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril_()
+    allowed = (causal & prompt_mask[:, None, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=device)
+    positions = (prompt_mask.long().cumsum(1) - 1).clamp_(min=0)
+    return model(input_ids=prompt_ids, attention_mask=attention_mask_4d(model, allowed), position_ids=positions,
+                 cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+class NativeSampler:
+    """Batched sampling with its own decode loop: one prefill per prompt, all ``B * G`` rows decoded together.
+
+    Same arguments and ``generate`` signature as ``HFSampler`` and the same ``Rollout``; what differs is how:
+
+    - each prompt is run once and its KV cache copied into its ``G`` rows (``HFSampler`` repeats the prompts first);
+    - the KV cache is preallocated (``SlotLayer``): a decode step writes one slot, no cache grows by concatenation;
+    - the left-padding mask is built once as a 4D mask and sliced per step, positions follow the prompt mask (as
+      ``completion_token_logps`` computes them), so transformers builds no mask in the loop;
+    - sampling stays on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, a Gumbel-max
+      draw), its log-probs are those of the temperature-scaled, unfiltered distribution (HFSampler's definition);
+    - finished rows are tracked on tensors; the loop looks at the host only every ``eos_check_every`` tokens, to stop
+      once every row has ended, and to drop the rows that ended from the batch (their KV cache rows too) once they
+      are ``drop_finished`` of it: completion lengths have a long tail, and a batch decoding only its slowest rows
+      costs what a full one does (``generate`` keeps decoding every row until the last one ends).
+
+    The model must use ``sdpa`` or ``eager`` attention and full-attention layers (Llama, Qwen2, GPT-NeoX, ...).
+
+    Args: ``SamplingConfig``'s, and
+        fast_decode: decode Llama-like models with ``LlamaDecodeStep`` (False: through the model's forward).
+        eos_check_every: tokens between two looks at the host (stop, drop the rows that ended).
+        drop_finished: drop the rows that ended once they are this fraction of the batch being decoded.
+        sync: ``sync(decoding) -> bool``, whether any rank still decodes, called by every rank at every check (with
+            sharded weights every forward is a collective, so a rank whose rows have all ended decodes on, its
+            rows emitting pad, until every rank has ended). Default: an all-reduce when the model is sharded and
+            torch.distributed is initialized, else none.
+
+    After each ``generate``, ``last_stats`` (``DecodeStats``) says what the decode loop did.
+    """
+
+    def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 return_logps: bool = True, fast_decode: bool = True, eos_check_every: int = 8,
+                 drop_finished: float = 0.25, sync: Callable[[bool], bool] | None = None):
+        self.config = SamplingConfig(max_new_tokens, temperature, top_p, top_k, return_logps)
+        if eos_check_every < 1:
+            raise LitAlignError(f"sampler: need eos_check_every >= 1; got {eos_check_every}")
+        self.fast_decode, self.eos_check_every, self.drop_finished = fast_decode, eos_check_every, drop_finished
+        self.sync = sync
+        self.last_stats: DecodeStats | None = None
+
+    def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
+                 eos_token_ids: list[int], pad_token_id: int) -> Rollout:
+        _check_native_model(model)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.inference_mode():  # a little faster than no_grad; the results are cloned out of it below
+                ids, logps = self._decode(model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id)
+        finally:
+            model.train(was_training)
+        ids, logps = ids.clone(), None if logps is None else logps.clone()  # usable by autograd (training forward)
+        mask, truncated = completion_mask_from_eos(ids, eos_token_ids)
+        width = int(mask.sum(1).max())  # columns after the longest row hold only pad
+        ids, mask = ids[:, :width], mask[:, :width]
+        if logps is not None:
+            logps = logps[:, :width]
+        return Rollout(ids, mask, truncated, logps)
+
+    def _decode(self, model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id):
+        config, device = self.config, prompt_ids.device
+        rows, steps = len(prompt_ids) * num_samples, config.max_new_tokens
+        prompt_mask = prompt_mask.bool()
+        cache = SlotCache(num_samples, prompt_ids.shape[1] + steps)
+        logits = _prefill(model, prompt_ids, prompt_mask, cache).repeat_interleave(num_samples, 0)
+        batch = _LiveRows(model, cache, prompt_mask, num_samples, steps, self.fast_decode)
+        ids = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
+        want_logps = config.return_logps and not config.greedy
+        logps = torch.zeros(rows, steps, dtype=torch.float32, device=device) if want_logps else None
+        eos = torch.tensor(eos_token_ids, device=device)[:, None]
+        sync = self.sync if self.sync is not None else _all_reduce_sync(model, device)
+        self.last_stats = stats = DecodeStats(fast=batch.fast is not None)
+        for t in range(steps):
+            stats.rows.append(len(logits))
+            tokens, token_logps = sample_next(logits, config.temperature, config.top_k, config.top_p)
+            tokens = tokens.masked_fill_(batch.finished, pad_token_id)
+            ids[batch.live, t] = tokens
+            if want_logps:
+                logps[batch.live, t] = token_logps.masked_fill_(batch.finished, 0.0)
+            batch.finished |= (tokens == eos).any(0)
+            if t + 1 == steps:
+                break
+            if (t + 1) % self.eos_check_every == 0:
+                ended = int(batch.finished.sum())
+                decoding = ended < len(tokens)
+                if not (decoding if sync is None else sync(decoding)):
+                    break
+                # synced, a rank whose rows have all ended decodes them on while another rank decodes (its
+                # forwards take part in the all-gathers): its last rows are never dropped
+                if len(tokens) > ended >= self.drop_finished * len(tokens):
+                    keep = (~batch.finished).nonzero().squeeze(1)
+                    batch.keep(keep)
+                    tokens = tokens[keep]
+            logits = batch.logits(tokens, t)
+        return ids, logps

@@ -1,0 +1,268 @@
+"""The reference a recipe compares its policy with: one interface, one class per variant.
+
+``module.reference`` is one of:
+
+- ``FrozenReference``: a frozen model held in memory: ``ref_model``, or a copy of the initial policy (TRL's default).
+  Eval mode, no gradients, never in a checkpoint (``AlignModule.state_dict``), wrapped as its own FSDP unit
+  (``lit_align.strategies.DecoderLayers``). TR-DPO's ``RefModelSync`` callback mixes the policy into it
+  (``mix_in``); once mixed it is saved with the checkpoint by that callback.
+- ``AdapterReference``: under LoRA, the policy itself with its adapters switched off: no second copy.
+- ``PrecomputedReference``: no model while training: one no-grad pass before training gives every row its
+  reference log-probs (``annotate``, a data-side step ``PreferenceDataModule.setup`` runs), cached on disk.
+
+DPO and GRPO both call ``reference.logps(batch, compute)``, where ``compute(network)`` is the function their policy's
+values come from: the same layout, the same kernel, so the reference's numbers mean what the policy's do.
+
+The precompute cache is ``$LIT_ALIGN_CACHE/ref_logps/<key>.pt`` (``[rows, 2]`` float32). The key hashes everything the
+numbers depend on: the rows' token ids in order (a content hash, not ``datasets``' ``_fingerprint``, which turns random
+when a map function cannot be hashed, so it covers the tokenizer, chat template and prompt handling), ``max_length``
+(the batch truncates), the reference's files (``config.json`` and weights, by content; a hub model's from its local
+snapshot), its ``dtype`` and attention implementation, the trainer's precision and the sequence layout. A later run
+with the same key loads the file and runs no reference at all. Under DDP every rank computes its share of the rows
+(``rank::world_size``), the shares are all-gathered, and rank 0 writes the file; whether the cache holds the key is
+rank 0's decision, broadcast to the others.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
+
+from lit_align.errors import LitAlignError
+from lit_align.models import cache_dir, resolve
+
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """Eval mode, no gradients: how a reference model lives."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+class Reference(torch.nn.Module):
+    """The interface. ``setup(module)`` runs in ``configure_model`` once the policy is loaded; ``logps(batch,
+    compute)`` gives the reference's values for a batch."""
+
+    def setup(self, module) -> None:
+        """Get ready against ``module`` (an ``AlignModule`` whose policy is loaded)."""
+
+    @contextmanager
+    def network(self):
+        """The reference network, for no-grad forwards."""
+        raise LitAlignError(f"{type(self).__name__} holds no network")
+        yield
+
+    def logps(self, batch, compute: Callable[[torch.nn.Module], torch.Tensor]) -> torch.Tensor:
+        """``compute(network)`` on the reference, without gradient (``batch``: for variants that read it)."""
+        with torch.no_grad(), self.network() as network:
+            return compute(network)
+
+
+class FrozenReference(Reference):
+    """A frozen model in memory: ``name``'s, or (None) a copy of the freshly loaded policy."""
+
+    def __init__(self, name: str | None = None):
+        super().__init__()
+        self.name = name
+        self.model: torch.nn.Module | None = None
+
+    def setup(self, module) -> None:
+        if self.model is not None:
+            return
+        if self.name is not None:
+            self.model = frozen(module.load(self.name))
+            return
+        model = copy.deepcopy(module.policy)
+        if module.hparams.gradient_checkpointing:
+            model.gradient_checkpointing_disable()
+        self.model = frozen(model)
+
+    def train(self, mode: bool = True):
+        return super().train(False)  # a reference stays in eval mode whatever its owner does
+
+    @contextmanager
+    def network(self):
+        yield self.model
+
+    @torch.no_grad()
+    def mix_in(self, policy: torch.nn.Module, alpha: float) -> None:
+        """TR-DPO: ``ref <- alpha * policy + (1 - alpha) * ref``, parameters only (buffers are not mixed, as TRL)."""
+        for ref, param in zip(self.model.parameters(), policy.parameters(), strict=True):
+            ref.mul_(1.0 - alpha).add_(param, alpha=alpha)
+
+
+class AdapterReference(Reference):
+    """Under LoRA: the policy with its adapters disabled (the base model), no second copy."""
+
+    def setup(self, module) -> None:
+        self.__dict__["_module"] = module  # not a submodule: the policy belongs to its module, not to this
+
+    @contextmanager
+    def network(self):
+        module = self.__dict__["_module"]
+        with module.policy.disable_adapter():
+            yield module.network
+
+
+class PrecomputedReference(Reference):
+    """No reference while training: every row carries its ``ref_chosen_logps`` / ``ref_rejected_logps``.
+
+    Args:
+        name: the reference model to run once (None: the policy's initial weights, i.e. ``model``).
+        batch_size: pairs per batch in the pass (None: the data's batch sizes).
+    """
+
+    def __init__(self, name: str | None = None, batch_size: int | None = None):
+        super().__init__()
+        self.name, self.batch_size = name, batch_size
+        self.computed: list[str] = []  # the splits this process ran the reference over (the others: from the cache)
+
+    def logps(self, batch, compute=None) -> torch.Tensor:
+        if REF_COLUMNS[0] not in batch:
+            raise LitAlignError("precompute_ref_log_probs: a batch came without ref_chosen_logps (rows set up after "
+                                "the precompute pass?)")
+        return torch.cat([batch[REF_COLUMNS[0]], batch[REF_COLUMNS[1]]])
+
+    def annotate(self, rows, split: str, collate, batch_size: int, max_length: int | None, trainer):
+        """``rows`` with the reference's log-prob columns: from the cache, or from one pass of the reference.
+
+        ``trainer.lightning_module`` supplies how to load the reference (``load``) and what to compute with it
+        (``pair_logps``, the function the policy's log-probs come from in training).
+        """
+        if REF_COLUMNS[0] in rows.column_names:  # the data's own (or an earlier pass's)
+            return rows
+        module, strategy = trainer.lightning_module, trainer.strategy
+        name = self.name or module.model_name
+        # one rank reads the weight files to hash them (every rank reading a large model's files is slow)
+        reference_hash = strategy.broadcast(model_files_hash(name) if trainer.is_global_zero else None)
+        hp = module.hparams
+        path = cache_path(cache_key(rows, reference=reference_hash, dtype=hp.dtype,
+                                    attn_implementation=hp.attn_implementation, precision=str(trainer.precision),
+                                    max_length=max_length, **module.reference_settings()))
+        if strategy.broadcast(path.exists(), src=0):
+            values = torch.load(path, map_location="cpu", weights_only=True)
+            if values.shape != (len(rows), 2):
+                raise LitAlignError(f"reference log-prob cache {path} holds {tuple(values.shape)}, expected "
+                                    f"({len(rows)}, 2): delete it")
+            rank_zero_info(f"lit_align: reference log-probs for {split} ({len(rows)} rows) read from {path}")
+            return attach(rows, values)
+        batch_size = self.batch_size or batch_size
+        rank_zero_info(f"lit_align: computing reference log-probs for {split} ({len(rows)} rows, "
+                       f"batch size {batch_size})")
+        device = strategy.root_device
+        model = frozen(module.load(name)).to(device)
+
+        def pair_logps(batch):
+            with trainer.precision_plugin.train_step_context():  # autocast as in training_step
+                return module.pair_logps(model, batch).chunk(2)
+
+        values = compute_ref_logps(rows, collate, batch_size, pair_logps, device, strategy)
+        del model
+        self.computed.append(split)
+        if strategy.global_rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+            torch.save(values, partial)
+            os.replace(partial, path)  # atomic: a reader sees the whole file or none
+        return attach(rows, values)
+
+
+def choose_reference(ref_model: str | None, lora: bool, precompute: bool = False,
+                     precompute_batch_size: int | None = None) -> Reference:
+    """The variant a recipe's settings ask for (TRL's rules: ``ref_model`` and LoRA exclude each other)."""
+    if ref_model is not None and lora:
+        raise LitAlignError("model.ref_model: with peft_config the reference is the policy with its adapters "
+                            "disabled; leave ref_model null")
+    if precompute_batch_size is not None and precompute_batch_size < 1:
+        raise LitAlignError(f"model.precompute_ref_batch_size must be >= 1 or null, got {precompute_batch_size}")
+    if precompute:
+        return PrecomputedReference(ref_model, precompute_batch_size)
+    return AdapterReference() if lora else FrozenReference(ref_model)
+
+
+# -- the precompute cache ---------------------------------------------------------------------------------------------
+def rows_fingerprint(dataset) -> str:
+    """SHA-256 of the token ids of every row, in dataset order (lengths included, so rows cannot run together)."""
+    table = dataset.with_format("arrow")[:]
+    h = hashlib.sha256()
+    for name in TOKEN_COLUMNS:
+        column = table.column(name).combine_chunks()
+        h.update(name.encode())
+        h.update(np.asarray(pc.list_value_length(column), dtype=np.int64).tobytes())
+        h.update(np.asarray(column.flatten(), dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def model_files_hash(name: str) -> str:
+    """SHA-256 of a model's ``config.json`` and weight files: a local directory's, or a hub model's local snapshot."""
+    path = Path(resolve(name)).expanduser()
+    if not path.is_dir():
+        from transformers.utils import cached_file
+
+        config = cached_file(name, "config.json")
+        if config is None:
+            raise LitAlignError(f"precompute_ref_log_probs: cannot find the files of model {name!r} to key the cache")
+        path = Path(config).parent
+    files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
+    h = hashlib.sha256()
+    for file in files:
+        h.update(file.name.encode())
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_key(dataset, **settings) -> str:
+    """The cache key of ``dataset``'s reference log-probs under ``settings`` (plain JSON values)."""
+    blob = json.dumps({"rows": rows_fingerprint(dataset), **settings}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def cache_path(key: str) -> Path:
+    return cache_dir() / "ref_logps" / f"{key}.pt"
+
+
+def compute_ref_logps(dataset, collate, batch_size: int, pair_logps: Callable, device: torch.device,
+                      strategy) -> torch.Tensor:
+    """``[rows, 2]`` reference log-probs (chosen, rejected), this rank's rows computed, all ranks' gathered."""
+    rank, world = strategy.global_rank, strategy.world_size
+    shard = dataset.select(range(rank, len(dataset), world)) if world > 1 else dataset
+    loader = DataLoader(shard, batch_size=batch_size, shuffle=False, collate_fn=collate)
+    values = []
+    for batch in loader:
+        batch = {k: v.to(device) for k, v in batch.items() if k not in REF_COLUMNS}
+        with torch.no_grad():
+            chosen, rejected = pair_logps(batch)
+        values.append(torch.stack([chosen, rejected], 1).float())
+    values = torch.cat(values) if values else torch.zeros(0, 2, device=device)
+    if world == 1:
+        return values.cpu()
+    per_rank = math.ceil(len(dataset) / world)
+    padded = torch.zeros(per_rank, 2, device=device)
+    padded[: len(values)] = values
+    gathered = strategy.all_gather(padded)  # [world, per_rank, 2]; row r + world * k is gathered[r, k]
+    return gathered.permute(1, 0, 2).reshape(-1, 2)[: len(dataset)].cpu()
+
+
+def attach(dataset, values: torch.Tensor):
+    """``dataset`` with the ``ref_chosen_logps`` / ``ref_rejected_logps`` columns added."""
+    for i, name in enumerate(REF_COLUMNS):
+        dataset = dataset.add_column(name, values[:, i].tolist())
+    return dataset

@@ -1,0 +1,32 @@
+"""The fused decode step of Llama-like models against decoding through the model's forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import left_padded
+from tiny_models import ARCHITECTURES, PROMPTS
+
+from lit_align.generation import NativeSampler
+from lit_align.generation.llama_decode import LlamaDecodeStep
+from numerics import TINY_TERMS, assert_rounding_close
+
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_llama_decode_step_equals_decoding_through_the_forward(arch, tokenizer):
+    """The fast decode step (Llama-like models) samples the same tokens with the same log-probs as decoding through
+    the model's forward; other architectures always decode through the forward."""
+    model = ARCHITECTURES[arch](tokenizer, "sdpa")
+    assert LlamaDecodeStep.supports(model) == (arch != "gpt_neox")
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    rollouts = {}
+    for fast in (True, False):
+        sampler = NativeSampler(max_new_tokens=10, fast_decode=fast)
+        torch.manual_seed(0)
+        rollouts[fast] = sampler.generate(model, prompt_ids, prompt_mask, 3, **kwargs)
+        assert sampler.last_stats.fast == (fast and arch != "gpt_neox")
+    assert rollouts[True].completion_ids.tolist() == rollouts[False].completion_ids.tolist()
+    assert_rounding_close(rollouts[True].logps, rollouts[False].logps, terms=TINY_TERMS)

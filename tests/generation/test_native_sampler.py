@@ -1,0 +1,186 @@
+"""The native sampler: greedy decoding equal to transformers' ``generate`` token for token (Llama, Qwen2, GPT-NeoX;
+sdpa and eager; left-padded batches), sampling log-probs equal to a fresh forward's, EOS handling, rows that ended
+leaving the batch, sharded ranks decoding together, and GRPO training and validation with ``engine: native``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+import torch
+from helpers import left_padded
+from tiny_models import ARCHITECTURES, PROMPTS, tiny_random
+
+from lit_align.data import PromptDataModule
+from lit_align.errors import LitAlignError
+from lit_align.generation import ENGINES, HFSampler, NativeSampler
+from lit_align.modules.grpo import GRPOModule, completion_token_logps
+from numerics import TINY_TERMS, assert_rounding_close
+
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
+
+
+# -- against transformers' generate ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_greedy_equals_hf_generate_token_for_token(arch, attn, tokenizer, tiny_path):
+    model = ARCHITECTURES[arch](tokenizer, attn)
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    hf = HFSampler(max_new_tokens=12, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    native = NativeSampler(max_new_tokens=12, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    assert native.completion_ids.tolist() == hf.completion_ids.tolist()
+    assert native.completion_mask.tolist() == hf.completion_mask.tolist()
+    assert native.truncated.tolist() == hf.truncated.tolist()
+    assert native.logps is None and model.training
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_sampling_logps_equal_a_fresh_forward(arch, temperature, tokenizer, eos_heavy_model):
+    """GRPO's old log-probs come from here: they must be the training forward's (fp32), top-k/top-p or not."""
+    model = eos_heavy_model if arch == "llama" else tiny_random("qwen2", len(tokenizer), init=0.05,
+                                                               num_key_value_heads=2)
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    torch.manual_seed(0)
+    sampler = NativeSampler(max_new_tokens=8, temperature=temperature, top_k=20, top_p=0.95)
+    rollout = sampler.generate(model, prompt_ids, prompt_mask, 4, eos_token_ids=[tokenizer.eos_token_id],
+                               pad_token_id=tokenizer.pad_token_id)
+    assert rollout.logps.dtype == torch.float32 and rollout.completion_ids.shape[0] == len(PROMPTS) * 4
+    logps, _ = completion_token_logps(model, prompt_ids.repeat_interleave(4, 0), prompt_mask.repeat_interleave(4, 0),
+                                      rollout.completion_ids, rollout.completion_mask, temperature)
+    mask = rollout.completion_mask.bool()
+    assert_rounding_close(rollout.logps[mask], logps[mask], terms=TINY_TERMS)  # decode steps against one forward
+    assert (rollout.logps[~mask] == 0).all()
+    logps.sum().backward()  # the rollout's tensors are ordinary tensors (not inference-mode ones): autograd takes them
+
+
+# -- EOS and the rows that ended ---------------------------------------------------------------------------------------
+def test_eos_mask_through_first_eos_pad_after_rows_ending_early(eos_heavy_model, tokenizer):
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    eos = tokenizer.eos_token_id
+    torch.manual_seed(1)
+    rollout = NativeSampler(max_new_tokens=10).generate(eos_heavy_model, prompt_ids, prompt_mask, 4,
+                                                        eos_token_ids=[eos], pad_token_id=0)
+    lengths = rollout.completion_mask.sum(1).tolist()
+    assert min(lengths) < max(lengths)  # rows end at different steps
+    for ids, mask, truncated, logps in zip(rollout.completion_ids.tolist(), rollout.completion_mask.tolist(),
+                                           rollout.truncated.tolist(), rollout.logps.tolist()):
+        length = sum(mask)
+        assert mask == [1] * length + [0] * (len(mask) - length)
+        assert all(lp < 0 for lp in logps[:length]) and all(lp == 0 for lp in logps[length:])
+        if truncated:
+            assert eos not in ids and length == len(ids) == 10
+        else:
+            assert ids[length - 1] == eos and eos not in ids[: length - 1]
+            assert ids[length:] == [0] * (len(ids) - length)  # pad after the EOS
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_rows_that_ended_leave_the_batch_and_the_results_stay_exact(fast, eos_heavy_model, tokenizer):
+    """Rows that ended are dropped from the decoded batch (with their cache rows): greedy tokens still equal HF
+    ``generate``'s, and sampled log-probs still equal a fresh forward's, in the fast decode step and through the
+    model's forward alike."""
+    # greedy: with these EOS ids the random model's rows end after 10, 13, 2 tokens, or never (16): known by HF
+    model = tiny_random("llama", len(tokenizer))
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    kwargs = dict(eos_token_ids=[20, 2], pad_token_id=tokenizer.pad_token_id)
+    hf = HFSampler(max_new_tokens=16, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    assert hf.completion_mask.sum(1).tolist() == [10, 10, 13, 13, 16, 16, 2, 2]
+    greedy = NativeSampler(max_new_tokens=16, temperature=0.0, fast_decode=fast, eos_check_every=2)
+    native = greedy.generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    assert native.completion_ids.tolist() == hf.completion_ids.tolist()
+    assert native.truncated.tolist() == hf.truncated.tolist()
+    assert greedy.last_stats.fast is fast
+    widths = greedy.last_stats.rows[1:]  # rows fed to each decode step
+    assert sorted(set(widths), reverse=True) == [8, 6, 4, 2]  # dropped at the checks after tokens 2, 10 and 14
+
+    # sampled: the log-probs of what was drawn are still the model's
+    torch.manual_seed(0)
+    kwargs["eos_token_ids"] = [tokenizer.eos_token_id]
+    sampler = NativeSampler(max_new_tokens=16, fast_decode=fast, eos_check_every=2)
+    rollout = sampler.generate(eos_heavy_model, prompt_ids, prompt_mask, 4, **kwargs)
+    assert sampler.last_stats.fast is fast and min(sampler.last_stats.rows[1:]) < 16
+    fresh, _ = completion_token_logps(eos_heavy_model, prompt_ids.repeat_interleave(4, 0),
+                                      prompt_mask.repeat_interleave(4, 0), rollout.completion_ids,
+                                      rollout.completion_mask, 1.0)
+    mask = rollout.completion_mask.bool()
+    assert_rounding_close(rollout.logps[mask], fresh[mask], terms=TINY_TERMS)
+    assert (rollout.logps[~mask] == 0).all() and (rollout.completion_ids[~mask] == tokenizer.pad_token_id).all()
+
+
+def test_all_rows_ending_early_stop_the_loop_and_several_eos_ids(eos_heavy_model, tokenizer):
+    """Every row has ended within a few tokens: the loop stops at its next check, the result is as wide as the
+    longest row. A second EOS id ends rows too."""
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    torch.manual_seed(0)
+    never = NativeSampler(max_new_tokens=40).generate(eos_heavy_model, prompt_ids, prompt_mask, 2,
+                                                      eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
+    sampler = NativeSampler(max_new_tokens=40)
+    everything = list(range(len(tokenizer)))  # every token ends a row: each row is one token long
+    rollout = sampler.generate(eos_heavy_model, prompt_ids, prompt_mask, 2, eos_token_ids=everything, pad_token_id=0)
+    assert rollout.completion_ids.shape == (8, 1) and rollout.completion_mask.all() and not rollout.truncated.any()
+    assert sampler.eos_check_every == 8  # the default
+    assert sampler.last_stats.steps == sampler.eos_check_every  # tokens sampled up to the first check, then it stops
+    assert never.completion_ids.shape[1] == never.completion_mask.sum(1).max()
+
+
+def test_sharded_ranks_decode_until_every_rank_has_ended(eos_heavy_model, tokenizer):
+    """Under FSDP / ZeRO-3 every forward all-gathers weights: a rank whose rows have all ended must keep decoding (its
+    rows, ended, emit pad) until the other ranks have ended too, so the ranks agree at each check (by default an
+    all-reduce). Here the other rank still decodes at the first two checks. Sharded weights decode through the
+    model's forward (``LlamaDecodeStep`` refuses them)."""
+    calls = []
+
+    def sync(decoding: bool) -> bool:  # this rank's flag or the other rank's: decoding for two checks
+        calls.append(decoding)
+        return decoding or len(calls) <= 2
+
+    widths = []
+    hook = eos_heavy_model.register_forward_pre_hook(lambda m, args, kw: widths.append(len(kw["input_ids"])),
+                                                     with_kwargs=True)
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    everything = list(range(len(tokenizer)))  # every row ends at its first token
+    sampler = NativeSampler(max_new_tokens=40, fast_decode=False, sync=sync)
+    try:
+        rollout = sampler.generate(eos_heavy_model, prompt_ids, prompt_mask, 2, eos_token_ids=everything,
+                                   pad_token_id=0)
+    finally:
+        hook.remove()
+    assert calls == [False, False, False]  # this rank had ended at every check; the loop left at the third
+    assert widths[1:] == [8] * (3 * sampler.eos_check_every - 1)  # decoding on, none of its rows dropped
+    assert sampler.last_stats.rows == [8] * (3 * sampler.eos_check_every)
+    assert rollout.completion_ids.shape == (8, 1) and rollout.completion_mask.all()
+
+
+def test_unsupported_models_are_refused(tokenizer):
+    model = tiny_random("llama", len(tokenizer), attn="eager")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(LitAlignError, match="engine 'hf'"):
+        NativeSampler().generate(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), 2, [2], 0)
+    with pytest.raises(LitAlignError, match="top_p"):
+        NativeSampler(top_p=0.0)
+
+
+# -- in GRPO -----------------------------------------------------------------------------------------------------------
+def test_grpo_trains_and_validates_with_the_native_engine(tmp_path, tiny_path):
+    assert ENGINES["native"] is NativeSampler
+    digits = [f"{(i * 7919) % 100000:05d}"[: 3 + i % 3] for i in range(16)]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"sort {d}:", "answer": "".join(sorted(d))}) + "\n" for d in digits))
+    torch.manual_seed(0)
+    module = GRPOModule(model="builtin:tiny", max_completion_length=4, learning_rate=1e-3, engine="native",
+                        num_generations=2, steps_per_generation=2)
+    assert isinstance(module.sampler, NativeSampler) and isinstance(module.greedy, NativeSampler)
+    data = PromptDataModule(path=str(path), val_path=str(path), val_split="train", batch_size=4, num_generations=2,
+                            steps_per_generation=2, val_batch_size=8)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                        val_check_interval=4, num_sanity_val_steps=0)
+    trainer.fit(module, data)
+    assert module.generation_rounds == 2
+    metrics = trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"]) and "val/reward" in metrics
+    assert metrics["train/completions/mean_length"] <= 4

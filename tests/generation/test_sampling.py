@@ -1,0 +1,139 @@
+"""What every engine shares and the native engine samples with: the completion mask from EOS, the top-k/top-p filter
+by hand and against transformers' warpers, the Gumbel-max draw's frequencies and log-probs, and the settings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lit_align.errors import LitAlignError
+from lit_align.generation import (
+    ENGINES, HFSampler, NativeSampler, Sampler, SamplingConfig, completion_mask_from_eos, filter_logits, make_sampler,
+    sample_next,
+)
+from numerics import assert_rounding_close
+
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
+
+NEG = float("-inf")
+
+
+def test_completion_mask_from_eos_by_hand():
+    ids = torch.tensor([[5, 2, 7, 2], [5, 6, 7, 8], [2, 0, 0, 0], [9, 9, 9, 2]])
+    mask, truncated = completion_mask_from_eos(ids, [2])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert truncated.tolist() == [False, True, False, False]
+    mask, truncated = completion_mask_from_eos(ids, [2, 6])  # several EOS ids: the first of any ends the row
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, False, False]
+
+
+# -- the filter, by hand -------------------------------------------------------------------------------------------
+def test_filter_logits_top_k_by_hand():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [5.0, 5.0, 1.0, 5.0]])
+    before = logits.clone()
+    assert filter_logits(logits, top_k=2).tolist() == [[NEG, 3.0, 2.0, NEG], [5.0, 5.0, NEG, 5.0]]  # ties kept
+    assert filter_logits(logits, top_k=1).tolist() == [[NEG, 3.0, NEG, NEG], [5.0, 5.0, NEG, 5.0]]
+    assert filter_logits(logits, top_k=0).tolist() == logits.tolist()  # off
+    assert filter_logits(logits, top_k=9).tolist() == logits.tolist()  # more than the vocabulary: off
+    assert torch.equal(logits, before)  # pure
+
+
+def test_filter_logits_top_p_by_hand():
+    probs = torch.tensor([[0.1, 0.5, 0.3, 0.1]])
+    logits = probs.log()
+    keep = lambda **kw: (filter_logits(logits, **kw) > NEG).int().tolist()[0]  # noqa: E731
+    # (no top_p exactly at a cumulative probability: there the softmax's last bit, which depends on the CPU's kernels,
+    # would decide)
+    assert keep(top_p=0.45) == [0, 1, 0, 0]  # the top token alone holds 0.5
+    assert keep(top_p=0.55) == [0, 1, 1, 0]  # 0.5 < 0.55: the next one is needed
+    assert keep(top_p=0.85) == [0, 1, 1, 1] or keep(top_p=0.85) == [1, 1, 1, 0]  # 0.8 < 0.85: one of the 0.1 ties
+    assert keep(top_p=0.01) == [0, 1, 0, 0]  # the most likely token is always kept
+    assert keep(top_p=1.0) == [1, 1, 1, 1]
+    # top-k first, then top-p on what top-k kept: renormalized [0.5, 0.3] / 0.8 = [0.625, 0.375]
+    assert keep(top_k=2, top_p=0.6) == [0, 1, 0, 0]
+    assert keep(top_k=2, top_p=0.7) == [0, 1, 1, 0]
+    kept = filter_logits(logits, top_p=0.55)  # the kept logits themselves are untouched
+    assert kept[0, 1] == logits[0, 1] and kept[0, 2] == logits[0, 2]
+
+
+def test_filter_logits_matches_transformers_warpers():
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50) * 3
+    for top_k, top_p in [(5, 1.0), (0, 0.9), (10, 0.5), (0, 0.3)]:
+        expected = logits
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p < 1:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        assert torch.equal(filter_logits(logits, top_k, top_p) > NEG, expected > NEG), (top_k, top_p)
+
+
+# -- the draw --------------------------------------------------------------------------------------------------------
+def test_sampling_stays_in_the_allowed_set_with_the_right_frequencies():
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).expand(20000, 5)
+    tokens, logps = sample_next(logits, 1.0, top_k=2)
+    assert set(tokens.tolist()) == {0, 1}
+    assert abs((tokens == 0).float().mean().item() - math.e / (math.e + 1)) < 0.02  # softmax over the kept two
+    # log-probs are those of the unfiltered distribution (HFSampler's definition), whatever the filter
+    torch.testing.assert_close(logps, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    tokens, _ = sample_next(probs.log().expand(20000, 4), 0.5, top_p=0.9)  # T=0.5: [.69, .25, .06, .01]
+    assert set(tokens.tolist()) == {0, 1}  # 0.69 + 0.25 >= 0.9
+    sharp = (probs.log() / 0.5).softmax(-1)[:2]
+    assert abs((tokens == 0).float().mean().item() - (sharp[0] / sharp.sum()).item()) < 0.02
+
+    tokens, logps = sample_next(torch.tensor([[0.0, 3.0, 1.0]]), 0.0)
+    assert tokens.tolist() == [1] and logps is None  # greedy
+
+
+def test_a_zero_uniform_draw_cannot_pick_a_filtered_token():
+    """``torch.rand`` returns exactly 0 about once in 2**24 draws: with a single token kept (top-k 1, or top-p on a
+    peaked step) that draw must still give the kept token, not a filtered one."""
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]])
+    zeros = torch.zeros_like(logits)
+    for kwargs in ({"top_k": 1}, {"top_p": 0.5}):
+        tokens, logps = sample_next(logits, 1.0, noise=zeros, **kwargs)
+        assert tokens.tolist() == [2]
+        assert_rounding_close(logps, logits.log_softmax(-1)[:, 2], scale=5.0, terms=4)
+    assert (zeros == 0).all()  # the noise given is left untouched
+
+
+def test_seeded_draws_are_the_default_noise():
+    """``noise`` defaults to ``torch.rand_like`` of the log-probs: giving that same draw samples the same tokens."""
+    logits = torch.randn(64, 50)
+    torch.manual_seed(3)
+    default = sample_next(logits, 0.8, top_k=10)
+    torch.manual_seed(3)
+    given = sample_next(logits, 0.8, top_k=10, noise=torch.rand_like(logits))
+    assert torch.equal(default[0], given[0]) and torch.equal(default[1], given[1])
+
+
+# -- the settings, in one place ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1},
+                                 {"max_new_tokens": 0}])
+def test_out_of_range_settings_are_refused_by_every_engine(bad):
+    with pytest.raises(LitAlignError, match="top_p"):
+        SamplingConfig(**bad)
+    for engine in ENGINES.values():
+        with pytest.raises(LitAlignError, match="top_p"):
+            engine(**bad)
+    with pytest.raises(LitAlignError, match="eos_check_every"):
+        NativeSampler(eos_check_every=0)
+
+
+def test_engines_are_built_by_name():
+    assert ENGINES == {"hf": HFSampler, "native": NativeSampler}
+    sampler = make_sampler("native", max_new_tokens=5, temperature=0.7, top_k=3, eos_check_every=2)
+    assert isinstance(sampler, NativeSampler) and isinstance(sampler, Sampler)
+    assert sampler.config == SamplingConfig(max_new_tokens=5, temperature=0.7, top_k=3)
+    assert sampler.eos_check_every == 2
+    assert isinstance(make_sampler("hf"), HFSampler) and make_sampler("hf").config == SamplingConfig()
+    with pytest.raises(LitAlignError, match=r"model.engine 'vllm-nope': expected one of \['hf', 'native'\]"):
+        make_sampler("vllm-nope")

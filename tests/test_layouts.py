@@ -1,0 +1,152 @@
+"""lit_align.layouts through lit_align.logps.layout_logps: every layout gives the plain padded batch's log-probs,
+statistics and gradients (rule 3 of tests/numerics.py: the same formula in another order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lit_align.capabilities import supports_shared_prompt
+from lit_align.data.preference import collate_pairs
+from lit_align.layouts import padded, shared_prompt_pairs
+from lit_align.logps import layout_logps
+from lit_align.models import load_model
+from lit_align.modules.grpo import completion_token_logps
+from numerics import TINY_TERMS, assert_rounding_close
+
+pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
+
+
+def completion_logps(model, batch, stats=(), chunk_size=None):
+    """The plain ``[chosen; rejected]`` batch, padded."""
+    layout = padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    return layout_logps(model, layout, stats, chunk_size)
+
+
+# -- GRPO: left-padded prompts and completions, padded or packed ------------------------------------------------------
+def test_completion_logps_do_not_depend_on_left_padding(tokenizer, tiny_path):
+    torch.manual_seed(0)
+    model = load_model("builtin:tiny")
+    prompts = [tokenizer("sort 123456:")["input_ids"], tokenizer("s")["input_ids"]]
+    completions = torch.tensor([[20, 21, 2, 0], [22, 23, 24, 25]])
+    completion_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batched, _ = completion_token_logps(model, ids, mask, completions, completion_mask, temperature=0.8)
+    for i, p in enumerate(prompts):
+        alone, _ = completion_token_logps(model, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
+                                          completions[i : i + 1], completion_mask[i : i + 1], temperature=0.8)
+        m = completion_mask[i].bool()
+        assert_rounding_close(batched[i][m], alone[0][m], terms=TINY_TERMS)  # other padding, other kernels
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch,chunk_size", [("llama", None), ("llama", 3), ("qwen2", None)])
+def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, attn, tokenizer):
+    """Packed (one row, block-causal mask), ``completion_token_logps`` gives the padded log-probs, entropy
+    and gradients: left-padded prompts and completions of different lengths, one completion a single token."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch == "llama":
+        model = load_model("builtin:tiny", attn_implementation=attn)
+    else:  # GQA and q/k/v biases
+        config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    model.train()
+    torch.manual_seed(1)
+    prompt_ids, completion_ids = torch.randint(10, 90, (4, 6)), torch.randint(10, 90, (4, 5))
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    results = []
+    for packed in (False, True):
+        model.zero_grad()
+        logps, entropy = completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7,
+                                                with_entropy=True, chunk_size=chunk_size, packed=packed)
+        (logps * completion_mask).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        results.append((logps * completion_mask, entropy * completion_mask, grads))
+    (padded, padded_entropy, padded_grads), (packed, packed_entropy, packed_grads) = results
+    # one packed sequence against padded rows: other attention shapes, the same formula (rule 3)
+    assert_rounding_close(packed, padded, terms=TINY_TERMS)
+    assert_rounding_close(packed_entropy, padded_entropy, terms=TINY_TERMS)
+    assert len(packed_grads) == len(padded_grads) > 0
+    positions = int(completion_mask.sum())
+    for a, b in zip(packed_grads, padded_grads):  # each weight's gradient sums every position's products
+        assert_rounding_close(a, b, terms=TINY_TERMS * positions)
+
+
+def test_packed_log_probs_run_the_head_on_the_predicting_positions_only(tokenizer):
+    """Packed, the prompts come first: the LM head must not run on every position after the first row's prompt."""
+    model = load_model("builtin:tiny")
+    head_rows = []
+    model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[-2]))
+    prompt_ids, prompt_mask = torch.randint(10, 90, (3, 20)), torch.ones(3, 20, dtype=torch.long)
+    completion_ids, completion_mask = torch.randint(10, 90, (3, 4)), torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0],
+                                                                                 [1, 1, 1, 1]])
+    completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, packed=True)
+    assert head_rows == [int(completion_mask.sum())]  # 7 positions, not the 67 from the first prompt's end on
+
+
+# -- DPO: shared-prompt pairs --------------------------------------------------------------------------------------
+TINY = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, pad_token_id=0)
+
+
+def random_pairs(seed: int = 0, pairs: int = 4) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(lo, hi):
+        return torch.randint(3, 100, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+
+    return [{"prompt_ids": ids(2, 9), "chosen_ids": ids(1, 7), "rejected_ids": ids(1, 7)} for _ in range(pairs)]
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+@pytest.mark.parametrize("model_type,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"),
+                                             ("mistral", "sdpa"), ("gemma2", "eager"), ("phi3", "sdpa")])
+def test_shared_prompt_rows_match_plain_batch(model_type, attn, chunk_size):
+    """Shared-prompt rows, and (``chunk_size``) the chunked LM head on either layout, give the plain batch's per-token
+    log-probs, statistics and gradients."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY), attn_implementation=attn)
+    assert supports_shared_prompt(model)
+    batch = collate_pairs(random_pairs(), pad_token_id=0, max_length=None)
+    layout = shared_prompt_pairs(batch)
+    assert layout.input_ids.numel() < batch["input_ids"].numel()  # the point: fewer positions
+    stats = ("mean_logit", "log_sum_sq_probs", "entropy", "argmax")
+    plain_out = completion_logps(model, batch, stats)
+    plain = plain_out.tokens.sum(1)
+    plain.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    others = {"shared": layout_logps(model, layout, stats, chunk_size)}
+    if chunk_size:
+        others["plain, chunked"] = completion_logps(model, batch, stats, chunk_size)
+    for what, out in others.items():
+        terms = TINY["intermediate_size"]  # other layouts, the same formula: rule 3 of tests/numerics.py
+        assert_rounding_close(out.tokens.sum(1), plain, terms=terms, msg=what)
+        # the same tokens, in the same order within each completion, with the same statistics
+        assert_rounding_close(out.tokens[out.mask], plain_out.tokens[plain_out.mask], terms=terms, msg=what)
+        for name in ("mean_logit", "log_sum_sq_probs", "entropy"):
+            assert_rounding_close(out.stats[name][out.mask], plain_out.stats[name][plain_out.mask],
+                                  scale=plain_out.tokens.abs().max(), terms=terms, msg=f"{what} {name}")
+        assert torch.equal((out.stats["argmax"] == out.labels)[out.mask],
+                           (plain_out.stats["argmax"] == plain_out.labels)[plain_out.mask]), what
+        model.zero_grad()
+        out.tokens.sum().backward()
+        positions = int(batch["attention_mask"].sum())
+        for name, param in model.named_parameters():
+            assert_rounding_close(param.grad, grads[name], terms=terms * positions, msg=f"{what} {name}")
+
+
+def test_shared_prompt_pairs_refuse_other_batches():
+    rows = random_pairs(1)
+    batch = collate_pairs(rows, pad_token_id=0, max_length=None)
+    other = dict(batch, input_ids=batch["input_ids"].clone())
+    other["input_ids"][len(rows), 0] += 1  # rejected_1's prompt differs from chosen_1's
+    assert shared_prompt_pairs(other) is None
+    left = {k: v.flip(1) for k, v in batch.items()}  # left padding
+    assert shared_prompt_pairs(left) is None
