@@ -154,6 +154,11 @@ def ddp_and_single(tmp_path_factory, ddp_args, single_args=None, strategy: list[
     return ddp_dir, single_dir
 
 
+def reward_digit_fraction(completions, **_):
+    """Fraction of digits in the completion: random completions spread, so advantages (and gradients) are non-zero."""
+    return digit_fraction(completions)
+
+
 def digit_fraction(completions, **_):
     """A reward that spreads random completions (fraction of digits), so advantages and gradients are non-zero."""
     texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]

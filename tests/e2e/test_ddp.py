@@ -25,7 +25,7 @@ import pytest
 from helpers import ddp_and_single, metric_at, read_metrics, run_single
 from numerics import TINY_TERMS, assert_rounding_close
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/
 CONFIGS = TESTS.parent / "configs"
 DPO = str(CONFIGS / "dpo.yaml")
 STEPS = 2

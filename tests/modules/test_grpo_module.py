@@ -31,14 +31,9 @@ from lit_align.models import load_model
 from lit_align.modules.grpo import GRPOModule, completion_token_logps
 from numerics import TINY_TERMS, assert_rounding_close
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
-REWARDS = ["lit_align.rewards.sort_accuracy", "test_grpo_module.reward_digit_fraction"]
-
-
-def reward_digit_fraction(completions, **_):
-    """Fraction of digits in the completion: random completions spread, so advantages (and gradients) are non-zero."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+REPO = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]  # tests/
+REWARDS = ["lit_align.rewards.sort_accuracy", "helpers.reward_digit_fraction"]
 
 
 class GenerationProbe(L.Callback):
@@ -202,7 +197,7 @@ def stub_round(tokenizer, spg: int = 1, iterations: int = 1, accumulate: int = 1
                sampler=None, **options):
     """``(module, round)``: ``generate_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device
     Trainer."""
-    module = GRPOModule(reward_funcs=["test_grpo_module.reward_digit_fraction"], num_generations=2,
+    module = GRPOModule(reward_funcs=["helpers.reward_digit_fraction"], num_generations=2,
                         steps_per_generation=spg, num_iterations=iterations, **options)
     module.tokenizer, module.sampler = tokenizer, sampler or LogpsSampler()
     module._trainer = SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
@@ -332,7 +327,8 @@ def test_ddp_two_processes_generate_once_per_round_on_each_rank(tmp_path, prompt
         "--trainer.callbacks+=test_grpo_module.GenerationProbe", f"--trainer.callbacks.out_dir={out}",
         "--export.enabled", "false",
     ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    here = str(Path(__file__).resolve().parent)  # GenerationProbe lives in this file
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "LIT_ALIGN_CACHE": str(lit_align_cache)}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

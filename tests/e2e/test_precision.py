@@ -16,7 +16,7 @@ from numerics import TINY_TERMS, assert_rounding_close
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SMALL = {  # a few rows, a few tokens: what each recipe needs to take 2 steps quickly
     "sft": ["--data.init_args.batch_size", "8", "--model.init_args.warmup_steps", "0"],  # step 0 moves the weights
     "dpo": ["--data.init_args.batch_size", "4", "--model.init_args.warmup_ratio", "0"],

@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lit_align.checkpoint_io import AtomicCheckpointIO
 from lit_align.cli import main
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/
 DPO = str(TESTS.parent / "configs" / "dpo.yaml")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from test_cli import run_main
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/
 BAD = TESTS / "fixtures" / "bad"
 DPO = str(TESTS.parent / "configs" / "dpo.yaml")
 GRPO = str(TESTS.parent / "configs" / "grpo.yaml")

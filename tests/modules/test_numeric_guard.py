@@ -79,7 +79,7 @@ class PoisonOneAdvantage(L.Callback):
 def test_grpo_names_the_completions_prompts_dataset_rows(tmp_path, tiny_path, write_jsonl):
     """A NaN in one completion's token losses (step row 1): the error names it and its prompt's dataset row."""
     path = write_jsonl([{"prompt": f"sort {i}{i + 3}:", "answer": "x"} for i in range(8)])
-    module = GRPOModule(model="builtin:tiny", reward_funcs=["test_grpo_module.reward_digit_fraction"],
+    module = GRPOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"],
                         max_completion_length=4, num_generations=2, steps_per_generation=2)
     dm = PromptDataModule(path=path, val_split=None, batch_size=4, num_generations=2, steps_per_generation=2,
                           shuffle=False)

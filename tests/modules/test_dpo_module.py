@@ -18,7 +18,7 @@ from lit_align.modules import DPOModule
 from lit_align.modules.dpo import METRICS
 from numerics import TINY_TERMS, assert_rounding_close
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LN2_F32 = torch.tensor(math.log(2), dtype=torch.float32).item()
 
 

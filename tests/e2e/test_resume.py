@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lit_align.data import PreferenceDataModule, PromptDataModule
 from lit_align.modules import DPOModule, GRPOModule
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/
 REPO = TESTS.parent
 
 
@@ -111,7 +111,7 @@ def test_dpo_resume_from_an_epoch_end_checkpoint(tmp_path, pairs_file, tiny_path
 
 GRPO_DATA = {"batch_size": 4, "num_generations": 2, "steps_per_generation": 3, "num_iterations": 2}
 GRPO_ROUND = {k: v for k, v in GRPO_DATA.items() if k != "batch_size"}  # the module needs the round's shape too
-GRPO_MODEL = {"reward_funcs": ["test_grpo_module.reward_digit_fraction"], "max_completion_length": 4, **GRPO_ROUND}
+GRPO_MODEL = {"reward_funcs": ["helpers.reward_digit_fraction"], "max_completion_length": 4, **GRPO_ROUND}
 
 
 def test_grpo_resume_mid_round_is_exact(tmp_path, prompts_file, tiny_path):
