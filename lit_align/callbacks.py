@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import lightning as L
-import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException

@@ -173,8 +173,7 @@ class PrecomputedReference(Reference):
                 return module.pair_logps(model, batch).chunk(2)
 
         values = compute_ref_logps(rows, collate, batch_size, pair_logps, device, strategy)
-        del model
-        self.computed.append(split)
+        self.computed.append(split)  # the reference is freed when this returns
         if strategy.global_rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f".{path.name}.{os.getpid()}.partial")

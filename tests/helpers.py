@@ -27,6 +27,26 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
+def trainer(root: str | Path | None = None, max_steps: int = 1, callbacks=(), **kwargs) -> L.Trainer:
+    """The one Trainer the in-process tests fit with: CPU, one device, quiet; no logger, no checkpoints and no
+    sanity validation unless asked (``logger=CSVLogger(...)``, ``enable_checkpointing=True``, ...)."""
+    settings = {"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "logger": False,
+                "enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False,
+                "num_sanity_val_steps": 0, "log_every_n_steps": 1, **kwargs}
+    if root is not None:
+        settings["default_root_dir"] = root
+    return L.Trainer(callbacks=list(callbacks), **settings)
+
+
+def fit(module: L.LightningModule, datamodule: L.LightningDataModule, root: str | Path | None = None,
+        max_steps: int = 1, callbacks=(), ckpt_path: str | None = None, **kwargs) -> L.Trainer:
+    """``trainer(...).fit(module, datamodule)``: the shared fit harness; returns the trainer. Tests observe the run
+    through callbacks (hooks, ``outputs``), the logged metrics (``read_metrics``) and the objects themselves."""
+    run = trainer(root, max_steps, callbacks, **kwargs)
+    run.fit(module, datamodule, ckpt_path=ckpt_path)
+    return run
+
+
 def metric_at(rows: list[dict[str, float]], name: str, step: int) -> float:
     """The value of ``name`` logged at ``step`` (exactly one such row)."""
     values = [r[name] for r in rows if name in r and int(r["step"]) == step]

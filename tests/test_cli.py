@@ -243,3 +243,37 @@ def test_console_script_errors_in_subprocesses(tmp_path):
     assert rc == 2, err
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == "error: data.batch_size must be >= 1, got 0"
+
+
+def test_a_grpo_rounds_settings_are_set_under_data_and_reach_the_module(tiny_path):
+    """``num_generations`` / ``steps_per_generation`` / ``num_iterations`` have one owner (``data:``); the CLI links
+    them to the module (``link_arguments``), so the two always agree, and batches do not carry them."""
+    from lit_align.cli import AlignCLI
+    from lit_align.data import AlignDataModule
+    from lit_align.modules import AlignModule
+
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        cli = AlignCLI(AlignModule, AlignDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                       auto_configure_optimizers=False,
+                       args=["-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model", "builtin:tiny",
+                             "--data.init_args.num_generations", "4", "--data.init_args.steps_per_generation", "2",
+                             "--data.init_args.num_iterations", "3"])
+    finally:
+        sys.argv = argv
+    settings = ("num_generations", "steps_per_generation", "num_iterations")
+    assert [getattr(cli.datamodule, name) for name in settings] == [4, 2, 3]
+    assert [getattr(cli.model, name) for name in settings] == [4, 2, 3]
+
+
+def test_a_module_whose_round_disagrees_with_its_datamodule_is_refused(tmp_path, tiny_path):
+    """Outside the CLI both take the settings; a mismatch stops before anything runs, naming both values."""
+    from lit_align.data import PromptDataModule
+    from lit_align.errors import LitAlignError
+    from lit_align.modules import GRPOModule
+
+    from helpers import fit
+
+    module = GRPOModule(model="builtin:tiny", num_generations=4)
+    with pytest.raises(LitAlignError, match=r"model.num_generations 4 differs from data.num_generations 2"):
+        fit(module, PromptDataModule(batch_size=4, num_generations=2, val_split=None), tmp_path)

@@ -19,7 +19,6 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
 
-from lit_align.callbacks import RefModelSync
 from lit_align.data import PreferenceDataModule
 from lit_align.data.tasks import SortTask
 from lit_align.errors import LitAlignError
@@ -27,6 +26,7 @@ from lit_align.modules import DPOModule
 from lit_align import reference as reference_module
 from lit_align.reference import FrozenReference, PrecomputedReference
 from test_layouts import completion_logps
+from helpers import fit, trainer
 from numerics import TINY_TERMS, assert_rounding_close
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,15 +76,6 @@ class Record(L.Callback):
         self.losses.append(outputs["loss"].item())
 
 
-def fit(tmp_path, module, dm, steps=1, callbacks=(), ckpt_path=None, **kw) -> L.Trainer:
-    kw = {"accelerator": "cpu", "devices": 1, "max_steps": steps, "logger": False, "enable_progress_bar": False,
-          "enable_model_summary": False, "enable_checkpointing": False, "default_root_dir": tmp_path,
-          "num_sanity_val_steps": 0, **kw}
-    trainer = L.Trainer(callbacks=list(callbacks), **kw)
-    trainer.fit(module, dm, ckpt_path=ckpt_path)
-    return trainer
-
-
 # -- every strategy: the frozen copy's step-0 loss -------------------------------------------------------------------
 @pytest.mark.parametrize("ref, loss", [("initial", {}), ("noisy", {}), ("noisy", {"ld_alpha": 0.5})])
 def test_every_strategy_gives_the_frozen_step0_loss(tmp_path, rows_path, noisy_ref, ref, loss):
@@ -100,7 +91,7 @@ def test_every_strategy_gives_the_frozen_step0_loss(tmp_path, rows_path, noisy_r
     losses = {}
     for name, options in strategies.items():
         record = Record()
-        fit(tmp_path / name, DPOModule(model="builtin:tiny", ref_model=ref_model, **options, **loss), data(rows_path),
+        fit(DPOModule(model="builtin:tiny", ref_model=ref_model, **options, **loss), data(rows_path), tmp_path / name,
             callbacks=[record])
         losses[name] = record.step0
         assert record.carried == [name == "precomputed"]
@@ -143,7 +134,7 @@ def test_precompute_reuses_its_cache(tmp_path, rows_path, lit_align_cache):
         record = Record()
         module = DPOModule(model="builtin:tiny", precompute_ref_log_probs=True, learning_rate=1e-3)
         dm = data(rows_path, val_split="train", val_path=val, **kw)
-        fit(tmp_path / name, module, dm, steps=3, callbacks=[record])
+        fit(module, dm, tmp_path / name, max_steps=3, callbacks=[record])
         assert isinstance(module.reference, PrecomputedReference)  # no reference resident while training
         assert not list(module.reference.parameters())
         passes.extend(module.reference.computed)
@@ -179,7 +170,7 @@ def test_lora_trains_adapters_only_and_exports_them(tmp_path, rows_path, tiny_pa
     original = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
     module = DPOModule(model="builtin:tiny", peft_config=LORA, learning_rate=1e-2, export_merged=True)
     record = Record()
-    fit(tmp_path, module, data(rows_path), steps=4, callbacks=[record])
+    fit(module, data(rows_path), tmp_path, max_steps=4, callbacks=[record])
     assert record.losses[-1] < record.losses[0]
     state = module.network.state_dict()
     lora = {k: v for k, v in state.items() if "lora_" in k}
@@ -212,62 +203,6 @@ def test_peft_config_errors():
         DPOModule(sync_ref_model=True, precompute_ref_log_probs=True)
 
 
-# -- TR-DPO sync -------------------------------------------------------------------------------------------------------
-class Snapshots(L.Callback):
-    """The reference's and the policy's parameters at the start of every training batch."""
-
-    def __init__(self):
-        self.ref, self.policy, self.steps = [], [], []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.steps.append(trainer.global_step)
-        self.ref.append([p.detach().clone() for p in pl_module.reference.model.parameters()])
-        self.policy.append([p.detach().clone() for p in pl_module.policy.parameters()])
-
-
-def test_sync_moves_the_reference_exactly_on_schedule(tmp_path, rows_path):
-    alpha, every = 0.25, 2
-    snaps = Snapshots()
-    module = DPOModule(model="builtin:tiny", learning_rate=1e-2, sync_ref_model=True, ref_model_sync_steps=every,
-                       ref_model_mixup_alpha=alpha)
-    # two batches per optimizer step: the sync must still happen once per step
-    trainer = fit(tmp_path, module, data(rows_path), steps=5, callbacks=[snaps], accumulate_grad_batches=2)
-    sync = next(cb for cb in trainer.callbacks if isinstance(cb, RefModelSync))
-    assert sync.synced_at == [2, 4]
-    final_ref = [p.detach().clone() for p in module.reference.model.parameters()]
-    final_policy = [p.detach().clone() for p in module.policy.parameters()]
-    snaps.ref.append(final_ref)
-    snaps.policy.append(final_policy)
-    snaps.steps.append(5)
-    for i in range(1, len(snaps.steps)):
-        before, after = snaps.ref[i - 1], snaps.ref[i]
-        synced = snaps.steps[i] != snaps.steps[i - 1] and snaps.steps[i] % every == 0
-        if not synced:
-            assert all(torch.equal(a, b) for a, b in zip(before, after)), f"reference moved at batch {i}"
-            continue
-        # the policy right after the optimizer step is the one seen at the next batch's start
-        expected = [r.mul(1 - alpha).add(p, alpha=alpha) for r, p in zip(before, snaps.policy[i])]
-        assert all(torch.equal(a, e) for a, e in zip(after, expected)), f"wrong mix at step {snaps.steps[i]}"
-        assert not all(torch.equal(a, b) for a, b in zip(before, after))
-
-
-def test_sync_reference_survives_resume(tmp_path, rows_path):
-    module = DPOModule(model="builtin:tiny", learning_rate=1e-2, sync_ref_model=True, ref_model_sync_steps=2)
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="last", every_n_train_steps=3)
-    fit(tmp_path, module, data(rows_path), steps=3, callbacks=[checkpoint], enable_checkpointing=True)
-    synced_ref = [p.detach().clone() for p in module.reference.model.parameters()]
-
-    class AtStart(L.Callback):
-        def on_train_start(self, trainer, pl_module):
-            self.ref = [p.detach().clone() for p in pl_module.reference.model.parameters()]
-
-    at_start = AtStart()
-    resumed = DPOModule(model="builtin:tiny", learning_rate=1e-2, sync_ref_model=True, ref_model_sync_steps=2)
-    fit(tmp_path, resumed, data(rows_path), steps=4, callbacks=[at_start],
-        ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
-    assert all(torch.equal(a, b) for a, b in zip(at_start.ref, synced_ref)), "resume lost the synced reference"
-
-
 # -- DDP: each rank computes its share, rank 0 writes the cache ------------------------------------------------------
 def test_precompute_under_ddp_matches_one_process(tmp_path, rows_path, lit_align_cache, tiny_path):
     """Two CPU ranks (the real CLI in a subprocess) fill the cache with the numbers one process computes.
@@ -295,7 +230,7 @@ def test_precompute_under_ddp_matches_one_process(tmp_path, rows_path, lit_align
     module.configure_model()
     single = reference_module.compute_ref_logps(
         dm.train_data, dm.collate, 16, lambda batch: completion_logps(module.reference.model, batch).tokens.sum(1).chunk(2),
-        torch.device("cpu"), L.Trainer(accelerator="cpu", devices=1, logger=False).strategy)
+        torch.device("cpu"), trainer().strategy)
     assert ddp_values.shape == (48, 2)
     assert_rounding_close(ddp_values, single, terms=TINY_TERMS)  # other batches: other padding, other orders
 
@@ -322,7 +257,7 @@ def test_cli_lora_run_exports_the_adapter_and_can_export_again(tmp_path, rows_pa
 def test_lora_checkpoint_resumes_the_adapters(tmp_path, rows_path):
     module = DPOModule(model="builtin:tiny", peft_config=LORA, learning_rate=1e-2)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="last", every_n_train_steps=2)
-    fit(tmp_path, module, data(rows_path), steps=2, callbacks=[checkpoint], enable_checkpointing=True)
+    fit(module, data(rows_path), tmp_path, max_steps=2, callbacks=[checkpoint], enable_checkpointing=True)
     trained = {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
 
     class AtStart(L.Callback):
@@ -331,29 +266,17 @@ def test_lora_checkpoint_resumes_the_adapters(tmp_path, rows_path):
 
     at_start = AtStart()
     resumed = DPOModule(model="builtin:tiny", peft_config=LORA, learning_rate=1e-2)
-    fit(tmp_path, resumed, data(rows_path), steps=3, callbacks=[at_start],
+    fit(resumed, data(rows_path), tmp_path, max_steps=3, callbacks=[at_start],
         ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert at_start.state.keys() == trained.keys()
     assert all(torch.equal(at_start.state[k], trained[k]) for k in trained), "resume did not restore the adapters"
 
 
-def test_sync_does_not_repeat_on_resume_and_refuses_sharded_strategies():
-    """A run resumed at a sync step (its first micro-batches still at that global step) does not mix again; FSDP and
-    ZeRO-3, whose parameters are shards outside a forward, are refused with a clear error."""
+def test_lora_is_refused_under_sharded_strategies():
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import FSDPStrategy
 
-    module = DPOModule(model="builtin:tiny")
-    module.configure_model()
-    sync = RefModelSync(ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
-    before = {k: v.clone() for k, v in module.reference.model.state_dict().items()}
-    resumed = SimpleNamespace(global_step=2)
-    sync.on_train_start(resumed, module)
-    sync.on_train_batch_end(resumed, module, None, None, 0)
-    assert sync.synced_at == [] and all(torch.equal(v, before[k]) for k, v in module.reference.model.state_dict().items())
-    with pytest.raises(LitAlignError, match="not under FSDP or DeepSpeed ZeRO-3"):
-        sync.on_fit_start(SimpleNamespace(strategy=FSDPStrategy()), module)
     with pytest.raises(LitAlignError, match="LoRA is not supported under FSDP"):
         lora = DPOModule(model="builtin:tiny", peft_config=LORA)
         lora._trainer = SimpleNamespace(strategy=FSDPStrategy())

@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers import fit as run_fit
 from helpers import read_metrics, write_sort_rows
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -51,10 +52,7 @@ def fit(module_cls, module_kw, data_cls, data_kw, root: Path, max_steps: int, ck
     if ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=root / "ckpt", filename="{step}", every_n_train_steps=ckpt_every,
                                          save_top_k=-1))
-    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=root, callbacks=callbacks,
-                        enable_checkpointing=bool(ckpt_every))
-    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    run_fit(module, dm, root, max_steps, callbacks, ckpt_path, enable_checkpointing=bool(ckpt_every))
     return losses, {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
 
 

@@ -22,7 +22,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 import lightning as L  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from lit_align.data.preference import PreferenceDataModule, collate_pairs  # noqa: E402
 from lit_align.data.tasks import SortTask  # noqa: E402

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 
-import lightning as L
 import pytest
 import torch
-from helpers import left_padded
+from helpers import fit, left_padded
 from tiny_models import ARCHITECTURES, PROMPTS, tiny_random
 
 from lit_align.data import PromptDataModule
@@ -176,10 +175,7 @@ def test_grpo_trains_and_validates_with_the_native_engine(tmp_path, tiny_path):
     assert isinstance(module.sampler, NativeSampler) and isinstance(module.greedy, NativeSampler)
     data = PromptDataModule(path=str(path), val_path=str(path), val_split="train", batch_size=4, num_generations=2,
                             steps_per_generation=2, val_batch_size=8)
-    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
-                        val_check_interval=4, num_sanity_val_steps=0)
-    trainer.fit(module, data)
+    trainer = fit(module, data, max_steps=4, limit_val_batches=1, val_check_interval=4)
     assert module.generation_rounds == 2
     metrics = trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and "val/reward" in metrics

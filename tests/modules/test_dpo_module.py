@@ -16,6 +16,7 @@ from lit_align.data import PreferenceDataModule
 from lit_align.errors import LitAlignError
 from lit_align.modules import DPOModule
 from lit_align.modules.dpo import METRICS
+from helpers import trainer
 from numerics import TINY_TERMS, assert_rounding_close
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,14 +26,6 @@ LN2_F32 = torch.tensor(math.log(2), dtype=torch.float32).item()
 def data(**kw) -> PreferenceDataModule:
     kw = {"path": "builtin:sort", "batch_size": 4, "max_length": 32, "val_split": None, "shuffle": False, **kw}
     return PreferenceDataModule(**kw)
-
-
-def trainer(tmp_path, max_steps, callbacks=(), **kw) -> L.Trainer:
-    kw = {
-        "accelerator": "cpu", "devices": 1, "max_steps": max_steps, "logger": False, "enable_progress_bar": False,
-        "enable_model_summary": False, "default_root_dir": tmp_path, "enable_checkpointing": False, **kw,
-    }
-    return L.Trainer(callbacks=list(callbacks), **kw)
 
 
 class Record(L.Callback):

@@ -19,7 +19,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from helpers import write_sort_rows
+from helpers import fit, metric_at, read_metrics, write_sort_rows
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_align.callbacks import CompletionsLogger
@@ -85,7 +85,7 @@ def prompts_file(tmp_path_factory) -> str:
 
 def fit_grpo(root: Path, prompts: str, max_steps: int, model: dict | None = None, data: dict | None = None,
              callbacks: list | None = None, **trainer_kwargs) -> SimpleNamespace:
-    """Fit GRPOModule on the tiny model; also record every ``grpo_token_losses`` call's ratio ``exp(logps - old)``."""
+    """Fit GRPOModule on the tiny model; the probe also records each step's ratio ``exp(logps - old)``."""
     torch.manual_seed(0)
     data = {"batch_size": 4, "num_generations": 2, **(data or {})}
     rounds = {k: data[k] for k in ("num_generations", "steps_per_generation", "num_iterations") if k in data}
@@ -93,22 +93,15 @@ def fit_grpo(root: Path, prompts: str, max_steps: int, model: dict | None = None
                         **rounds, **(model or {}))
     dm = PromptDataModule(path=prompts, val_split=None, **data)
     probe = GenerationProbe()
-    trainer_kwargs.setdefault("enable_checkpointing", False)
-    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=CSVLogger(root, name="grpo"),
-                        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[probe, *(callbacks or [])], **trainer_kwargs)
-    trainer.fit(module, dm)
-    ratios = probe.ratios
-    with open(Path(trainer.log_dir) / "metrics.csv", newline="") as f:
-        metrics = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
-    return SimpleNamespace(trainer=trainer, module=module, probe=probe, ratios=ratios, metrics=metrics,
-                           log_dir=Path(trainer.log_dir), root=root)
+    run = fit(module, dm, max_steps=max_steps, callbacks=[probe, *(callbacks or [])],
+              logger=CSVLogger(root, name="grpo"), **trainer_kwargs)
+    return SimpleNamespace(trainer=run, module=module, probe=probe, ratios=probe.ratios,
+                           metrics=read_metrics(Path(run.log_dir) / "metrics.csv"), log_dir=Path(run.log_dir),
+                           root=root)
 
 
 def metric(run, name: str, step: int) -> float:
-    values = [r[name] for r in run.metrics if name in r and int(r["step"]) == step]
-    assert len(values) == 1, f"{name} at step {step}: {values}"
-    return values[0]
+    return metric_at(run.metrics, name, step)
 
 
 @pytest.fixture(scope="module")
@@ -395,9 +388,7 @@ def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, 
             valid = rows.old_logps != 0
             ratios.append(float((torch.exp(outputs["logps"] - rows.old_logps) - 1)[valid].abs().max()))
 
-    trainer = L.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()])
-    trainer.fit(module, dm)
+    fit(module, dm, max_steps=8, callbacks=[Record()])
     assert len(seen) == 8
     for prompt_width, width, longest_prompt, longest, _, _ in seen:
         assert (prompt_width, width) == (longest_prompt, longest)  # no column is padding in every row

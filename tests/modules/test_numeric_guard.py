@@ -12,7 +12,7 @@ import torch
 from datasets import Dataset
 from lightning.pytorch.loggers import CSVLogger
 
-from helpers import read_metrics
+from helpers import fit, read_metrics, trainer
 from lit_align.data import PreferenceDataModule, PromptDataModule
 from lit_align.errors import LitAlignError
 from lit_align.modules import DPOModule, GRPOModule
@@ -31,14 +31,12 @@ def nan_pairs(tmp_path_factory) -> str:
 def fit_dpo(root, path, **model_kw):
     module = DPOModule(model="builtin:tiny", learning_rate=1e-3, **model_kw)
     dm = PreferenceDataModule(path=path, val_split=None, batch_size=4, shuffle=False, max_length=32)
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=CSVLogger(root, name="guard"),
-                        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False)
+    run = trainer(root, max_steps=3, logger=CSVLogger(root, name="guard"))
     try:
-        trainer.fit(module, dm)
+        run.fit(module, dm)
     finally:
         finite = all(torch.isfinite(p).all() for p in module.policy.parameters())
-    return trainer, module, finite
+    return run, module, finite
 
 
 def test_nonfinite_loss_stops_with_step_and_rows(tmp_path, nan_pairs, tiny_path):
@@ -84,10 +82,8 @@ def test_grpo_names_the_completions_prompts_dataset_rows(tmp_path, tiny_path, wr
     dm = PromptDataModule(path=path, val_split=None, batch_size=4, num_generations=2, steps_per_generation=2,
                           shuffle=False)
     poison = PoisonOneAdvantage()
-    trainer = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, callbacks=[poison])
     with pytest.raises(LitAlignError, match=r"at step 1, batch 1, rows \[1\] \(dataset rows \[\d\]\)") as error:
-        trainer.fit(module, dm)
+        fit(module, dm, max_steps=2, callbacks=[poison])
     assert f"(dataset rows [{poison.dataset_row}])" in str(error.value)
     assert poison.dataset_row == poison.row // 2  # completion i of the round is of prompt i // G (no shuffle)
     assert all(torch.isfinite(p).all() for p in module.policy.parameters())
@@ -106,10 +102,7 @@ class NanGradient(L.Callback):
 
 def fit_sort(module, callbacks, max_steps=3):
     dm = PreferenceDataModule(path="builtin:sort", val_split=None, batch_size=4, shuffle=False, max_length=32)
-    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks)
-    trainer.fit(module, dm)
-    return trainer
+    return fit(module, dm, max_steps=max_steps, callbacks=callbacks)
 
 
 def test_nonfinite_gradients_stop_before_the_update(tiny_path):

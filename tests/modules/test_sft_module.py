@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from helpers import read_metrics
+from helpers import fit, read_metrics
 
 from lit_align.data.completions import CompletionDataModule, collate_completions, tokenize_completion
 from lit_align.modules.sft import SFTModule, sft_token_stats
@@ -150,12 +150,8 @@ def test_short_sft_run_lowers_the_loss(tmp_path, tiny_path):
     L.seed_everything(0)
     module = SFTModule("builtin:tiny", learning_rate=3e-3, warmup_steps=5, val_exact_match=True, val_max_new_tokens=8)
     data = CompletionDataModule("builtin:sort", batch_size=32, val_batch_size=100, max_length=64)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=40, val_check_interval=40, limit_val_batches=1, log_every_n_steps=1,
-        num_sanity_val_steps=0, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="sft"), default_root_dir=tmp_path,
-    )
-    trainer.fit(module, datamodule=data)
+    fit(module, data, tmp_path, max_steps=40, val_check_interval=40, limit_val_batches=1,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path, name="sft"))
     rows = read_metrics(tmp_path / "sft" / "version_0" / "metrics.csv")
     train = {int(r["step"]): r for r in rows if "train/loss" in r}
     first, last = train[0]["train/loss"], train[39]["train/loss"]

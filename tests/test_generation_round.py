@@ -1,0 +1,69 @@
+"""lit_align.generation_round: a round's step slices, their trimming, and its checkpoint form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lit_align.errors import LitAlignError
+from lit_align.generation_round import GenerationRound, check_round_settings
+
+
+def make_round(old: bool = True) -> GenerationRound:
+    """4 completions of 2 prompts (G = 2), 2 steps; prompts left-padded to 4, completions right-padded to 3."""
+    prompt_mask = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    values = torch.arange(12, dtype=torch.float32).view(4, 3)
+    return GenerationRound(
+        prompt_ids=torch.arange(16).view(4, 4) * prompt_mask, prompt_mask=prompt_mask,
+        completion_ids=torch.arange(12).view(4, 3) * completion_mask, completion_mask=completion_mask,
+        loss_mask=completion_mask.clone(), advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        old_logps=values if old else None, ref_logps=None, order=[1, 0, 3, 2], steps=2, num_tokens=3.5,
+        stats={"reward": torch.tensor(0.25)}, prompts=["a", "a", "b", "b"], completions=["x", "y", "z", "w"],
+        rewards=[1.0, 0.0, 0.5, 0.0], dataset_rows=[7, 7, 3, 3],
+    )
+
+
+def test_step_rows_take_the_steps_slice_of_the_order_trimmed():
+    r = make_round()
+    first = r.step_rows(0)  # rows 1, 0: prompts of 2 real tokens, completions of at most 2
+    assert first.prompt_ids.tolist() == [[6, 7], [2, 3]] and first.prompt_mask.tolist() == [[1, 1], [1, 1]]
+    assert first.completion_ids.tolist() == [[3, 4], [0, 0]]
+    assert first.completion_mask.tolist() == [[1, 1], [1, 0]] and first.loss_mask.tolist() == [[1, 1], [1, 0]]
+    assert first.advantages.tolist() == [-1.0, 1.0]
+    assert first.old_logps.tolist() == [[3.0, 4.0], [0.0, 1.0]] and first.ref_logps is None
+    assert first.dataset_rows == [7, 7]
+    second = r.step_rows(1)  # rows 3, 2: full prompts, completions of up to 3
+    assert second.prompt_ids.shape == (2, 4) and second.completion_ids.shape == (2, 3)
+    assert second.advantages.tolist() == [-0.5, 0.5] and second.dataset_rows == [3, 3]
+    # a second pass over the round (num_iterations): the same slices again
+    again = r.step_rows(2)
+    assert torch.equal(again.completion_ids, first.completion_ids) and again.dataset_rows == first.dataset_rows
+    assert make_round(old=False).step_rows(0).old_logps is None
+
+
+def test_the_checkpoint_form_rebuilds_the_same_round():
+    r = make_round()
+    state = r.state_dict()
+    assert all(v.device.type == "cpu" for v in state.values() if isinstance(v, torch.Tensor))
+    rebuilt = GenerationRound(**state)
+    for name, value in state.items():
+        got = getattr(rebuilt, name)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got, getattr(r, name)), name
+        elif name == "stats":
+            assert got.keys() == r.stats.keys() and all(torch.equal(got[k], r.stats[k]) for k in got)
+        else:
+            assert got == getattr(r, name), name
+
+
+@pytest.mark.parametrize("settings,match", [
+    ((1, 1, 1), "data.num_generations must be >= 2"),
+    ((2, 0, 1), "data.steps_per_generation and data.num_iterations must be >= 1"),
+    ((2, 1, 0), "data.steps_per_generation and data.num_iterations must be >= 1"),
+])
+def test_round_settings_are_checked_in_one_place(settings, match):
+    with pytest.raises(LitAlignError, match=match):
+        check_round_settings(*settings)
+    with pytest.raises(LitAlignError, match=match.replace("data.", "model.")):
+        check_round_settings(*settings, owner="model")
