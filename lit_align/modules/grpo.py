@@ -28,6 +28,7 @@ from lit_align.modules.base import AlignModule
 from lit_align.reference import choose_reference
 from lit_align.rewards import import_reward, reward_name, score
 
+
 def _repeat(values: list, times: int) -> list:
     return [v for v in values for _ in range(times)]
 
