@@ -39,13 +39,23 @@ class HFExport(L.Callback):
         self.dirname, self.path, self.enabled = dirname, path, enabled
         self.exported_to: Path | None = None
 
-    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self.enabled:
-            return
+    def target(self, trainer: L.Trainer) -> Path:
+        """Where the export goes; refuses (before training, and again at the end) a path that holds anything but a
+        Hugging Face model directory, which the export would replace."""
         target = Path(self.path) if self.path else run_dir(trainer) / self.dirname  # every rank: log_dir broadcasts
         if target.exists() and not any((target / name).exists() for name in ("config.json", "adapter_config.json")):
             raise LitAlignError(f"export path {target} exists and is not a Hugging Face model directory; "
                                 "refusing to replace it (choose another export.path)")
+        return target
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.enabled:
+            self.target(trainer)  # a mistake found now costs nothing; at the end it would cost the run
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.enabled:
+            return
+        target = self.target(trainer)
         state_dict = full_policy_state_dict(trainer, pl_module.policy)  # every rank: gathers sharded weights
         if not trainer.is_global_zero:
             return

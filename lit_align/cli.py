@@ -9,11 +9,15 @@ A mistake in the user's data or settings prints one ``error:`` line and exits wi
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
+import zipfile
+from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_align.callbacks import HFExport, SigtermCheckpoint
@@ -25,6 +29,18 @@ SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process the signal end
 
 
 class AlignCLI(LightningCLI):
+    def _parse_ckpt_path(self) -> None:
+        """Check ``--ckpt_path`` before anything is built, and keep the user's config as it is.
+
+        LightningCLI would lay the checkpoint's hyper-parameters over the config, silently dropping what the user
+        set; instead the module compares them on resume (``AlignModule.on_load_checkpoint``) and refuses a
+        difference that a resume cannot honour.
+        """
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if path is not None:
+            check_checkpoint_file(path)
+
     def add_arguments_to_parser(self, parser) -> None:
         # always on, configured under `export:` (like any callback, but no need to list it in every config)
         parser.add_lightning_class_args(HFExport, "export")
@@ -40,6 +56,27 @@ class AlignCLI(LightningCLI):
         if trainer.checkpoint_callback is not None:
             trainer.callbacks.append(SigtermCheckpoint())
         return trainer
+
+
+def check_checkpoint_file(path: str) -> None:
+    """Raise ``LitAlignError`` unless ``path`` looks like a whole checkpoint (Lightning's ``last`` / ``best`` /
+    ``hpc`` names and remote URLs are left to Lightning). A checkpoint is a zip archive (``torch.save``); a file cut
+    short loses the directory at its end, which ``zipfile`` reads first."""
+    if path in ("last", "best", "hpc", "registry") or "://" in path:
+        return
+    file = Path(path)
+    if not file.exists():
+        raise LitAlignError(f"--ckpt_path {path}: no such file")
+    if not file.is_file():
+        raise LitAlignError(f"--ckpt_path {path}: not a file (expected a .ckpt file, e.g. <run>/checkpoints/last.ckpt)")
+    if file.stat().st_size == 0:
+        raise LitAlignError(f"--ckpt_path {path}: the file is empty")
+    try:
+        with zipfile.ZipFile(file) as archive:
+            archive.getinfo(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    except (zipfile.BadZipFile, StopIteration, OSError) as exc:
+        raise LitAlignError(f"--ckpt_path {path}: not a readable checkpoint ({exc or 'no data.pkl inside'}); "
+                            "it may be truncated") from None
 
 
 def main(args: list[str] | None = None) -> None:
@@ -73,16 +110,37 @@ def run(args: list[str] | None = None) -> LightningCLI:
         sys.exit(2)
 
 
-def _user_error(exc: BaseException) -> LitAlignError | None:
-    """The LitAlignError behind ``exc``: itself, or the cause jsonargparse wraps it in when a class's ``__init__``
-    rejects its arguments (``ValueError: Does not validate against any of the Union subtypes``)."""
+def _user_error(exc: BaseException) -> str | None:
+    """The message for the user behind ``exc``, or None for a bug (which keeps its traceback):
+
+    - a ``LitAlignError``: itself, or the cause jsonargparse wraps it in when a class's ``__init__`` rejects its
+      arguments (``ValueError: Does not validate against any of the Union subtypes``);
+    - a setting Lightning rejects (``MisconfigurationException``, or a ``ValueError`` raised inside Lightning, e.g.
+      ``val_check_interval`` larger than the training batches);
+    - the file system refusing a path or running out of space (an ``OSError`` naming its file): a full disk during a
+      checkpoint or export leaves the previous files whole (``AtomicCheckpointIO``, ``HFExport``).
+    """
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, LitAlignError):
-            return exc
+            return str(exc)
+        if isinstance(exc, MisconfigurationException) or (isinstance(exc, ValueError) and _raised_in_lightning(exc)):
+            return " ".join(str(exc).split())
+        if isinstance(exc, OSError) and exc.filename is not None:
+            return f"{exc.filename}: {exc.strerror or exc}"
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return f"{exc.strerror}: the disk is full (files written before stay whole)"
         seen.add(id(exc))
         exc = exc.__cause__
     return None
+
+
+def _raised_in_lightning(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and f"{os.sep}lightning{os.sep}" in last.tb_frame.f_code.co_filename
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
 DPO and GRPO both call ``reference.logps(batch, compute)``, where ``compute(network)`` is the function their policy's
 values come from: the same layout, the same kernel, so the reference's numbers mean what the policy's do.
 
-The precompute cache is ``$LIT_ALIGN_CACHE/ref_logps/<key>.pt`` (``[rows, 2]`` float32). The key hashes everything the
+The precompute cache is ``$LIT_ALIGN_CACHE/ref_logps/<key>.pt`` (``[rows, 2]`` float32), with the SHA-256 of its bytes
+in ``<key>.sha256``: a file that does not match it is recomputed, with a warning. The key hashes everything the
 numbers depend on: the rows' token ids in order (a content hash, not ``datasets``' ``_fingerprint``, which turns random
 when a map function cannot be hashed, so it covers the tokenizer, chat template and prompt handling), ``max_length``
 (the batch truncates), the reference's files (``config.json`` and weights, by content; a hub model's from its local
@@ -37,7 +38,7 @@ from typing import Callable
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lit_align.errors import LitAlignError
@@ -155,11 +156,9 @@ class PrecomputedReference(Reference):
         path = cache_path(cache_key(rows, reference=reference_hash, dtype=hp.dtype,
                                     attn_implementation=hp.attn_implementation, precision=str(trainer.precision),
                                     max_length=max_length, **module.reference_settings()))
-        if strategy.broadcast(path.exists(), src=0):
+        # rank 0 checks the file against the digest written beside it; every rank then reads it
+        if strategy.broadcast(verified_cache(path, len(rows)) if trainer.is_global_zero else None, src=0):
             values = torch.load(path, map_location="cpu", weights_only=True)
-            if values.shape != (len(rows), 2):
-                raise LitAlignError(f"reference log-prob cache {path} holds {tuple(values.shape)}, expected "
-                                    f"({len(rows)}, 2): delete it")
             rank_zero_info(f"lit_align: reference log-probs for {split} ({len(rows)} rows) read from {path}")
             return attach(rows, values)
         batch_size = self.batch_size or batch_size
@@ -175,10 +174,7 @@ class PrecomputedReference(Reference):
         values = compute_ref_logps(rows, collate, batch_size, pair_logps, device, strategy)
         self.computed.append(split)  # the reference is freed when this returns
         if strategy.global_rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-            torch.save(values, partial)
-            os.replace(partial, path)  # atomic: a reader sees the whole file or none
+            write_cache(path, values)
         return attach(rows, values)
 
 
@@ -236,6 +232,47 @@ def cache_key(dataset, **settings) -> str:
 
 def cache_path(key: str) -> Path:
     return cache_dir() / "ref_logps" / f"{key}.pt"
+
+
+def write_cache(path: Path, values: torch.Tensor) -> None:
+    """``values`` at ``path`` and the SHA-256 of the file's bytes at ``path.sha256``, each written atomically (the
+    digest last: a file without its digest is never trusted)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for target, write in ((path, lambda f: torch.save(values, f)),
+                          (path.with_suffix(".sha256"), lambda f: f.write(_sha256(path).encode()))):
+        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        with open(partial, "wb") as f:
+            write(f)
+        os.replace(partial, target)  # atomic: a reader sees the whole file or none
+
+
+def verified_cache(path: Path, rows: int) -> bool:
+    """Whether ``path`` holds ``[rows, 2]`` log-probs whose bytes match the digest written beside them; a file that
+    does not verify (changed, cut short, of another shape, without its digest) is reported and recomputed."""
+    if not path.exists():
+        return False
+    digest = path.with_suffix(".sha256")
+    problem = None
+    if not digest.exists() or digest.read_text().strip() != _sha256(path):
+        problem = "its content does not match its digest"
+    else:
+        try:
+            shape = tuple(torch.load(path, map_location="cpu", weights_only=True).shape)
+        except Exception as exc:  # noqa: BLE001 - whatever torch.load raises on a damaged file
+            shape, problem = None, f"it cannot be read ({type(exc).__name__})"
+        if problem is None and shape != (rows, 2):
+            problem = f"it holds {shape}, expected ({rows}, 2)"
+    if problem is not None:
+        rank_zero_warn(f"lit_align: reference log-prob cache {path}: {problem}; computing the log-probs again")
+    return problem is None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def compute_ref_logps(dataset, collate, batch_size: int, pair_logps: Callable, device: torch.device,

@@ -101,6 +101,15 @@ class SigtermAt(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class DiskFullOnSave(L.Callback):
+    """Every checkpoint save fails as a full disk makes it fail (``OSError`` ENOSPC, no file named)."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        import errno
+
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 class HangInCheckpointWrite(L.Callback):
     """From step ``step`` on, every ``torch.save`` writes half a checkpoint's bytes, touches ``marker`` and hangs: a
     process killed then dies in the middle of a checkpoint write.
@@ -143,6 +152,32 @@ def write_sort_rows(path: Path, n: int, kind: str) -> str:
                 for d in digits]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+def run_main(args: list[str], capfd) -> tuple[int, str, str]:
+    """``main(args)`` in-process: (exit code, stdout, stderr). A non-SystemExit exception fails the test."""
+    code, argv = 0, sys.argv
+    sys.argv = ["lit-align"]  # not pytest's own arguments (LightningCLI warns when it sees both)
+    try:
+        from lit_align.cli import main
+
+        main(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.argv = argv
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> str:
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
 
 
 def run_single(args: list[str]) -> None:

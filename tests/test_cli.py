@@ -19,35 +19,11 @@ import yaml
 from helpers import metric_at, read_metrics
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lit_align.cli import main
+from helpers import assert_one_line_error, run_main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 DPO = str(REPO / "configs" / "dpo.yaml")
-
-
-def run_main(args: list[str], capfd) -> tuple[int, str, str]:
-    """``main(args)`` in-process: (exit code, stdout, stderr). A non-SystemExit exception fails the test."""
-    code, argv = 0, sys.argv
-    sys.argv = ["lit-align"]  # not pytest's own arguments (LightningCLI warns when it sees both)
-    try:
-        main(args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        sys.argv = argv
-    out, err = capfd.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(code: int, err: str, *needles: str) -> str:
-    assert code == 2, err
-    assert "Traceback" not in err, err
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, err
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
 
 
 def test_there_are_configs():
@@ -125,9 +101,11 @@ def test_export_never_replaces_a_directory_that_is_not_a_model(tmp_path, capfd):
         "fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
         "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.enable_checkpointing",
         "false", "--trainer.default_root_dir", str(tmp_path), "--export.path", str(target),
+        "--trainer.callbacks+=helpers.RecordBatches", f"--trainer.callbacks.out_dir={tmp_path / 'seen'}",
     ], capfd)
     assert_one_line_error(code, err, str(target), "not a Hugging Face model directory")
     assert (target / "notes.txt").read_text() == "keep me"
+    assert not (tmp_path / "seen").exists()  # refused before training, not after it
 
 
 # -- mistakes: exit status 2, one `error:` line naming the culprit, no traceback -------------------------------------
@@ -191,6 +169,37 @@ def test_config_mistakes_are_usage_errors(args, needle, capfd):
     assert "Traceback" not in err
     assert "usage:" in err and "error:" in err
     assert needle in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model.init_args.learning_rate", "-1"], "error: model.learning_rate must be >= 0, got -1.0"),
+    (["--data.init_args.val_batch_size", "-1"], "error: data.val_batch_size must be >= 1 or null, got -1"),
+    (["--data.init_args.num_workers", "-1"], "error: data.num_workers must be >= 0, got -1"),
+])
+def test_setting_mistakes_are_one_error_line(args, message, capfd):
+    code, _, err = run_main(["fit", "-c", DPO, "--trainer.max_steps", "1", *args], capfd)
+    assert assert_one_line_error(code, err) == message
+
+
+def test_lightning_and_file_system_refusals_are_one_error_line(tmp_path, capfd):
+    """A 6-row file under the shipped dpo.yaml (val_check_interval 50 > 1 batch), and a logger whose save_dir is a
+    file: what Lightning and the file system refuse is a user's mistake too."""
+    rows = tmp_path / "six.jsonl"
+    rows.write_text("".join('{"prompt": "sort %d:", "chosen": " 1", "rejected": " 2"}\n' % i for i in range(6)))
+    code, _, err = run_main(["fit", "-c", DPO, "--data.init_args.path", str(rows), "--data.init_args.val_split",
+                             "null", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)], capfd)
+    assert_one_line_error(code, err, "`val_check_interval` (50) must be less than or equal to the number of the "
+                                     "training batches (1)")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code, _, err = run_main(["fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
+                             "--trainer.logger.init_args.save_dir", str(blocker)], capfd)
+    assert_one_line_error(code, err, str(blocker))
+    code, _, err = run_main(["fit", "-c", DPO, "--trainer.max_steps", "2", "--data.init_args.val_split", "null",
+                             "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path),
+                             "--trainer.callbacks+=helpers.DiskFullOnSave"], capfd)
+    assert assert_one_line_error(code, err) == ("error: No space left on device: the disk is full (files written "
+                                                "before stay whole)")
 
 
 def test_typo_in_a_config_file(tmp_path, capfd):

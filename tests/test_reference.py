@@ -154,6 +154,37 @@ def test_precompute_reuses_its_cache(tmp_path, rows_path, lit_align_cache):
     assert len(passes) == 4
 
 
+@pytest.mark.parametrize("damage", ["edited", "truncated", "no digest"])
+def test_a_cache_file_that_does_not_verify_is_computed_again(tmp_path, rows_path, lit_align_cache, damage):
+    """A cached file changed after it was written (5 added to column 0), cut short, or without its digest: the run
+    warns, runs the reference again and trains on the true values (its losses are the first run's)."""
+    shutil.rmtree(lit_align_cache / "ref_logps", ignore_errors=True)
+
+    def run(name):
+        record = Record()
+        module = DPOModule(model="builtin:tiny", precompute_ref_log_probs=True, learning_rate=1e-3)
+        fit(module, data(rows_path), tmp_path / name, max_steps=2, callbacks=[record])
+        return record, module.reference.computed
+
+    first, computed = run("first")
+    assert computed == ["train"]
+    (cached,) = (lit_align_cache / "ref_logps").glob("*.pt")
+    if damage == "edited":
+        values = torch.load(cached, weights_only=True)
+        values[:, 0] += 5
+        torch.save(values, cached)
+    elif damage == "truncated":
+        cached.write_bytes(cached.read_bytes()[:100])
+    else:
+        cached.with_suffix(".sha256").unlink()
+    with pytest.warns(UserWarning, match=f"reference log-prob cache {cached}: .*computing the log-probs again"):
+        second, computed = run("second")
+    assert computed == ["train"]
+    assert second.losses == first.losses
+    _, computed = run("third")  # rewritten with its digest: read back
+    assert computed == []
+
+
 def test_precompute_key_follows_the_rows_and_the_reference(rows_path, tiny_path, noisy_ref):
     dm = data(rows_path, tokenizer="builtin:tiny")
     dm.setup("fit")

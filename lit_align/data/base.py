@@ -111,6 +111,10 @@ class AlignDataModule(L.LightningDataModule):
         super().__init__()
         if batch_size < 1:
             raise LitAlignError(f"data.batch_size must be >= 1, got {batch_size}")
+        if val_batch_size is not None and val_batch_size < 1:
+            raise LitAlignError(f"data.val_batch_size must be >= 1 or null, got {val_batch_size}")
+        if num_workers < 0:
+            raise LitAlignError(f"data.num_workers must be >= 0, got {num_workers}")
         if not 0.0 <= val_fraction < 1.0:
             raise LitAlignError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
         self.path, self.config_name = path, config_name

@@ -22,6 +22,11 @@ from lit_align.models import load_model, load_tokenizer
 from lit_align.reference import Reference
 
 
+# Model settings a resume may change: how the same numbers are computed or exported, not which numbers.
+RESUME_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "on_nonfinite_loss", "export_merged", "engine",
+                     "precompute_ref_batch_size")
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """Set every dropout probability to 0 (TRL's ``disable_dropout=True``): log-probs must be deterministic."""
     for module in model.modules():
@@ -89,6 +94,12 @@ class AlignModule(L.LightningModule):
         super().__init__()
         if on_nonfinite_loss not in ("error", "skip"):
             raise LitAlignError(f"model.on_nonfinite_loss {on_nonfinite_loss!r}: expected 'error' or 'skip'")
+        for name, value in (("learning_rate", learning_rate), ("weight_decay", weight_decay),
+                            ("warmup_steps", warmup_steps)):
+            if value < 0:
+                raise LitAlignError(f"model.{name} must be >= 0, got {value}")
+        if not 0 <= warmup_ratio <= 1:
+            raise LitAlignError(f"model.warmup_ratio must be in [0, 1], got {warmup_ratio}")
         self.save_hyperparameters()
         self.lora_config = lora_config(peft_config) if peft_config is not None else None
         self.model_name = model
@@ -206,12 +217,31 @@ class AlignModule(L.LightningModule):
                             "(set model.on_nonfinite_loss: skip to skip such updates)")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["lit_align_recipe"] = type(self).__name__
         checkpoint["lit_align_skipped_batches"] = self.skipped_batches
         checkpoint["lit_align_num_tokens"] = self.num_tokens
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.check_resume(checkpoint)
         self.skipped_batches = checkpoint.get("lit_align_skipped_batches", 0)
         self.num_tokens = checkpoint.get("lit_align_num_tokens", 0.0)
+
+    def check_resume(self, checkpoint: dict) -> None:
+        """A resume continues the checkpoint's run: refuse another recipe's checkpoint, and any model setting that
+        differs from the checkpoint's except those in ``RESUME_MAY_CHANGE`` (trainer settings, e.g. ``max_steps``,
+        logging and callbacks, are not model settings and may change)."""
+        where = f"--ckpt_path {self._trainer.ckpt_path}" if self._trainer is not None else "the checkpoint"
+        recipe = checkpoint.get("lit_align_recipe")
+        if recipe is not None and recipe != type(self).__name__:
+            raise LitAlignError(f"{where} is a {recipe} checkpoint; this run is {type(self).__name__} (resume a "
+                                "checkpoint with the recipe that wrote it)")
+        saved = checkpoint.get("hyper_parameters") or {}
+        for key, value in self.hparams.items():
+            if key.startswith("_") or key in RESUME_MAY_CHANGE or key not in saved or saved[key] == value:
+                continue
+            raise LitAlignError(f"{where}: model.{key} is {value!r} in this run but {saved[key]!r} in the checkpoint; "
+                                f"a resume continues that run, so only these model settings may change: "
+                                f"{', '.join(RESUME_MAY_CHANGE)} (and trainer settings such as max_steps or logging)")
 
     def on_validation_epoch_start(self) -> None:
         # trainer.validate runs in inference mode, so the metrics' states become inference tensors, which a later
