@@ -119,13 +119,25 @@ class SigtermCheckpoint(L.Callback):
 
     Lightning already handles the signal: it lets the current batch finish, stops every rank (the flag is broadcast
     under DDP) and raises ``SIGTERMException``; outside SLURM it saves nothing. This callback saves a checkpoint at
-    that point, a clean step boundary, into the ``ModelCheckpoint``'s directory, so
+    that point, a clean step boundary (under gradient accumulation, the end of the window the signal fell in), into the ``ModelCheckpoint``'s directory, so
     ``lit-align fit -c CONFIG --ckpt_path <dir>/last.ckpt`` resumes exactly. ``lit-align`` adds it to every run that
     checkpoints, and then exits with status 143 (128 + SIGTERM: the run is not finished).
     """
 
     def __init__(self) -> None:
         self.saved_to: Path | None = None
+        self._deferred = False
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        """Lightning stops after the batch the signal arrived in. Inside a gradient-accumulation window that would
+        lose the window's gradients (a checkpoint holds parameters and optimizer state, not ``.grad``), so the stop
+        waits for the window's last batch: the flag Lightning checks right after this hook is held back until then."""
+        signals = trainer._signal_connector
+        accumulating = trainer.fit_loop.epoch_loop._should_accumulate()
+        if signals.received_sigterm and accumulating:
+            signals.received_sigterm, self._deferred = False, True
+        elif self._deferred and not accumulating:
+            signals.received_sigterm, self._deferred = True, False
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         checkpoint = trainer.checkpoint_callback

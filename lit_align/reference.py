@@ -82,17 +82,24 @@ class FrozenReference(Reference):
         super().__init__()
         self.name = name
         self.model: torch.nn.Module | None = None
+        self.identity: str | None = None  # digest of the files it was loaded from (checkpoints record it)
 
     def setup(self, module) -> None:
         if self.model is not None:
             return
         if self.name is not None:
             self.model = frozen(module.load(self.name))
-            return
-        model = copy.deepcopy(module.policy)
-        if module.hparams.gradient_checkpointing:
-            model.gradient_checkpointing_disable()
-        self.model = frozen(model)
+        else:
+            model = copy.deepcopy(module.policy)
+            if module.hparams.gradient_checkpointing:
+                model.gradient_checkpointing_disable()
+            self.model = frozen(model)
+        # what a resume checks: the reference is re-read from its files, which may have been rewritten since
+        name, trainer = self.name or module.model_name, module._trainer
+        if trainer is None:
+            self.identity = model_files_hash(name)
+        else:  # one rank reads the files (every rank reading a large model's files is slow)
+            self.identity = trainer.strategy.broadcast(model_files_hash(name) if trainer.is_global_zero else None)
 
     def train(self, mode: bool = True):
         return super().train(False)  # a reference stays in eval mode whatever its owner does
@@ -212,7 +219,7 @@ def model_files_hash(name: str) -> str:
 
         config = cached_file(name, "config.json")
         if config is None:
-            raise LitAlignError(f"precompute_ref_log_probs: cannot find the files of model {name!r} to key the cache")
+            raise LitAlignError(f"cannot find the files of model {name!r} to fingerprint the reference")
         path = Path(config).parent
     files = sorted(p for p in path.iterdir() if p.name == "config.json" or p.name.endswith(WEIGHT_SUFFIXES))
     h = hashlib.sha256()

@@ -139,6 +139,10 @@ def test_nonexistent_data_file(tmp_path, capfd):
     code, _, err = run_main(["fit", "-c", DPO, "--data.init_args.path", str(path),
                              "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
     assert_one_line_error(code, err, f"error: {path}: no such file")
+    path.mkdir()  # a directory named like a data file
+    code, _, err = run_main(["fit", "-c", DPO, "--data.init_args.path", str(path),
+                             "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
+    assert_one_line_error(code, err, f"error: {path}: a directory, not a data file")
 
 
 def test_nonexistent_model_path(tmp_path, capfd):

@@ -25,20 +25,29 @@ class ResumableLoader(DataLoader):
     The sampler must replay the same order: a ``DistributedSampler`` (seeded per epoch) or a subclass of it.
     """
 
-    def __init__(self, *args, trainer: L.Trainer | None = None, **kwargs):
+    def __init__(self, *args, trainer: L.Trainer | None = None, shape: dict[str, int] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.trainer = trainer
+        self.shape = dict(shape or {})  # the data settings a batch's rows follow from (``data.batch_size``, ...)
         self._resume: dict[str, int] | None = None
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict:
         if self.trainer is None:
-            return {"epoch": 0, "batches": 0}
+            return {"epoch": 0, "batches": 0, "shape": self.shape}
         done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         if done >= self.trainer.num_training_batches:  # the epoch is over (``limit_train_batches`` counts too)
-            return {"epoch": self.trainer.current_epoch + 1, "batches": 0}
-        return {"epoch": self.trainer.current_epoch, "batches": done}
+            return {"epoch": self.trainer.current_epoch + 1, "batches": 0, "shape": self.shape}
+        return {"epoch": self.trainer.current_epoch, "batches": done, "shape": self.shape}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict) -> None:
+        """The position is counted in batches: a resume whose batches hold other rows would retrain or skip rows,
+        so a change of the settings that shape them is refused."""
+        for name, saved in state.get("shape", {}).items():
+            if name in self.shape and self.shape[name] != saved:
+                raise LitAlignError(
+                    f"data.{name} is {self.shape[name]} in this run but {saved} in the checkpoint: the resumed epoch "
+                    f"goes on from a position counted in the checkpoint's batches (keep data.{name}, or start a new "
+                    "run from the checkpoint's exported model)")
         self._resume = dict(state)
 
     def __iter__(self) -> Iterator:
@@ -184,7 +193,8 @@ class AlignDataModule(L.LightningDataModule):
         # DistributedSampler under DDP, but honouring ``shuffle: false`` there too)
         sampler = SkippingSampler(self.train_data, num_replicas=world, rank=rank, shuffle=self.shuffle, seed=self.seed)
         return ResumableLoader(self.train_data, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate,
-                               num_workers=self.num_workers, drop_last=False, trainer=trainer)
+                               num_workers=self.num_workers, drop_last=False, trainer=trainer,
+                               shape={"batch_size": self.batch_size})
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_data is None:

@@ -52,6 +52,8 @@ def load_rows(source: str, split: str, kind: str, config_name: str | None = None
 
 
 def _load_file(path: Path, split: str) -> datasets.Dataset:
+    if path.is_dir():
+        raise LitAlignError(f"{path}: a directory, not a data file")
     if not path.is_file():
         raise LitAlignError(f"{path}: no such file")
     builder = FILE_BUILDERS.get(path.suffix.lower())

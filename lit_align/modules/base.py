@@ -112,6 +112,8 @@ class AlignModule(L.LightningModule):
         self.tokenizer = None
         self.skipped_batches = 0
         self.num_tokens = 0.0  # attended training tokens so far, all ranks (TRL's num_tokens; recipes that log it)
+        self.total_steps: int | None = None  # optimizer steps the learning-rate schedule spans (set with it)
+        self._resumed_total: int | None = None
         self.register_load_state_dict_post_hook(_reference_not_in_checkpoints)
 
     def load(self, name: str) -> torch.nn.Module:
@@ -218,11 +220,14 @@ class AlignModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_align_recipe"] = type(self).__name__
+        checkpoint["lit_align_reference"] = getattr(self.reference, "identity", None)
+        checkpoint["lit_align_total_steps"] = self.total_steps
         checkpoint["lit_align_skipped_batches"] = self.skipped_batches
         checkpoint["lit_align_num_tokens"] = self.num_tokens
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.check_resume(checkpoint)
+        self._resumed_total = checkpoint.get("lit_align_total_steps")
         self.skipped_batches = checkpoint.get("lit_align_skipped_batches", 0)
         self.num_tokens = checkpoint.get("lit_align_num_tokens", 0.0)
 
@@ -235,6 +240,11 @@ class AlignModule(L.LightningModule):
         if recipe is not None and recipe != type(self).__name__:
             raise LitAlignError(f"{where} is a {recipe} checkpoint; this run is {type(self).__name__} (resume a "
                                 "checkpoint with the recipe that wrote it)")
+        identity, saved_identity = getattr(self.reference, "identity", None), checkpoint.get("lit_align_reference")
+        if identity is not None and saved_identity is not None and identity != saved_identity:
+            raise LitAlignError(f"{where}: the reference model's files ({self.reference.name or self.model_name}) "
+                                "changed since the checkpoint was written (their digest differs), so the resumed run "
+                                "would train against another reference; restore those files or start a new run")
         saved = checkpoint.get("hyper_parameters") or {}
         for key, value in self.hparams.items():
             if key.startswith("_") or key in RESUME_MAY_CHANGE or key not in saved or saved[key] == value:
@@ -255,6 +265,10 @@ class AlignModule(L.LightningModule):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
         total = int(self.trainer.estimated_stepping_batches)
+        if self._resumed_total is not None and self._resumed_total != total:
+            rank_zero_warn(f"lit_align: resumed with another length: the learning-rate schedule ({hp.lr_scheduler_type}) "
+                           f"now spans {total} optimizer steps instead of the checkpoint's {self._resumed_total}")
+        self.total_steps = total
         warmup = hp.warmup_steps or int(hp.warmup_ratio * total)
         try:
             scheduler = get_scheduler(hp.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)

@@ -93,11 +93,15 @@ def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_resumable(tmp_
 
 
 @pytest.mark.slow
-def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, pairs_file, tiny_path):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, pairs_file, tiny_path, accumulate):
+    """With ``accumulate_grad_batches: 2`` the signal lands in the first micro-batch of step 3: the checkpoint waits
+    for the window's end, so the resumed run still equals the uninterrupted one."""
     full, cut = tmp_path / "full", tmp_path / "cut"
-    proc = run_cli(fit_args(pairs_file, cut, 6, "--trainer.callbacks+=helpers.SigtermAt", "--trainer.callbacks.step",
-                            "3", every=100))  # no regular checkpoint before the signal
-    run_in_process(fit_args(pairs_file, full, 6))  # the uninterrupted run, meanwhile
+    window = ["--trainer.accumulate_grad_batches", str(accumulate)]
+    proc = run_cli(fit_args(pairs_file, cut, 6, *window, "--trainer.callbacks+=helpers.SigtermAt",
+                            "--trainer.callbacks.step", "3", every=100))  # no regular checkpoint before the signal
+    run_in_process(fit_args(pairs_file, full, 6, *window))  # the uninterrupted run, meanwhile
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, err
     assert "Traceback" not in err
@@ -106,7 +110,7 @@ def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, pairs_file, tiny_
     assert [p.name for p in last.parent.iterdir()] == ["last.ckpt"]
     assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 4  # step 3 finished first
 
-    run_in_process(fit_args(pairs_file, cut, 6, "--ckpt_path", str(last)))
+    run_in_process(fit_args(pairs_file, cut, 6, *window, "--ckpt_path", str(last)))
     reference = losses(full)
     assert sorted(reference) == list(range(6))
     assert losses(cut) == reference

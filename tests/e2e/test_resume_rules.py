@@ -60,8 +60,10 @@ def test_a_resume_keeps_the_users_settings_and_refuses_a_model_setting_it_cannot
     assert_one_line_error(code, err, f"--ckpt_path {dpo_run}: model.beta is 0.5 in this run but 0.1 in the checkpoint",
                           "only these model settings may change: logps_chunk_size")
     # what a resume may change: trainer settings (max_steps, logging) and how numbers are computed (chunking)
-    code, _, err = run_main([*args("dpo", tmp_path, pairs, 5), "--ckpt_path", str(dpo_run),
-                             "--model.init_args.logps_chunk_size", "8"], capfd)
+    with pytest.warns(UserWarning, match=r"learning-rate schedule \(linear\) now spans 5 optimizer steps instead of "
+                                         r"the checkpoint's 4"):  # said, not silent
+        code, _, err = run_main([*args("dpo", tmp_path, pairs, 5), "--ckpt_path", str(dpo_run),
+                                 "--model.init_args.logps_chunk_size", "8"], capfd)
     assert code == 0, err
     saved = yaml.safe_load((tmp_path / "dpo" / "run" / "config.yaml").read_text())
     assert saved["model"]["init_args"]["logps_chunk_size"] == 8  # the user's value, not the checkpoint's
@@ -87,3 +89,39 @@ def test_a_bad_checkpoint_path_is_one_error_line(tmp_path, pairs, dpo_run, kind,
                 "truncated": "not a readable checkpoint"}[kind]
     code, _, err = run_main([*args("dpo", tmp_path, pairs, 4), "--ckpt_path", str(path)], capfd)
     assert_one_line_error(code, err, f"--ckpt_path {path}: {expected}")
+
+
+def test_another_batch_size_is_refused_instead_of_retraining_or_skipping_rows(tmp_path, pairs, dpo_run, capfd):
+    """The loader's position is counted in batches: DPO resumed with batch_size 8 (was 4) would retrain pairs, GRPO
+    with a larger one would skip prompts."""
+    argv = args("dpo", tmp_path, pairs, 4, "--ckpt_path", str(dpo_run))
+    code, _, err = run_main([*argv, "--data.init_args.batch_size", "8"], capfd)
+    assert_one_line_error(code, err, "data.batch_size is 8 in this run but 4 in the checkpoint")
+
+    prompts = write_sort_rows(tmp_path / "prompts.jsonl", 24, "prompts")
+    assert _run(args("grpo", tmp_path / "grpo", prompts, 2)) == 0
+    grpo_ckpt = tmp_path / "grpo" / "grpo" / "run" / "checkpoints" / "step=2.ckpt"
+    code, _, err = run_main([*args("grpo", tmp_path / "again", prompts, 4), "--ckpt_path", str(grpo_ckpt),
+                             "--data.init_args.batch_size", "8"], capfd)
+    assert_one_line_error(code, err, "data.batch_size is 8 in this run but 4 in the checkpoint")
+
+
+def test_a_reference_whose_files_changed_is_refused(tmp_path, pairs, tiny_path, capfd):
+    """The frozen reference is re-read from its files on resume; rewritten meanwhile (as ``configs/sft.yaml``
+    rewrites ``runs/sft/hf_model`` on every run), the resumed run would train against another reference."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "sft_model"
+    shutil.copytree(tiny_path, model_dir)
+    assert _run(args("dpo", tmp_path / "run", pairs, 2, "--model.init_args.model", str(model_dir))) == 0
+    ckpt = tmp_path / "run" / "dpo" / "run" / "checkpoints" / "step=2.ckpt"
+    rewritten = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        next(rewritten.parameters()).add_(0.01)
+    rewritten.save_pretrained(model_dir)
+    code, _, err = run_main([*args("dpo", tmp_path / "again", pairs, 4, "--model.init_args.model", str(model_dir)),
+                             "--ckpt_path", str(ckpt)], capfd)
+    assert_one_line_error(code, err, f"the reference model's files ({model_dir}) changed since the checkpoint")
