@@ -127,8 +127,11 @@ def _check_loadable(name_or_path: str, what: str) -> str:
     return path
 
 
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+def _one_line(exc: Exception, limit: int = 400) -> str:
+    """The exception's message on one line (transformers' messages run over several; the first can end mid-sentence,
+    e.g. "... from one of:"), cut at ``limit`` characters."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
@@ -137,7 +140,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types; the user needs one line
-        raise LitAlignError(f"could not load tokenizer {name_or_path!r}: {_first_line(exc)}") from exc
+        raise LitAlignError(f"could not load tokenizer {name_or_path!r}: {_one_line(exc)}") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise LitAlignError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
@@ -169,4 +172,4 @@ def load_model(
             trust_remote_code=trust_remote_code,
         )
     except Exception as exc:  # noqa: BLE001
-        raise LitAlignError(f"could not load model {name_or_path!r}: {_first_line(exc)}") from exc
+        raise LitAlignError(f"could not load model {name_or_path!r}: {_one_line(exc)}") from exc

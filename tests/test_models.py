@@ -124,6 +124,17 @@ def test_directory_that_is_not_a_model(tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_a_directory_without_a_tokenizer_says_what_it_lacks(tmp_path, tiny_path):
+    """transformers' message runs over several lines; the error keeps all of it on one."""
+    import shutil
+
+    shutil.copy(Path(tiny_path) / "config.json", tmp_path / "config.json")
+    with pytest.raises(LitAlignError) as info:
+        load_tokenizer(str(tmp_path))
+    message = str(info.value)
+    assert "\n" not in message and "from one of: (1)" in message and not message.endswith("one of:")
+
+
 def test_unknown_hub_name_offline_is_one_line_error():
     assert os.environ["HF_HUB_OFFLINE"] == "1"  # set by conftest: no network, fails fast
     with pytest.raises(LitAlignError, match="could not load tokenizer 'no-such-org/no-such-model': ") as info:
