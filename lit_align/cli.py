@@ -47,6 +47,8 @@ class AlignCLI(LightningCLI):
         # a GRPO round's shape: set once under `data:` (the DataModule shapes the batches), read by the module too
         for name in ROUND_SETTINGS:
             parser.link_arguments(f"data.init_args.{name}", f"model.init_args.{name}", apply_on="parse")
+        # a chat template belongs to the model (the export carries it); the data renders its rows with it
+        parser.link_arguments("model.init_args.chat_template", "data.init_args.chat_template", apply_on="parse")
 
     def instantiate_trainer(self, **kwargs):
         """The trainer, plus crash safety: atomic checkpoint writes, a checkpoint on SIGTERM (README: Reliability)."""

@@ -134,8 +134,20 @@ def _one_line(exc: Exception, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """Load a tokenizer; give it a pad token (EOS) if it has none, as TRL does."""
+def read_chat_template(chat_template: str) -> str:
+    """A chat template given as a file (``.jinja``, ``.j2``, ``.txt``, or any existing file) or as the template."""
+    path = Path(chat_template).expanduser()
+    if "{" not in chat_template or path.suffix in (".jinja", ".j2"):
+        if not path.is_file():
+            raise LitAlignError(f"chat_template {chat_template!r}: no such file (expected a Jinja template file, or "
+                                "the template itself)")
+        return path.read_text(encoding="utf-8")
+    return chat_template
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template: str | None = None):
+    """Load a tokenizer; give it a pad token (EOS) if it has none, as TRL does; ``chat_template`` (a file or the
+    template) replaces its own."""
     path = _check_loadable(name_or_path, "tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -145,6 +157,8 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
         if tokenizer.eos_token is None:
             raise LitAlignError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
     return tokenizer
 
 

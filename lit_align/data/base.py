@@ -97,6 +97,11 @@ class AlignDataModule(L.LightningDataModule):
         seed: seed of the held-out split and of the training order.
         rename_columns: rename source columns to the names lit_align reads, e.g. ``{question: prompt}``.
         shuffle: shuffle the training rows each epoch (off: file order, e.g. to compare runs row for row).
+        chat_template: render conversations with this chat template instead of the tokenizer's: a Jinja file or the
+            template itself (TRL's ``chat_template_path``). With ``lit-align`` it follows ``model.chat_template``,
+            so the exported tokenizer carries it too.
+        chat_template_kwargs: more arguments for the chat template, e.g. ``{enable_thinking: false}``; a row's
+            ``tools`` column is passed along too.
     """
 
     kind = ""  # which rows a built-in task must produce: "preference", "prompt" or "completion"
@@ -116,6 +121,8 @@ class AlignDataModule(L.LightningDataModule):
         seed: int = 0,
         shuffle: bool = True,
         rename_columns: dict[str, str] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ):
         super().__init__()
         if batch_size < 1:
@@ -132,6 +139,7 @@ class AlignDataModule(L.LightningDataModule):
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.num_workers, self.seed, self.shuffle = num_workers, seed, shuffle
         self.rename_columns = rename_columns or {}
+        self.chat_template, self.chat_template_kwargs = chat_template, dict(chat_template_kwargs or {})
         self.tokenizer = None
         self.train_data = self.val_data = None
 
@@ -150,7 +158,7 @@ class AlignDataModule(L.LightningDataModule):
         if not (need_train or need_val):
             return
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self._tokenizer_name())
+            self.tokenizer = load_tokenizer(self._tokenizer_name(), chat_template=self.chat_template)
         train_rows = val_rows = val_source = None
         if need_train or self.val_fraction > 0:
             train_rows = self._load(self.path, self.train_split)

@@ -1,9 +1,16 @@
-"""Prompt/completion rows for supervised fine-tuning (SFT), tokenized as TRL's ``SFTTrainer`` tokenizes them.
+"""Rows for supervised fine-tuning (SFT), tokenized as TRL's ``SFTTrainer`` tokenizes them.
 
-The row formats (standard, conversational, messages) and their checks are in ``lit_align.data.rows``. Each row
-becomes ``input_ids`` (prompt ids, then completion ids: the completion starts where the tokenized prompt and the
-tokenized prompt + completion diverge, as in TRL) and ``completion_mask`` (1 on completion tokens), cut to
-``max_length`` keeping the start.
+The row formats and their checks are in ``lit_align.data.rows``. Each row becomes ``input_ids``, ``completion_mask``
+and ``assistant_mask``, cut to ``max_length`` keeping the start:
+
+- prompt/completion rows: prompt ids, then completion ids (the completion starts where the tokenized prompt and the
+  tokenized prompt + completion diverge, as in TRL); ``completion_mask`` is 1 on the completion, and so is
+  ``assistant_mask`` when the rows are conversational;
+- ``messages`` rows (whole conversations) and ``text`` rows: language modelling, as TRL's: ``completion_mask`` is 1
+  everywhere; ``assistant_mask`` is 1 on every assistant turn of a conversation (empty for text).
+
+``SFTModule`` trains on ``completion_mask`` (``completion_only_loss``) or ``assistant_mask``
+(``assistant_only_loss``).
 """
 
 from __future__ import annotations
@@ -15,30 +22,59 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.utils.rnn import pad_sequence
 
 from lit_align.data.base import AlignDataModule
-from lit_align.data.rows import check_max_length, encode_prompt_completion, keep_start, normalize_completion
+from lit_align.data.rows import (
+    check_max_length, encode_conversation, encode_prompt_completion, encode_text, keep_start, normalize_completion,
+    sft_row_kind, template_kwargs, with_eos,
+)
 from lit_align.errors import LitAlignError
 
 
-def tokenize_completion(tokenizer, prompt, completion, conversational: bool) -> dict[str, list[int]]:
+def tokenize_completion(tokenizer, prompt, completion, conversational: bool,
+                        template: dict | None = None) -> dict[str, list[int]]:
     """``input_ids`` (prompt then completion, split by TRL's rule) and ``completion_mask`` for one row, untruncated."""
-    prompt_ids, completion_ids = encode_prompt_completion(tokenizer, prompt, completion, conversational)
+    prompt_ids, completion_ids = encode_prompt_completion(tokenizer, prompt, completion, conversational, template)
     return {"input_ids": prompt_ids + completion_ids,
             "completion_mask": [0] * len(prompt_ids) + [1] * len(completion_ids)}
 
 
+def tokenize_sft_row(tokenizer, row: dict[str, Any], where: str, chat_template_kwargs: dict | None = None) -> dict:
+    """One SFT row of any format: ``input_ids``, ``completion_mask``, ``assistant_mask`` (``[]``: not a chat), and
+    ``prompt_length`` (tokens before the first trained one), untruncated."""
+    kind = sft_row_kind(row, where)
+    if kind == "text":
+        ids = encode_text(tokenizer, with_eos(tokenizer, row["text"]))
+        return {"input_ids": ids, "completion_mask": [1] * len(ids), "assistant_mask": [], "prompt_length": 0}
+    template = template_kwargs(row, chat_template_kwargs, where)
+    if kind == "messages":
+        ids, assistant = encode_conversation(tokenizer, row["messages"], template, where)
+        return {"input_ids": ids, "completion_mask": [1] * len(ids), "assistant_mask": assistant, "prompt_length": 0}
+    prompt, completion, conversational = normalize_completion(row, where)
+    out = tokenize_completion(tokenizer, prompt, completion, conversational, template)
+    mask = out["completion_mask"]
+    return {**out, "assistant_mask": mask if conversational else [],
+            "prompt_length": mask.index(1) if 1 in mask else len(mask)}
+
+
 def collate_completions(rows: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded ``input_ids``, ``attention_mask`` and ``completion_mask``, each ``[B, T]``."""
+    """Right-padded ``input_ids``, ``attention_mask`` and ``completion_mask``, each ``[B, T]``, and
+    ``assistant_mask`` when every row is a chat."""
     seqs = [torch.tensor(r["input_ids"]) for r in rows]
-    return {
+
+    def padded(key: str) -> torch.Tensor:
+        return pad_sequence([torch.tensor(r[key]) for r in rows], batch_first=True, padding_value=0)
+
+    batch = {
         "input_ids": pad_sequence(seqs, batch_first=True, padding_value=pad_token_id),
         "attention_mask": pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True, padding_value=0),
-        "completion_mask": pad_sequence([torch.tensor(r["completion_mask"]) for r in rows], batch_first=True,
-                                        padding_value=0),
+        "completion_mask": padded("completion_mask"),
     }
+    if all(len(r.get("assistant_mask") or []) == len(r["input_ids"]) for r in rows):
+        batch["assistant_mask"] = padded("assistant_mask")
+    return batch
 
 
 class CompletionDataModule(AlignDataModule):
-    """Prompt/completion rows for SFT; ``batch_size`` counts sequences per device.
+    """SFT rows (prompt/completion, ``messages`` conversations, ``text``); ``batch_size`` counts sequences per device.
 
     Args:
         max_length: tokens of prompt + completion kept of each row, cut at tokenize time keeping the start (None: no
@@ -58,22 +94,24 @@ class CompletionDataModule(AlignDataModule):
 
     def process(self, rows, source: str):
         columns = set(rows.column_names)
-        if "messages" not in columns and not {"prompt", "completion"} <= columns:
-            raise LitAlignError(f"{source}: columns {sorted(columns)}: expected 'prompt' and 'completion', or 'messages'")
+        if not {"messages", "text"} & columns and not {"prompt", "completion"} <= columns:
+            raise LitAlignError(f"{source}: columns {sorted(columns)}: expected 'prompt' and 'completion', 'messages' "
+                                "or 'text'")
         tokenizer, max_length, drop = self.tokenizer, self.max_length, self.drop_long_prompts
+        chat_template_kwargs = self.chat_template_kwargs
 
         def tokenize(row, index):
             where = f"{source} row {index}"
-            out = tokenize_completion(tokenizer, *normalize_completion(row, where))
-            prompt_length = out["completion_mask"].index(1) if 1 in out["completion_mask"] else len(out["input_ids"])
+            out = tokenize_sft_row(tokenizer, row, where, chat_template_kwargs)
+            prompt_length = out.pop("prompt_length")
             out["truncated"] = max_length is not None and len(out["input_ids"]) > max_length
             if max_length is not None and prompt_length >= max_length and not drop:
                 raise LitAlignError(
                     f"{where}: the prompt alone is {prompt_length} tokens, max_length is {max_length} "
                     "(raise data.max_length, or set data.drop_long_prompts: true)"
                 )
-            out["input_ids"] = keep_start(out["input_ids"], max_length)
-            out["completion_mask"] = keep_start(out["completion_mask"], max_length)
+            for key in ("input_ids", "completion_mask", "assistant_mask"):
+                out[key] = keep_start(out[key], max_length)
             return out
 
         tokenized = rows.map(tokenize, with_indices=True, remove_columns=rows.column_names, num_proc=self.num_proc,

@@ -12,15 +12,18 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.utils.rnn import pad_sequence
 
 from lit_align.data.base import AlignDataModule
-from lit_align.data.rows import check_max_length, encode_prompt_completion, keep_start, normalize_pair
+from lit_align.data.rows import (
+    check_max_length, encode_prompt_completion, keep_start, normalize_pair, template_kwargs,
+)
 from lit_align.errors import LitAlignError
 
 
-def tokenize_pair(tokenizer, prompt, chosen, rejected, conversational: bool) -> dict[str, list[int]]:
+def tokenize_pair(tokenizer, prompt, chosen, rejected, conversational: bool,
+                  template: dict | None = None) -> dict[str, list[int]]:
     """Token ids of prompt, chosen and rejected, as TRL builds them: each side split by TRL's rule
     (``encode_prompt_completion``), the prompt cut to what the two sides share."""
-    prompt_chosen, chosen_ids = encode_prompt_completion(tokenizer, prompt, chosen, conversational)
-    prompt_rejected, rejected_ids = encode_prompt_completion(tokenizer, prompt, rejected, conversational)
+    prompt_chosen, chosen_ids = encode_prompt_completion(tokenizer, prompt, chosen, conversational, template)
+    prompt_rejected, rejected_ids = encode_prompt_completion(tokenizer, prompt, rejected, conversational, template)
     n = min(len(prompt_chosen), len(prompt_rejected))
     return {"prompt_ids": prompt_chosen[:n], "chosen_ids": prompt_chosen[n:] + chosen_ids,
             "rejected_ids": prompt_rejected[n:] + rejected_ids}
@@ -89,11 +92,13 @@ class PreferenceDataModule(AlignDataModule):
 
     def process(self, rows, source: str):
         tokenizer, max_length = self.tokenizer, self.max_length
+        chat_template_kwargs = self.chat_template_kwargs
 
         def tokenize(row, index):
             where = f"{source} row {index}"
             prompt, chosen, rejected, conversational = normalize_pair(row, where)
-            out = tokenize_pair(tokenizer, prompt, chosen, rejected, conversational)
+            out = tokenize_pair(tokenizer, prompt, chosen, rejected, conversational,
+                                template_kwargs(row, chat_template_kwargs, where))
             if max_length is not None and len(out["prompt_ids"]) >= max_length and not self.drop_long_prompts:
                 raise LitAlignError(
                     f"{where}: the prompt alone is {len(out['prompt_ids'])} tokens, max_length is {max_length} "

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lit_align.data.base import AlignDataModule, ResumableLoader, SkippingSampler
-from lit_align.data.rows import check_max_length, check_prompt, encode_prompt, keep_end
+from lit_align.data.rows import check_max_length, check_prompt, encode_prompt, keep_end, template_kwargs
 from lit_align.errors import LitAlignError
 from lit_align.generation_round import check_round_settings
 
@@ -112,9 +112,14 @@ class PromptDataModule(AlignDataModule):
             raise LitAlignError(f"{source}: missing column 'prompt' (expected prompt-only rows)")
         tokenizer, max_length = self.tokenizer, self.max_length
 
+        chat_template_kwargs = self.chat_template_kwargs
+
         def tokenize(row, index):
-            conversational = check_prompt(row["prompt"], f"{source} row {index}")
-            return {"prompt_ids": keep_end(encode_prompt(tokenizer, row["prompt"], conversational), max_length)}
+            where = f"{source} row {index}"
+            conversational = check_prompt(row["prompt"], where)
+            template = template_kwargs(row, chat_template_kwargs, where)
+            return {"prompt_ids": keep_end(encode_prompt(tokenizer, row["prompt"], conversational, template),
+                                           max_length)}
 
         return rows.map(tokenize, with_indices=True, desc=f"Tokenizing {source}")
 

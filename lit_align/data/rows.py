@@ -7,8 +7,15 @@ Row formats, as TRL accepts them:
     messages, rendered with the tokenizer's chat template (which closes assistant turns itself).
   - implicit prompt (pairs): only ``chosen`` and ``rejected`` (strings or messages); their longest shared prefix is
     the prompt.
-  - messages (SFT): one ``messages`` list whose last turn is the assistant's: that turn is the completion, everything
-    before it the prompt.
+  - messages (SFT): one ``messages`` list, a whole conversation (several turns, tool calls, tool results): a
+    language-modelling row, as TRL's; each assistant turn's tokens are marked (``assistant_only_loss``).
+  - text (SFT): one ``text`` string (EOS appended): language modelling.
+  - H4 preference rows (``prompt`` a string, ``chosen`` / ``rejected`` whole conversations repeating it): the prompt
+    is what the two conversations share, as TRL's ``maybe_extract_prompt`` decides.
+
+Messages may carry ``tool_calls`` (an assistant turn that calls tools, its ``content`` empty or null) and ``tool``
+turns (a tool's result); a ``tools`` column (function schemas, or their JSON text) and the data module's
+``chat_template_kwargs`` go to the chat template with every row.
 
 A completion starts where the tokenized prompt and the tokenized prompt + completion diverge (TRL's rule; a chat
 template or a merge across the boundary can make the two differ before the prompt's end). A pair applies it per side
@@ -28,6 +35,7 @@ truncates them from the left: the question and the generation prompt are at the 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from lit_align.errors import LitAlignError
@@ -39,11 +47,16 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 def check_messages(value: Any, field: str, where: str) -> None:
-    """``value`` must be a non-empty list of ``{role, content}`` messages with string content and a known role."""
+    """``value`` must be a non-empty list of ``{role, content}`` messages with string content and a known role; an
+    assistant message that calls tools (a ``tool_calls`` list) may have empty or null content."""
     if not isinstance(value, list) or not value:
         raise LitAlignError(f"{where}: field {field!r} must be a non-empty list of {{role, content}} messages")
     for i, message in enumerate(value):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if calls is not None and (not isinstance(calls, list) or message.get("role") != "assistant"):
+            raise LitAlignError(f"{where}: {field}[{i}].tool_calls must be a list, on an assistant message")
+        if not isinstance(message, dict) or not (isinstance(message.get("content"), str)
+                                                 or (calls and message.get("content") is None)):
             raise LitAlignError(f"{where}: {field}[{i}] must be a {{role, content}} message with string content")
         if message.get("role") not in ROLES:
             raise LitAlignError(f"{where}: {field}[{i}] has role {message.get('role')!r}, expected one of {ROLES}")
@@ -96,7 +109,8 @@ def normalize_pair(row: dict[str, Any], where: str) -> tuple[Any, Any, Any, bool
             raise LitAlignError(f"{where}: missing column {field!r} (expected prompt/chosen/rejected, or chosen/rejected)")
     chosen, rejected = row["chosen"], row["rejected"]
     conversational = isinstance(chosen, list)
-    implicit = row.get("prompt") is None
+    # the H4 layout (a string prompt, whole conversations as completions): the prompt is what the two share
+    implicit = row.get("prompt") is None or isinstance(row["prompt"], list) != conversational
     if implicit:
         check_field(chosen, "chosen", where, conversational)
         check_field(rejected, "rejected", where, conversational)
@@ -113,20 +127,22 @@ def normalize_pair(row: dict[str, Any], where: str) -> tuple[Any, Any, Any, bool
     return prompt, chosen, rejected, conversational
 
 
-def normalize_completion(row: dict[str, Any], where: str) -> tuple[Any, Any, bool]:
-    """Check one SFT row; return ``(prompt, completion, conversational)``."""
+def sft_row_kind(row: dict[str, Any], where: str) -> str:
+    """``text``, ``messages`` or ``prompt_completion``: which SFT format a row has (checked)."""
+    if row.get("text") is not None or ("text" in row and "messages" not in row and "prompt" not in row):
+        check_text(row["text"], "text", where)
+        return "text"
     if row.get("messages") is not None or ("messages" in row and "prompt" not in row):
-        messages = row["messages"]
-        check_field(messages, "messages", where, conversational=True)
-        if messages[-1]["role"] != "assistant":
-            raise LitAlignError(f"{where}: field 'messages' must end with an assistant turn (the completion), "
-                                f"got a {messages[-1]['role']!r} turn last")
-        if len(messages) < 2:
-            raise LitAlignError(f"{where}: field 'messages' has only the assistant turn (no prompt before it)")
-        return messages[:-1], messages[-1:], True
+        check_field(row["messages"], "messages", where, conversational=True)
+        return "messages"
+    return "prompt_completion"
+
+
+def normalize_completion(row: dict[str, Any], where: str) -> tuple[Any, Any, bool]:
+    """Check one prompt/completion SFT row; return ``(prompt, completion, conversational)``."""
     if "prompt" not in row or "completion" not in row:
         raise LitAlignError(f"{where}: missing column {'prompt' if 'prompt' not in row else 'completion'!r} "
-                            "(expected prompt/completion, or messages)")
+                            "(expected prompt/completion, messages or text)")
     if row["prompt"] is None:
         raise LitAlignError(f"{where}: field 'prompt' is missing or null")
     conversational = check_prompt(row["prompt"], where)
@@ -145,11 +161,52 @@ def common_prefix_length(a, b) -> int:
     return n
 
 
-def encode_messages(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of ``messages`` rendered with the tokenizer's chat template."""
+def template_kwargs(row: dict[str, Any], chat_template_kwargs: dict | None, where: str) -> dict:
+    """What the chat template gets besides the messages: ``chat_template_kwargs`` and the row's ``tools``."""
+    kwargs = dict(chat_template_kwargs or {})
+    tools = row.get("tools")
+    if isinstance(tools, str):  # datasets often keep the schemas as JSON text
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except ValueError:
+            raise LitAlignError(f"{where}: field 'tools' is not valid JSON (expected a list of function schemas)") from None
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise LitAlignError(f"{where}: field 'tools' must be a list of function schemas (objects)")
+        kwargs["tools"] = tools
+    return kwargs
+
+
+def encode_messages(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False,
+                    template: dict | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered with the tokenizer's chat template (``template``: more keyword arguments
+    for it, e.g. ``tools`` or ``enable_thinking``)."""
     out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        add_generation_prompt=add_generation_prompt)
+                                        add_generation_prompt=add_generation_prompt, **(template or {}))
     return list(out["input_ids"])
+
+
+def encode_conversation(tokenizer, messages: list[dict], template: dict | None, where: str) -> tuple[list[int], list[int]]:
+    """``(input_ids, assistant_mask)`` of a whole conversation: 1 on each assistant turn's tokens, 0 elsewhere.
+
+    Turn ``i``'s tokens are found by TRL's completion rule: those of ``messages[:i + 1]`` past their common prefix
+    with ``messages[:i]`` + the generation prompt. That needs a template that renders a conversation's start the same
+    whether or not more turns follow (most do; one that rewrites earlier turns is refused, naming the turn).
+    """
+    full = encode_messages(tokenizer, messages, template=template)
+    mask = [0] * len(full)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        upto = encode_messages(tokenizer, messages[: i + 1], template=template)
+        if full[: len(upto)] != upto:
+            raise LitAlignError(f"{where}: the chat template renders messages[:{i + 1}] differently inside the whole "
+                                f"conversation, so assistant turn {i}'s tokens cannot be told apart (use a template "
+                                "that leaves earlier turns as they were: data.chat_template)")
+        before = encode_messages(tokenizer, messages[:i], add_generation_prompt=True, template=template) if i else []
+        for t in range(common_prefix_length(before, upto), len(upto)):
+            mask[t] = 1
+    return full, mask
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -163,19 +220,20 @@ def with_eos(tokenizer, completion: str) -> str:
     return completion if completion.endswith(eos) else completion + eos
 
 
-def encode_prompt(tokenizer, prompt, conversational: bool) -> list[int]:
+def encode_prompt(tokenizer, prompt, conversational: bool, template: dict | None = None) -> list[int]:
     """Token ids of a prompt alone, as generation starts from it (a chat ends with the generation prompt)."""
     if conversational:
-        return encode_messages(tokenizer, prompt, add_generation_prompt=True)
+        return encode_messages(tokenizer, prompt, add_generation_prompt=True, template=template)
     return encode_text(tokenizer, prompt)
 
 
-def encode_prompt_completion(tokenizer, prompt, completion, conversational: bool) -> tuple[list[int], list[int]]:
+def encode_prompt_completion(tokenizer, prompt, completion, conversational: bool,
+                             template: dict | None = None) -> tuple[list[int], list[int]]:
     """``(prompt_ids, completion_ids)``, untruncated: the tokenized prompt + completion (EOS appended to a standard
     completion), cut where it and the tokenized prompt diverge (TRL's rule)."""
-    prompt_ids = encode_prompt(tokenizer, prompt, conversational)
+    prompt_ids = encode_prompt(tokenizer, prompt, conversational, template)
     if conversational:
-        full = encode_messages(tokenizer, prompt + completion)
+        full = encode_messages(tokenizer, prompt + completion, template=template)
     else:
         full = encode_text(tokenizer, prompt + with_eos(tokenizer, completion))
     n = common_prefix_length(prompt_ids, full)

@@ -71,6 +71,8 @@ class AlignModule(L.LightningModule):
             only (``adapter_config.json`` + ``adapter_model.safetensors`` + tokenizer; load it with
             ``peft.AutoPeftModelForCausalLM``); true the merged full model (loads with ``AutoModelForCausalLM``, no
             peft needed) and the adapter alone in its ``adapter/`` subdirectory.
+        chat_template: the chat template to train with and export: a Jinja file or the template itself (TRL's
+            ``chat_template_path``); None: the tokenizer's. ``lit-align`` passes it on to the data.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class AlignModule(L.LightningModule):
         on_nonfinite_loss: str = "error",
         peft_config: dict | None = None,
         export_merged: bool = False,
+        chat_template: str | None = None,
     ):
         super().__init__()
         if on_nonfinite_loss not in ("error", "skip"):
@@ -127,7 +130,8 @@ class AlignModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:  # called again by trainer.fit after trainer.validate, or on resume
             return
-        self.tokenizer = load_tokenizer(self.model_name, trust_remote_code=self.hparams.trust_remote_code)
+        self.tokenizer = load_tokenizer(self.model_name, trust_remote_code=self.hparams.trust_remote_code,
+                                        chat_template=self.hparams.chat_template)
         self.policy = self.load(self.model_name).train()  # from_pretrained returns eval mode; Lightning keeps modes
         self.policy.config.use_cache = False
         if self.hparams.gradient_checkpointing:

@@ -13,24 +13,38 @@ import torch
 from torchmetrics import MeanMetric
 
 from lit_align import layouts
+from lit_align.errors import LitAlignError
 from lit_align.generation import HFSampler
 from lit_align.logps import layout_logps
 from lit_align.modules.base import AlignModule
 from lit_align.rewards import sort_exact
 
 
+def loss_mask(batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
+              assistant_only_loss: bool = False) -> torch.Tensor:
+    """Which tokens the loss is taken over, as TRL's ``SFTTrainer`` decides: the assistant turns
+    (``assistant_only_loss``), the completion (``completion_only_loss``; for ``messages`` and ``text`` rows that is
+    every token: they are language modelling), or every attended token."""
+    if assistant_only_loss:
+        if "assistant_mask" not in batch:
+            raise LitAlignError("model.assistant_only_loss needs conversational rows (messages, or prompt/completion "
+                                "as message lists); these rows are plain text")
+        return batch["assistant_mask"]
+    return batch["completion_mask"] if completion_only_loss else batch["attention_mask"]
+
+
 def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
-                    chunk_size: int | None = None):
+                    chunk_size: int | None = None, assistant_only_loss: bool = False):
     """``(loss, correct, count)`` for one batch: the mean NLL over loss tokens (with gradient), how many of them the
     argmax predicts, and how many there are.
 
-    Loss tokens are completion tokens (``completion_only_loss``) or all attended tokens; the first token of a
+    Loss tokens are those of ``loss_mask``; the first token of a
     sequence is never one (nothing predicts it). Only positions from the batch's first loss token on need logits, so
     the LM head skips the prefix before it. ``chunk_size``: chunked log-probs (``lit_align.logps``).
     """
-    attention_mask = batch["attention_mask"]
-    loss_mask = batch["completion_mask"] if completion_only_loss else attention_mask
-    out = layout_logps(model, layouts.padded(batch["input_ids"], attention_mask, loss_mask), ("argmax",), chunk_size)
+    scored = loss_mask(batch, completion_only_loss, assistant_only_loss)
+    out = layout_logps(model, layouts.padded(batch["input_ids"], batch["attention_mask"], scored), ("argmax",),
+                       chunk_size)
     count = out.mask.sum()
     loss = -out.tokens.sum() / count.clamp(min=1)
     correct = ((out.stats["argmax"] == out.labels) & out.mask).sum()
@@ -48,24 +62,28 @@ class SFTModule(AlignModule):
 
     Args:
         completion_only_loss: train on completion tokens only (TRL's default for prompt/completion rows); false:
-            on the prompt tokens too.
+            on the prompt tokens too. ``messages`` and ``text`` rows are language modelling: every token.
+        assistant_only_loss: train on the assistant turns only, every one of a multi-turn conversation (TRL's name;
+            default false); for conversational rows.
         val_exact_match: at validation, also complete each prompt greedily and log the fraction whose text equals
             the reference completion (whitespace-stripped; ``lit_align.rewards.sort_exact``).
         val_max_new_tokens: generation cap for ``val_exact_match``.
         learning_rate: AdamW learning rate (TRL's SFT default: 2e-5, for pretrained models).
     """
 
-    def __init__(self, model: str = "builtin:tiny", completion_only_loss: bool = True, val_exact_match: bool = False,
-                 val_max_new_tokens: int = 64, learning_rate: float = 2e-5, **kwargs):
+    def __init__(self, model: str = "builtin:tiny", completion_only_loss: bool = True,
+                 assistant_only_loss: bool = False, val_exact_match: bool = False, val_max_new_tokens: int = 64,
+                 learning_rate: float = 2e-5, **kwargs):
         super().__init__(model=model, learning_rate=learning_rate, **kwargs)
-        self.completion_only_loss = completion_only_loss
+        self.completion_only_loss, self.assistant_only_loss = completion_only_loss, assistant_only_loss
         self.val_exact_match = val_exact_match
         self.greedy = HFSampler(max_new_tokens=val_max_new_tokens, temperature=0.0)
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ("loss", "mean_token_accuracy", "exact_match")})
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size)
+        loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size,
+                                              self.assistant_only_loss)
         if self.guard_loss(loss, None, batch_idx) is None:
             return None
         # one all-reduce: the loss tokens of every rank, so the loss is the mean over the global batch's tokens (as
@@ -83,7 +101,8 @@ class SFTModule(AlignModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size)
+        loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size,
+                                              self.assistant_only_loss)
         self.val_metrics["loss"].update(loss, count)
         self.val_metrics["mean_token_accuracy"].update(correct / count.clamp(min=1), count)
         self.log("val/loss", self.val_metrics["loss"], prog_bar=True)

@@ -50,10 +50,13 @@ def test_all_formats_through_a_file(write_jsonl, tokenizer):
     conversational.setup("fit")
     messages = datamodule(write_jsonl([{"messages": conversation}], name="messages.jsonl"))
     messages.setup("fit")
-    assert standard.train_data[0] == tokenize_completion(tokenizer, "sort 31:", "13", False)
+    assert standard.train_data[0] == {**tokenize_completion(tokenizer, "sort 31:", "13", False), "assistant_mask": []}
     expected = tokenize_completion(tokenizer, conversation[:2], conversation[2:], True)
-    assert conversational.train_data[0] == expected
-    assert messages.train_data[0] == expected  # the last assistant turn of `messages` is the completion
+    assert conversational.train_data[0] == {**expected, "assistant_mask": expected["completion_mask"]}
+    # `messages` is language modelling (TRL's): the same tokens, all of them trained; its assistant turn is marked
+    assert messages.train_data[0] == {"input_ids": expected["input_ids"],
+                                      "completion_mask": [1] * len(expected["input_ids"]),
+                                      "assistant_mask": expected["completion_mask"]}
 
 
 def test_collate_right_pads_and_truncation_keeps_the_start(write_jsonl, tokenizer):
@@ -87,10 +90,10 @@ def test_collate_right_pads_and_truncation_keeps_the_start(write_jsonl, tokenize
         ([{"prompt": [{"role": "user", "content": "sort 1:"}], "completion": [{"role": "bot", "content": "1"}]}],
          "FILE row 0: completion[0] has role 'bot'"),
         ([{"messages": [{"role": "user", "content": "sort 1:"}, {"role": "assistant", "content": "1"}]},
-          {"messages": [{"role": "user", "content": "sort 1:"}]}],
-         "FILE row 1: field 'messages' must end with an assistant turn"),
+          {"messages": [{"role": "user", "content": "sort 1:"}, {"role": "bot", "content": "1"}]}],
+         "FILE row 1: messages[1] has role 'bot'"),
         ([{"prompt": "sort 1:", "answer": "1"}],
-         "FILE: columns ['answer', 'prompt']: expected 'prompt' and 'completion', or 'messages'"),
+         "FILE: columns ['answer', 'prompt']: expected 'prompt' and 'completion', 'messages' or 'text'"),
         ([{"prompt": "sort 1234567890123:", "completion": "1"}],
          "FILE row 0: the prompt alone is 19 tokens, max_length is 16"),
     ],

@@ -1,0 +1,132 @@
+"""Users' data layouts, through the real CLI: the exact column layouts of public datasets (``tests/fixtures/formats``):
+ultrachat_200k and Capybara conversations, a function-calling set with ``tools``, H4's UltraFeedback pairs, a plain
+``text`` corpus; and what each format refuses, as one ``error:`` line with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from helpers import assert_one_line_error, read_metrics, run_main
+from lit_align.data import CompletionDataModule, PreferenceDataModule, PromptDataModule
+
+REPO = Path(__file__).resolve().parents[2]
+FORMATS = REPO / "tests" / "fixtures" / "formats"
+TOOL_TEMPLATE = str(FORMATS / "tool_template.jinja")
+
+
+def fit(recipe: str, root: Path, path: Path, *extra: str) -> list[str]:
+    return ["fit", "-c", str(REPO / "configs" / f"{recipe}.yaml"), "--data.init_args.path", str(path),
+            "--data.init_args.val_split", "null", "--data.init_args.batch_size", "2", "--trainer.max_steps", "2",
+            "--trainer.val_check_interval", "1.0", "--trainer.log_every_n_steps", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(root),
+            "--trainer.logger.init_args.version", "run", "--trainer.enable_checkpointing", "false",
+            "--export.enabled", "false", *extra]
+
+
+def spans(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
+    """The decoded runs of ``ids`` where ``mask`` is 1."""
+    out, run = [], []
+    for token, bit in zip([*ids, None], [*mask, 0]):
+        if bit:
+            run.append(token)
+        elif run:
+            out.append(tokenizer.decode(run))
+            run = []
+    return out
+
+
+# -- SFT -----------------------------------------------------------------------------------------------------------
+def test_every_assistant_turn_of_a_conversation_is_marked(tokenizer):
+    dm = CompletionDataModule(str(FORMATS / "ultrachat_200k.jsonl"), tokenizer="builtin:tiny", val_split=None)
+    dm.setup("fit")
+    rows = [json.loads(line) for line in (FORMATS / "ultrachat_200k.jsonl").read_text().splitlines()]
+    for row, tokens in zip(rows, dm.train_data):
+        assistant = [m["content"] + "</s>" for m in row["messages"] if m["role"] == "assistant"]
+        assert spans(tokenizer, tokens["input_ids"], tokens["assistant_mask"]) == assistant  # both turns, only them
+        assert tokens["completion_mask"] == [1] * len(tokens["input_ids"])  # language modelling by default (TRL)
+
+
+def test_tool_calls_are_trained_and_tool_results_are_not(tokenizer):
+    dm = CompletionDataModule(str(FORMATS / "function_calling.jsonl"), tokenizer="builtin:tiny", val_split=None,
+                              chat_template=TOOL_TEMPLATE)
+    dm.setup("fit")
+    tokens = dm.train_data[1]
+    text = tokenizer.decode(tokens["input_ids"])
+    assert text.startswith("<|system|>tools: sort_digits\n<|user|>sort 031 with the tool\n")  # `tools` reached it
+    assert spans(tokenizer, tokens["input_ids"], tokens["assistant_mask"]) == [
+        '<call>sort_digits {"digits": "031"}</call></s>', "013</s>"]  # the call and the answer; not the result
+
+
+@pytest.mark.parametrize("fixture,extra", [
+    ("ultrachat_200k.jsonl", ["--model.init_args.assistant_only_loss", "true"]),
+    ("capybara.jsonl", []),
+    ("function_calling.jsonl", ["--model.init_args.assistant_only_loss", "true", "--model.init_args.chat_template",
+                                TOOL_TEMPLATE]),
+    ("text_corpus.jsonl", []),
+])
+def test_sft_trains_on_each_layout(tmp_path, fixture, extra, capfd):
+    code, _, err = run_main(fit("sft", tmp_path, FORMATS / fixture, *extra), capfd)
+    assert code == 0, err
+    losses = [r["train/loss"] for r in read_metrics(tmp_path / "sft" / "run" / "metrics.csv") if "train/loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
+
+
+# -- preference pairs and prompts ------------------------------------------------------------------------------------
+def test_h4_pairs_take_the_prompt_from_the_conversations(tokenizer, tmp_path, capfd):
+    """``prompt`` a string, ``chosen`` / ``rejected`` whole conversations repeating it (ultrafeedback_binarized): the
+    prompt is the shared user turn, as TRL's ``maybe_extract_prompt`` makes it; the completions are the answers."""
+    dm = PreferenceDataModule(str(FORMATS / "ultrafeedback_binarized.jsonl"), tokenizer="builtin:tiny",
+                              val_split=None)
+    dm.setup("fit")
+    row = json.loads((FORMATS / "ultrafeedback_binarized.jsonl").read_text().splitlines()[0])
+    tokens = dm.train_data[0]
+    assert tokenizer.decode(tokens["prompt_ids"]) == f"<|user|>{row['prompt']}\n<|assistant|>"
+    assert tokenizer.decode(tokens["chosen_ids"]) == row["chosen"][1]["content"] + "</s>"
+    assert tokenizer.decode(tokens["rejected_ids"]) == row["rejected"][1]["content"] + "</s>"
+    code, _, err = run_main(fit("dpo", tmp_path, FORMATS / "ultrafeedback_binarized.jsonl"), capfd)
+    assert code == 0, err
+
+
+def test_prompts_render_with_the_rows_tools_and_template_arguments(tokenizer, tmp_path):
+    rows = tmp_path / "prompts.jsonl"
+    tools = json.loads(json.loads((FORMATS / "function_calling.jsonl").read_text().splitlines()[0])["tools"])
+    rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "sort 31"}], "tools": tools,
+                                "answer": "13"}) + "\n")
+    dm = PromptDataModule(str(rows), tokenizer="builtin:tiny", val_split=None, chat_template=TOOL_TEMPLATE,
+                          batch_size=2, num_generations=2)
+    dm.setup("fit")
+    assert tokenizer.decode(dm.train_data[0]["prompt_ids"]) == (
+        "<|system|>tools: sort_digits\n<|user|>sort 31\n<|assistant|>")
+    kwargs = PromptDataModule(str(rows), tokenizer="builtin:tiny", val_split=None, batch_size=2, num_generations=2,
+                              chat_template="{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                              chat_template_kwargs={"greeting": "hi: "})
+    kwargs.setup("fit")
+    assert tokenizer.decode(kwargs.train_data[0]["prompt_ids"]) == "hi: sort 31"
+
+
+# -- what each format refuses ----------------------------------------------------------------------------------------
+def test_bad_layouts_are_one_error_line(tmp_path, capfd):
+    bad_tools = tmp_path / "bad_tools.jsonl"
+    row = json.loads((FORMATS / "function_calling.jsonl").read_text().splitlines()[0])
+    bad_tools.write_text(json.dumps({**row, "tools": "[{not json"}) + "\n")
+    code, _, err = run_main(fit("sft", tmp_path, bad_tools), capfd)
+    assert_one_line_error(code, err, f"{bad_tools} row 0: field 'tools' is not valid JSON")
+
+    bad_call = tmp_path / "bad_call.jsonl"
+    messages = [dict(m) for m in row["messages"]]
+    messages[1]["tool_calls"] = {"name": "sort_digits"}  # an object, not a list
+    bad_call.write_text(json.dumps({"messages": messages}) + "\n")
+    code, _, err = run_main(fit("sft", tmp_path, bad_call), capfd)
+    assert_one_line_error(code, err, f"{bad_call} row 0: messages[1].tool_calls must be a list")
+
+    code, _, err = run_main(fit("sft", tmp_path, FORMATS / "text_corpus.jsonl", "--model.init_args.assistant_only_loss",
+                                "true"), capfd)
+    assert_one_line_error(code, err, "model.assistant_only_loss needs conversational rows")
+
+    code, _, err = run_main(fit("sft", tmp_path, FORMATS / "capybara.jsonl", "--model.init_args.chat_template",
+                                str(tmp_path / "missing.jinja")), capfd)
+    assert_one_line_error(code, err, f"chat_template {str(tmp_path / 'missing.jinja')!r}: no such file")
