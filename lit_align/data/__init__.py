@@ -1,8 +1,8 @@
 """LightningDataModules and row formats."""
 
-from lit_align.data.base import AlignDataModule
+from lit_align.data.base import AlignDataModule, DataSource
 from lit_align.data.completions import CompletionDataModule
 from lit_align.data.preference import PreferenceDataModule
 from lit_align.data.prompts import PromptDataModule
 
-__all__ = ["AlignDataModule", "CompletionDataModule", "PreferenceDataModule", "PromptDataModule"]
+__all__ = ["AlignDataModule", "DataSource", "CompletionDataModule", "PreferenceDataModule", "PromptDataModule"]

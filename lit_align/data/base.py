@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import Any
 
+import datasets
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler
@@ -75,6 +77,28 @@ class SkippingSampler(DistributedSampler):
         return super().__iter__()
 
 
+MIXTURE_STRATEGIES = ("concatenate", "interleave")
+
+
+@dataclass
+class DataSource:
+    """One source of a ``data.mixture``.
+
+    Args:
+        path: ``builtin:<task>``, a local file, or a ``datasets`` hub name.
+        split: its split.
+        config_name: its configuration (hub datasets with several).
+        rename_columns: its columns renamed to the names lit_align reads, e.g. ``{question: prompt}``.
+        weight: its share when the mixture is interleaved.
+    """
+
+    path: str
+    split: str = "train"
+    config_name: str | None = None
+    rename_columns: dict[str, str] | None = None
+    weight: float = 1.0
+
+
 class AlignDataModule(L.LightningDataModule):
     """Base class: loads train/validation rows, tokenizes them once, serves them in batches.
 
@@ -102,6 +126,14 @@ class AlignDataModule(L.LightningDataModule):
             so the exported tokenizer carries it too.
         chat_template_kwargs: more arguments for the chat template, e.g. ``{enable_thinking: false}``; a row's
             ``tools`` column is passed along too.
+        mixture: train on several sources instead of ``path``: a list of ``{path, split, config_name,
+            rename_columns, weight}`` (``DataSource``). Each is checked and tokenized on its own (errors name it),
+            then they are combined by ``mixture_strategy``. Validation rows come from ``val_path`` or
+            ``val_fraction`` (held out of the mixture).
+        mixture_strategy: ``concatenate`` (every row of every source, in order; the loader shuffles) or
+            ``interleave`` (sources drawn by ``weight``, seeded by ``seed``, until the first runs out:
+            ``datasets.interleave_datasets``). Either way the rows are a fixed dataset, so a resume mid-epoch is
+            exact.
     """
 
     kind = ""  # which rows a built-in task must produce: "preference", "prompt" or "completion"
@@ -123,6 +155,8 @@ class AlignDataModule(L.LightningDataModule):
         rename_columns: dict[str, str] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        mixture: list[DataSource] | None = None,
+        mixture_strategy: str = "concatenate",
     ):
         super().__init__()
         if batch_size < 1:
@@ -140,6 +174,12 @@ class AlignDataModule(L.LightningDataModule):
         self.num_workers, self.seed, self.shuffle = num_workers, seed, shuffle
         self.rename_columns = rename_columns or {}
         self.chat_template, self.chat_template_kwargs = chat_template, dict(chat_template_kwargs or {})
+        self.mixture = [s if isinstance(s, DataSource) else DataSource(**s) for s in mixture or []]
+        if mixture_strategy not in MIXTURE_STRATEGIES:
+            raise LitAlignError(f"data.mixture_strategy {mixture_strategy!r}: expected one of {MIXTURE_STRATEGIES}")
+        if any(not source.weight > 0 for source in self.mixture):
+            raise LitAlignError(f"data.mixture: every weight must be > 0, got {[s.weight for s in self.mixture]}")
+        self.mixture_strategy = mixture_strategy
         self.tokenizer = None
         self.train_data = self.val_data = None
 
@@ -159,6 +199,9 @@ class AlignDataModule(L.LightningDataModule):
             return
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self._tokenizer_name(), chat_template=self.chat_template)
+        if self.mixture:
+            self._setup_mixture(need_train, need_val)
+            return
         train_rows = val_rows = val_source = None
         if need_train or self.val_fraction > 0:
             train_rows = self._load(self.path, self.train_split)
@@ -177,13 +220,43 @@ class AlignDataModule(L.LightningDataModule):
         if need_val and val_rows is not None:
             self.val_data = self.process(val_rows, val_source)
 
-    def _load(self, source: str, split: str):
-        rows = load_rows(source, split, self.kind, self.config_name)
-        missing = sorted(set(self.rename_columns) - set(rows.column_names))
+    def _setup_mixture(self, need_train: bool, need_val: bool) -> None:
+        parts = []
+        for source in self.mixture:
+            rows = self._load(source.path, source.split, source.config_name, source.rename_columns or {})
+            parts.append(self.process(rows, f"{source.path} ({source.split})"))
+        columns = [sorted(part.column_names) for part in parts]
+        if any(c != columns[0] for c in columns):
+            described = ", ".join(f"{s.path}: {c}" for s, c in zip(self.mixture, columns))
+            raise LitAlignError(f"data.mixture: the sources' rows have different columns ({described}); make them "
+                                "alike with each source's rename_columns")
+        parts = [part.cast(parts[0].features) for part in parts]  # e.g. one source's int columns, another's floats
+        if self.mixture_strategy == "concatenate":
+            rows = datasets.concatenate_datasets(parts)
+        else:
+            weights = [s.weight for s in self.mixture]
+            rows = datasets.interleave_datasets(parts, probabilities=[w / sum(weights) for w in weights],
+                                                seed=self.seed, stopping_strategy="first_exhausted")
+        if self.val_fraction > 0:
+            split = rows.train_test_split(test_size=self.val_fraction, seed=self.seed)
+            rows, self.val_data = split["train"], split["test"] if need_val else None
+        elif need_val and self.val_path is not None:
+            split = "train" if "." in self.val_path.rsplit("/", 1)[-1] else (self.val_split or "test")
+            self.val_data = self.process(self._load(self.val_path, split), self.val_path)
+        if need_train:
+            self.train_data = rows
+            sizes = ", ".join(f"{s.path} {len(p)}" for s, p in zip(self.mixture, parts))
+            rank_zero_info(f"lit_align: {len(rows)} training rows from a mixture ({self.mixture_strategy}: {sizes})")
+
+    def _load(self, source: str, split: str, config_name: str | None = None,
+              rename_columns: dict[str, str] | None = None):
+        rename = self.rename_columns if rename_columns is None else rename_columns
+        rows = load_rows(source, split, self.kind, config_name if config_name is not None else self.config_name)
+        missing = sorted(set(rename) - set(rows.column_names))
         if missing:
             raise LitAlignError(f"{source}: data.rename_columns names columns it does not have: {missing} "
                                 f"(columns: {rows.column_names})")
-        return rows.rename_columns(self.rename_columns) if self.rename_columns else rows
+        return rows.rename_columns(rename) if rename else rows
 
     def _tokenizer_name(self) -> str:
         if self.tokenizer_name is not None:

@@ -130,3 +130,67 @@ def test_bad_layouts_are_one_error_line(tmp_path, capfd):
     code, _, err = run_main(fit("sft", tmp_path, FORMATS / "capybara.jsonl", "--model.init_args.chat_template",
                                 str(tmp_path / "missing.jinja")), capfd)
     assert_one_line_error(code, err, f"chat_template {str(tmp_path / 'missing.jinja')!r}: no such file")
+
+
+# -- mixtures --------------------------------------------------------------------------------------------------------
+def mixture(**kw) -> CompletionDataModule:
+    sources = [{"path": str(FORMATS / "ultrachat_200k.jsonl")}, {"path": str(FORMATS / "text_corpus.jsonl")}]
+    return CompletionDataModule(tokenizer="builtin:tiny", val_split=None, mixture=sources, **kw)
+
+
+def rows_of(dm) -> list[list[int]]:
+    dm.setup("fit")
+    return list(dm.train_data["input_ids"])
+
+
+def test_a_concatenated_mixture_holds_every_source_in_order():
+    chats = CompletionDataModule(str(FORMATS / "ultrachat_200k.jsonl"), tokenizer="builtin:tiny", val_split=None)
+    text = CompletionDataModule(str(FORMATS / "text_corpus.jsonl"), tokenizer="builtin:tiny", val_split=None)
+    assert rows_of(mixture()) == rows_of(chats) + rows_of(text)
+
+
+def test_an_interleaved_mixture_follows_its_weights_and_seed():
+    first, again = rows_of(mixture(mixture_strategy="interleave")), rows_of(mixture(mixture_strategy="interleave"))
+    assert first == again  # deterministic from the seed
+    assert first != rows_of(mixture(mixture_strategy="interleave", seed=1))
+    chats = set(map(tuple, rows_of(CompletionDataModule(str(FORMATS / "ultrachat_200k.jsonl"),
+                                                        tokenizer="builtin:tiny", val_split=None))))
+    heavy = rows_of(CompletionDataModule(tokenizer="builtin:tiny", val_split=None, mixture_strategy="interleave",
+                                         mixture=[{"path": str(FORMATS / "ultrachat_200k.jsonl"), "weight": 9.0},
+                                                  {"path": str(FORMATS / "text_corpus.jsonl"), "weight": 1.0}]))
+    assert sum(tuple(r) in chats for r in heavy) > sum(tuple(r) in chats for r in first) / 2  # weighted draws
+    assert any(tuple(r) in chats for r in first) and any(tuple(r) not in chats for r in first)
+
+
+def test_a_mixture_resumes_exactly_and_refuses_unlike_sources(tmp_path, capfd):
+    sources = json.dumps([{"path": str(FORMATS / "ultrachat_200k.jsonl"), "weight": 2.0},
+                          {"path": str(FORMATS / "capybara.jsonl")}])
+    common = ["--data.init_args.mixture", sources, "--data.init_args.mixture_strategy", "interleave",
+              "--trainer.max_steps", "4", "--trainer.enable_checkpointing", "true",
+              "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              "--trainer.callbacks.every_n_train_steps", "2", "--trainer.callbacks.save_top_k", "-1",
+              "--trainer.callbacks.filename", "{step}"]
+    code, _, err = run_main(fit("sft", tmp_path / "full", FORMATS / "capybara.jsonl", *common), capfd)
+    assert code == 0, err
+    full = {int(r["step"]): r["train/loss"] for r in read_metrics(tmp_path / "full" / "sft" / "run" / "metrics.csv")
+            if "train/loss" in r}
+    ckpt = tmp_path / "full" / "sft" / "run" / "checkpoints" / "step=2.ckpt"
+    code, _, err = run_main([*fit("sft", tmp_path / "resumed", FORMATS / "capybara.jsonl", *common),
+                             "--ckpt_path", str(ckpt)], capfd)
+    assert code == 0, err
+    resumed = {int(r["step"]): r["train/loss"]
+               for r in read_metrics(tmp_path / "resumed" / "sft" / "run" / "metrics.csv") if "train/loss" in r}
+    assert resumed == {2: full[2], 3: full[3]}
+
+    unlike = json.dumps([{"path": str(FORMATS / "ultrachat_200k.jsonl")},
+                         {"path": str(FORMATS / "ultrafeedback_binarized.jsonl")}])
+    code, _, err = run_main(fit("dpo", tmp_path / "unlike", FORMATS / "capybara.jsonl", "--data.init_args.mixture",
+                                unlike), capfd)
+    assert_one_line_error(code, err, f"{FORMATS / 'ultrachat_200k.jsonl'} (train) row 0: missing column 'chosen'")
+    with_answer, without = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    with_answer.write_text(json.dumps({"prompt": "sort 31:", "answer": "13"}) + "\n")
+    without.write_text(json.dumps({"prompt": "sort 21:"}) + "\n")
+    prompts = PromptDataModule(tokenizer="builtin:tiny", val_split=None, batch_size=2, num_generations=2,
+                               mixture=[{"path": str(with_answer)}, {"path": str(without)}])
+    with pytest.raises(Exception, match=r"data.mixture: the sources' rows have different columns .*rename_columns"):
+        prompts.setup("fit")
