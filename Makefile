@@ -37,6 +37,7 @@ bench: setup  ## side-by-side benchmarks against TRL and HF generate (figures ar
 	$(PY) bench/grpo_vs_trl.py --lit-engine native,native+padfree --max-new-tokens 256 --lr 0
 	$(PY) bench/generate_vs_hf.py
 	$(PY) bench/generate_vs_hf.py --eos --max-new-tokens 256
+	$(PY) bench/sft_packing.py
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

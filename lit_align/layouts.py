@@ -3,13 +3,14 @@
 A ``Layout`` is the forward's input (``input_ids [R, L]``, a 2D padding mask or a 4D ``allowed`` mask, positions),
 the first label column ``start``, optionally which position predicts each label (``source``), and the map from the
 forward's ``[R, L - start]`` log-probs to the caller's grid ``[N, C]`` (``index``; None: the same grid) with the
-grid's ``mask`` of scored tokens. ``lit_align.logps.layout_logps`` runs any of them. Four layouts:
+grid's ``mask`` of scored tokens. ``lit_align.logps.layout_logps`` runs any of them. Five layouts:
 
 - ``padded``: right-padded rows (SFT rows, DPO's ``[chosen_1..B; rejected_1..B]``), scoring a masked subset;
 - ``prompt_completion``: left-padded prompts, right-padded completions (GRPO), positions following the mask;
 - ``packed``: the same prompts and completions packed into one row without padding, a block-causal mask keeping
   the rows apart (GRPO's ``padding_free``);
-- ``shared_prompt_pairs``: each DPO pair as one row ``[prompt, chosen, rejected]``, the prompt computed once.
+- ``shared_prompt_pairs``: each DPO pair as one row ``[prompt, chosen, rejected]``, the prompt computed once;
+- ``segments``: packed SFT rows, several sequences per row with a block-causal mask.
 
 The 4D layouts need a model that takes a custom mask (``lit_align.capabilities``); ``pairs`` picks the shared-prompt
 layout only for a model that does.
@@ -53,6 +54,23 @@ def padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.
     start = max(int(first.min()) if first.numel() else 1, 1)
     return Layout("padded", input_ids, start, scored[:, start:].bool(), attention_mask=attention_mask,
                   window=input_ids.shape[1])
+
+
+def segments(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor, position_ids: torch.Tensor,
+             segment_ids: torch.Tensor) -> Layout:
+    """Packed rows (``lit_align.data.packing``): several sequences per row, each attending only to itself (a
+    block-causal mask), positions restarting at each. A sequence's first token is never scored: what precedes it is
+    another sequence. The grid is ``padded``'s."""
+    first = torch.ones_like(scored, dtype=torch.bool)
+    first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    layout = padded(input_ids, attention_mask, scored.bool() & ~first)
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    causal = torch.ones(input_ids.shape[1], input_ids.shape[1], dtype=torch.bool, device=input_ids.device).tril_()
+    allowed = (same & causal & (segment_ids >= 0)[:, None, :]) | torch.eye(input_ids.shape[1], dtype=torch.bool,
+                                                                         device=input_ids.device)
+    layout.name, layout.attention_mask = "packing", None
+    layout.allowed, layout.position_ids = allowed[:, None], position_ids
+    return layout
 
 
 def prompt_completion(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,

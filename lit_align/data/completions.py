@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import datasets
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.utils.rnn import pad_sequence
 
 from lit_align.data.base import AlignDataModule
+from lit_align.data.packing import PACKING_STRATEGIES, collate_packed, pack
 from lit_align.data.rows import (
     check_max_length, encode_conversation, encode_prompt_completion, encode_text, keep_start, normalize_completion,
     sft_row_kind, template_kwargs, with_eos,
@@ -82,15 +84,27 @@ class CompletionDataModule(AlignDataModule):
         drop_long_prompts: drop rows whose prompt alone fills ``max_length`` (nothing of the completion would be
             left; TRL drops them silently) instead of stopping with an error that names the first such row.
         num_proc: processes for tokenization (``datasets.map``).
+        packing: pack several rows into each row of ``max_length`` tokens, without attention between them
+            (TRL's ``packing``; ``lit_align.data.packing``); ``batch_size`` then counts packed rows.
+        packing_strategy: ``bfd`` (best-fit decreasing; no row split, TRL's default) or ``wrapped`` (cut every
+            ``max_length`` tokens).
+        padding_free: make each batch one row of its sequences back to back, no padding (TRL's
+            ``padding_free``); with ``packing``, one row of the packed rows.
     """
 
     kind = "completion"
 
     def __init__(self, *args, max_length: int | None = 1024, drop_long_prompts: bool = False,
-                 num_proc: int | None = None, **kwargs):
+                 num_proc: int | None = None, packing: bool = False, packing_strategy: str = "bfd",
+                 padding_free: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_length = check_max_length(max_length)
         self.drop_long_prompts, self.num_proc = drop_long_prompts, num_proc
+        if packing_strategy not in PACKING_STRATEGIES:
+            raise LitAlignError(f"data.packing_strategy {packing_strategy!r}: expected one of {PACKING_STRATEGIES}")
+        if packing and max_length is None:
+            raise LitAlignError("data.packing needs data.max_length (the length of a packed row)")
+        self.packing, self.packing_strategy, self.padding_free = packing, packing_strategy, padding_free
 
     def process(self, rows, source: str):
         columns = set(rows.column_names)
@@ -125,7 +139,15 @@ class CompletionDataModule(AlignDataModule):
         if len(tokenized) == 0:
             raise LitAlignError(f"{source}: every row was dropped (prompt alone >= max_length={max_length})")
         self.truncation_report = {"truncated": truncated, "dropped": dropped}
-        return tokenized.remove_columns("truncated")
+        tokenized = tokenized.remove_columns("truncated")
+        if not self.packing:
+            return tokenized
+        packed = pack(list(tokenized), self.max_length, self.packing_strategy)
+        rank_zero_info(f"lit_align: {source}: {len(tokenized)} rows packed into {len(packed)} of up to "
+                       f"{self.max_length} tokens ({self.packing_strategy})")
+        return datasets.Dataset.from_list(packed)
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.padding_free or "seq_lengths" in rows[0]:
+            return collate_packed(rows, self.tokenizer.pad_token_id, one_row=self.padding_free)
         return collate_completions(rows, self.tokenizer.pad_token_id)

@@ -43,8 +43,12 @@ def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], comp
     the LM head skips the prefix before it. ``chunk_size``: chunked log-probs (``lit_align.logps``).
     """
     scored = loss_mask(batch, completion_only_loss, assistant_only_loss)
-    out = layout_logps(model, layouts.padded(batch["input_ids"], batch["attention_mask"], scored), ("argmax",),
-                       chunk_size)
+    if "segment_ids" in batch:  # packed rows
+        layout = layouts.segments(batch["input_ids"], batch["attention_mask"], scored, batch["position_ids"],
+                                  batch["segment_ids"])
+    else:
+        layout = layouts.padded(batch["input_ids"], batch["attention_mask"], scored)
+    out = layout_logps(model, layout, ("argmax",), chunk_size)
     count = out.mask.sum()
     loss = -out.tokens.sum() / count.clamp(min=1)
     correct = ((out.stats["argmax"] == out.labels) & out.mask).sum()

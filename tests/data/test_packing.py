@@ -1,0 +1,87 @@
+"""lit_align.data.packing: best-fit decreasing bins, wrapped rows, and packed batches that give the unpacked loss and
+gradients (rule 3 of tests/numerics.py: the same sums in another order)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import run_main
+from lit_align.data import CompletionDataModule
+from lit_align.data.packing import bfd_bins, collate_packed, pack
+from lit_align.models import load_model
+from lit_align.modules.sft import sft_token_stats
+from numerics import TINY_TERMS, assert_rounding_close
+
+FORMATS = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bfd_fills_bins_without_splitting_or_overflowing():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 50) for _ in range(300)]
+    bins = bfd_bins(lengths, 64)
+    assert sorted(i for b in bins for i in b) == list(range(300))  # every sequence once, none split
+    assert all(sum(lengths[i] for i in b) <= 64 for b in bins)
+    assert len(bins) <= 1.05 * sum(lengths) / 64 + 1  # close to the bound
+    assert bfd_bins([64, 1, 63], 64) == [[0], [2, 1]]  # best fit: the 1 goes where it fits most tightly
+
+
+def test_pack_keeps_each_sequences_tokens_and_lengths():
+    rows = [{"input_ids": list(range(10, 10 + n)), "completion_mask": [1] * n, "assistant_mask": []} for n in (5, 7, 3)]
+    assert pack(rows, 8, "bfd") == [
+        {"input_ids": list(range(10, 17)), "completion_mask": [1] * 7, "seq_lengths": [7]},
+        {"input_ids": [10, 11, 12, 13, 14, 10, 11, 12], "completion_mask": [1] * 8, "seq_lengths": [5, 3]},
+    ]
+    wrapped = pack(rows, 8, "wrapped")  # cut every 8 tokens: the second sequence goes on in the next row
+    assert [r["input_ids"] for r in wrapped] == [[10, 11, 12, 13, 14, 10, 11, 12], [13, 14, 15, 16, 10, 11, 12]]
+    assert [r["seq_lengths"] for r in wrapped] == [[5, 3], [4, 3]]
+    batch = collate_packed(wrapped, pad_token_id=0)
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 0]]
+    assert batch["segment_ids"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, -1]]
+
+
+@pytest.mark.parametrize("fixture", ["text_corpus.jsonl", "ultrachat_200k.jsonl"])
+@pytest.mark.parametrize("mode", ["bfd", "wrapped-free", "padding_free"])
+def test_packed_batches_give_the_unpacked_loss_and_gradients(fixture, mode, tiny_path):
+    plain = CompletionDataModule(str(FORMATS / fixture), tokenizer="builtin:tiny", val_split=None, shuffle=False,
+                                 batch_size=64)
+    plain.setup("fit")
+    rows = list(plain.train_data)
+    if mode == "bfd":
+        other = collate_packed(pack(rows, 96, "bfd"), pad_token_id=plain.tokenizer.pad_token_id)
+    elif mode == "padding_free":
+        other = collate_packed(rows, pad_token_id=plain.tokenizer.pad_token_id, one_row=True)
+    else:  # every sequence whole in a row: wrapped with room for the longest (the wrapped cut changes the rows)
+        other = collate_packed(pack(rows, 10_000, "wrapped"), pad_token_id=plain.tokenizer.pad_token_id)
+    padded = plain.collate(rows)
+    model = load_model("builtin:tiny")
+    results = []
+    for batch in (padded, other):
+        model.zero_grad()
+        loss, correct, count = sft_token_stats(model, batch)
+        loss.backward()
+        results.append((loss.detach(), int(correct), int(count), [p.grad.clone() for p in model.parameters()]))
+    (loss, correct, count, grads), (p_loss, p_correct, p_count, p_grads) = results
+    assert p_count == count and p_correct == correct  # the same tokens scored, the same argmax
+    assert_rounding_close(p_loss, loss, scale=float(loss), terms=TINY_TERMS)
+    for a, b in zip(p_grads, grads):
+        assert_rounding_close(a, b, terms=TINY_TERMS * count)
+    assert other["input_ids"].numel() <= padded["input_ids"].numel()  # the point: no more positions
+    if mode == "padding_free":
+        assert other["input_ids"].numel() == int(padded["attention_mask"].sum())  # no padding at all
+
+
+def test_sft_trains_packed_and_padding_free_through_the_cli(tmp_path, capfd):
+    for flags in (["--data.init_args.packing", "true", "--data.init_args.max_length", "64"],
+                  ["--data.init_args.padding_free", "true"]):
+        code, _, err = run_main([
+            "fit", "-c", str(REPO / "configs" / "sft.yaml"), "--data.init_args.path", str(FORMATS / "text_corpus.jsonl"),
+            "--data.init_args.val_split", "null", "--data.init_args.batch_size", "2", "--trainer.max_steps", "2",
+            "--trainer.val_check_interval", "1.0", "--trainer.logger", "false", "--trainer.enable_checkpointing",
+            "false", "--trainer.enable_progress_bar", "false", "--export.enabled", "false",
+            "--trainer.default_root_dir", str(tmp_path), *flags], capfd)
+        assert code == 0, err
