@@ -37,6 +37,7 @@ class Layout:
     source: torch.Tensor | None = None  # [R, L - start]: the position predicting each label (None: the one before)
     index: torch.Tensor | None = None  # [N, C]: flat index into [R * (L - start)] of each grid position (None: same)
     window: int = 0  # the longest original sequence (a custom mask replaces a sliding-window mask)
+    varlen: bool = False  # positions restart at each sequence: flash attention can take them instead of ``allowed``
 
     def to_grid(self, values: torch.Tensor) -> torch.Tensor:
         """``[R, L - start]`` per-label values on the caller's ``[N, C]`` grid."""
@@ -68,7 +69,7 @@ def segments(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torc
     causal = torch.ones(input_ids.shape[1], input_ids.shape[1], dtype=torch.bool, device=input_ids.device).tril_()
     allowed = (same & causal & (segment_ids >= 0)[:, None, :]) | torch.eye(input_ids.shape[1], dtype=torch.bool,
                                                                          device=input_ids.device)
-    layout.name, layout.attention_mask = "packing", None
+    layout.name, layout.attention_mask, layout.varlen = "packing", None, True
     layout.allowed, layout.position_ids = allowed[:, None], position_ids
     return layout
 

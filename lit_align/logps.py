@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lit_align.capabilities import is_fsdp_unit, takes_custom_mask, takes_logits_to_keep
+from lit_align.capabilities import attention_implementation, is_fsdp_unit, takes_custom_mask, takes_logits_to_keep
 from lit_align.errors import LitAlignError
 
 STATS = ("entropy", "argmax", "mean_logit", "log_sum_sq_probs")
@@ -263,7 +263,10 @@ def layout_logps(model: torch.nn.Module, layout, stats: tuple[str, ...] = (), ch
     (padded or packed); the layout says how the rows are laid out and where each token lands in the caller's grid.
     """
     kwargs = {}
-    if layout.allowed is not None:
+    if (layout.varlen and len(layout.input_ids) == 1
+            and (attention_implementation(model) or "").startswith("flash_attention")):
+        pass  # one packed row: transformers' flash attention reads its sequences from the restarting position_ids
+    elif layout.allowed is not None:
         if not takes_custom_mask(model):
             raise LitAlignError(f"{layout.name} needs sdpa or eager attention; the model uses "
                                 f"{model.config._attn_implementation!r}")
