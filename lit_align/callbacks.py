@@ -18,8 +18,18 @@ from lit_align.strategies import full_policy_state_dict
 
 
 def run_dir(trainer: L.Trainer) -> Path:
-    """The run's directory: the logger's version directory, or ``default_root_dir`` without a logger."""
-    return Path(trainer.log_dir or trainer.default_root_dir)
+    """The run's own directory: the logger's version directory (CSV, TensorBoard); for loggers whose ``save_dir`` is
+    shared by every run (W&B's ``.``, MLflow's ``./mlruns``) ``<default_root_dir>/<name>/<version>``, so one run's
+    export never lands on another's; ``default_root_dir`` without a logger. The same on every rank (broadcast)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    logger = trainer.logger
+    if logger is None:
+        return Path(trainer.default_root_dir)
+    if isinstance(logger, (CSVLogger, TensorBoardLogger)):
+        return Path(trainer.log_dir)
+    path = Path(trainer.default_root_dir) / str(logger.name or "run") / str(logger.version) if trainer.is_global_zero else None
+    return Path(trainer.strategy.broadcast(path))
 
 
 class HFExport(L.Callback):

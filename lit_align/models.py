@@ -162,11 +162,30 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
     return tokenizer
 
 
+def from_pretrained_kwargs(model_init_kwargs: dict | None) -> dict:
+    """``model_init_kwargs`` as ``from_pretrained`` takes them: a ``quantization_config`` mapping becomes a
+    ``BitsAndBytesConfig``; the settings lit_align has its own option for are refused (one place for each)."""
+    kwargs = dict(model_init_kwargs or {})
+    clash = sorted({"dtype", "torch_dtype", "attn_implementation", "trust_remote_code"} & set(kwargs))
+    if clash:
+        raise LitAlignError(f"model.model_init_kwargs: {clash} have their own options (model.dtype, "
+                            "model.attn_implementation, model.trust_remote_code)")
+    if isinstance(kwargs.get("quantization_config"), dict):
+        from transformers import BitsAndBytesConfig
+
+        try:
+            kwargs["quantization_config"] = BitsAndBytesConfig(**kwargs["quantization_config"])
+        except (TypeError, ValueError) as exc:
+            raise LitAlignError(f"model.model_init_kwargs.quantization_config: {_one_line(exc)}") from exc
+    return kwargs
+
+
 def load_model(
     name_or_path: str,
     dtype: str = "float32",
     attn_implementation: str | None = "sdpa",
     trust_remote_code: bool = False,
+    model_init_kwargs: dict | None = None,
 ):
     """Load a causal LM by hub name, local directory or ``builtin:<name>``.
 
@@ -174,6 +193,8 @@ def load_model(
         name_or_path: what ``AutoModelForCausalLM.from_pretrained`` takes, or ``builtin:tiny`` / ``builtin:small``.
         dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
         attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ... (None: transformers' default).
+        model_init_kwargs: more ``from_pretrained`` arguments (TRL's name), e.g. ``device_map``, ``revision``, config
+            overrides, or ``quantization_config`` (a mapping of ``BitsAndBytesConfig`` arguments, for QLoRA).
     """
     path = _check_loadable(name_or_path, "model")
     if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -184,6 +205,7 @@ def load_model(
             dtype=dtype if dtype == "auto" else getattr(torch, dtype),
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
+            **from_pretrained_kwargs(model_init_kwargs),
         )
     except Exception as exc:  # noqa: BLE001
         raise LitAlignError(f"could not load model {name_or_path!r}: {_one_line(exc)}") from exc

@@ -71,8 +71,13 @@ PLOTS = [  # (stage, metric, title)
 ]
 
 
-def plot(root: Path) -> Path:
-    import matplotlib
+def plot(root: Path) -> Path | None:
+    """The curves as ``<root>/curves.png``; None (and one line saying how to get them) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("lit_align: curves not drawn: matplotlib is not installed (pip install 'lit_align[plots]')")
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -112,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{stage:<6} {accuracy['exact']:>14.3f} {accuracy['partial']:>15.3f} {seconds / 60:>8.1f}")
     if dpo_metrics:
         print(f"DPO held-out preference (reward) accuracy: {dpo_metrics[-1][1]:.3f}")
-    print(f"total {(time.time() - start) / 60:.1f} min; curves: {curves}; models: {root}/<stage>/hf_model")
+    drawn = f"curves: {curves}; " if curves else ""
+    print(f"total {(time.time() - start) / 60:.1f} min; {drawn}models: {root}/<stage>/hf_model")
 
 
 if __name__ == "__main__":

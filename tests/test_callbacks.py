@@ -129,3 +129,27 @@ def test_completions_logger_writes_the_latest_round_at_its_cadence(tmp_path):
     logger.on_train_batch_end(SimpleNamespace(**{**trainer.__dict__, "is_global_zero": False, "global_step": 6}),
                               module, None, None, 0)
     assert len(table.tables) == 2  # only rank 0 writes
+
+
+class SharedDirLogger(L.pytorch.loggers.Logger):
+    """A logger whose ``save_dir`` every run shares (as W&B's ``.``): what HFExport and CompletionsLogger must not
+    write into."""
+
+    name, version, save_dir = "project", "run-abc", "."
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_the_export_lands_in_the_runs_own_directory_under_any_logger(tmp_path, monkeypatch):
+    from lit_align.callbacks import HFExport
+
+    monkeypatch.chdir(tmp_path)  # the shared save_dir "." is here
+    export = HFExport()
+    fit(DPOModule(model="builtin:tiny"), sort_pairs(), tmp_path / "root", callbacks=[export],
+        logger=SharedDirLogger())
+    assert export.exported_to == tmp_path / "root" / "project" / "run-abc" / "hf_model"
+    assert (export.exported_to / "config.json").exists() and not (tmp_path / "hf_model").exists()

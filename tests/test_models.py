@@ -168,3 +168,30 @@ def test_builtin_builds_complete_on_every_rank_under_torch_distributed(tmp_path,
     for rank in (0, 1):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / f"rank{rank}")
         assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items()), rank
+
+
+def test_model_init_kwargs_reach_from_pretrained_for_policy_and_reference(tmp_path, tiny_path):
+    """TRL's ``model_init_kwargs``: here a config override, visible on the loaded policy and frozen reference."""
+    from helpers import fit
+    from lit_align.data import PreferenceDataModule
+    from lit_align.modules import DPOModule
+
+    assert load_model("builtin:tiny").config.max_position_embeddings == 512
+    module = DPOModule(model="builtin:tiny", model_init_kwargs={"max_position_embeddings": 1024})
+    fit(module, PreferenceDataModule(path="builtin:sort", batch_size=2, max_length=32, val_split=None), tmp_path)
+    assert module.policy.config.max_position_embeddings == 1024
+    assert module.reference.model.config.max_position_embeddings == 1024
+
+
+def test_model_init_kwargs_build_a_quantization_config_and_refuse_clashes():
+    from transformers import BitsAndBytesConfig
+
+    from lit_align.models import from_pretrained_kwargs
+
+    kwargs = from_pretrained_kwargs({"quantization_config": {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+                                     "device_map": "auto"})
+    assert isinstance(kwargs["quantization_config"], BitsAndBytesConfig)
+    assert kwargs["quantization_config"].load_in_4bit and kwargs["quantization_config"].bnb_4bit_quant_type == "nf4"
+    assert kwargs["device_map"] == "auto"
+    with pytest.raises(LitAlignError, match=r"model.model_init_kwargs: \['torch_dtype'\] have their own options"):
+        from_pretrained_kwargs({"torch_dtype": "bfloat16"})

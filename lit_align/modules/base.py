@@ -18,7 +18,7 @@ from transformers import get_scheduler
 
 from lit_align.errors import LitAlignError
 from lit_align.capabilities import sharded_strategy
-from lit_align.models import load_model, load_tokenizer
+from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
 from lit_align.reference import Reference
 
 
@@ -73,6 +73,9 @@ class AlignModule(L.LightningModule):
             peft needed) and the adapter alone in its ``adapter/`` subdirectory.
         chat_template: the chat template to train with and export: a Jinja file or the template itself (TRL's
             ``chat_template_path``); None: the tokenizer's. ``lit-align`` passes it on to the data.
+        model_init_kwargs: more ``from_pretrained`` arguments for the policy and the reference (TRL's name):
+            ``device_map``, ``revision``, config overrides, ``quantization_config`` (``BitsAndBytesConfig``
+            arguments, e.g. ``{load_in_4bit: true}`` with ``peft_config`` for QLoRA; bitsandbytes needs a GPU).
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class AlignModule(L.LightningModule):
         peft_config: dict | None = None,
         export_merged: bool = False,
         chat_template: str | None = None,
+        model_init_kwargs: dict | None = None,
     ):
         super().__init__()
         if on_nonfinite_loss not in ("error", "skip"):
@@ -105,6 +109,7 @@ class AlignModule(L.LightningModule):
             raise LitAlignError(f"model.warmup_ratio must be in [0, 1], got {warmup_ratio}")
         self.save_hyperparameters()
         self.lora_config = lora_config(peft_config) if peft_config is not None else None
+        from_pretrained_kwargs(model_init_kwargs)  # refuse a bad mapping now, not at configure_model
         self.model_name = model
         if logps_chunk_size is not None and logps_chunk_size < 1:
             raise LitAlignError(f"model.logps_chunk_size must be a positive number of positions or null, "
@@ -122,7 +127,7 @@ class AlignModule(L.LightningModule):
     def load(self, name: str) -> torch.nn.Module:
         hp = self.hparams
         model = load_model(name, dtype=hp.dtype, attn_implementation=hp.attn_implementation,
-                           trust_remote_code=hp.trust_remote_code)
+                           trust_remote_code=hp.trust_remote_code, model_init_kwargs=hp.model_init_kwargs)
         if hp.disable_dropout:
             disable_dropout(model)
         return model
@@ -205,10 +210,16 @@ class AlignModule(L.LightningModule):
         """The second half of the guard: a finite loss can still give non-finite gradients; never step with them.
         Every rank decides alike (the flag is all-reduced: under FSDP a rank holds only its shard of the gradients).
         fp16's GradScaler does its own check; DeepSpeed keeps gradients in its engine, where this guard sees none."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        if sharded_strategy(self.trainer):  # each rank holds a shard: the global norm from the squares' sum
+            norm = self.trainer.strategy.reduce(norm.square(), reduce_op="sum").sqrt()
+        if grads:  # TRL's names: the norm before clipping (DeepSpeed keeps gradients in its engine: none here)
+            self.log("train/grad_norm", norm)
+        self.log("train/learning_rate", float(optimizer.param_groups[0]["lr"]))
         if getattr(self.trainer.precision_plugin, "scaler", None) is not None:
             return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        bad = bool(grads) and not torch.isfinite(torch.nn.utils.get_total_norm(grads))
+        bad = bool(grads) and not torch.isfinite(norm)
         if not self.trainer.strategy.reduce(torch.tensor(float(bad), device=self.device), reduce_op="sum") > 0:
             return
         names = [n for n, p in self.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]

@@ -35,3 +35,11 @@ def test_full_pipeline_meets_its_targets(tmp_path, capsys):
     dpo_accuracy = float(out.split("DPO held-out preference (reward) accuracy:")[1].split()[0])
     assert dpo_accuracy >= 0.85
     assert Path(tmp_path / "curves.png").exists()
+
+
+def test_without_matplotlib_the_curves_are_skipped_with_one_line(tmp_path, capsys, monkeypatch):
+    """The core install has no matplotlib: the main job still runs; it says how to get the curves."""
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # what `import matplotlib` meets when absent
+    assert pipeline.plot(tmp_path) is None
+    assert "curves not drawn: matplotlib is not installed (pip install 'lit_align[plots]')" in capsys.readouterr().out
+    assert not (tmp_path / "curves.png").exists()

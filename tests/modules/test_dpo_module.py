@@ -267,3 +267,17 @@ def test_validate_then_fit_on_one_module(tmp_path):
     t.fit(module, dm)
     assert before == pytest.approx(math.log(2), abs=1e-6)
     assert float(t.callback_metrics["val/loss"]) != pytest.approx(before, abs=1e-4)
+
+
+def test_grad_norm_and_learning_rate_are_logged(tmp_path, tiny_path):
+    """TRL's ``grad_norm`` (before clipping) and ``learning_rate``, at every optimizer step."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from helpers import fit, read_metrics
+
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3, lr_scheduler_type="constant")
+    fit(module, data(), tmp_path, max_steps=3, logger=CSVLogger(tmp_path, name="m"), gradient_clip_val=1e-6)
+    rows = [r for r in read_metrics(tmp_path / "m" / "version_0" / "metrics.csv") if "train/grad_norm" in r]
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    assert [r["train/learning_rate"] for r in rows] == [float(torch.tensor(1e-3))] * 3  # logged as fp32
+    assert all(r["train/grad_norm"] > 1e-3 for r in rows)  # the norm before clipping to 1e-6
