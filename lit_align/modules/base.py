@@ -12,6 +12,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import Metric
 from transformers import get_scheduler
@@ -21,6 +22,35 @@ from lit_align.capabilities import sharded_strategy
 from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
 from lit_align.reference import Reference
 
+
+def _bitsandbytes(name: str):
+    def build(params, lr: float, weight_decay: float):
+        try:
+            import bitsandbytes
+        except ImportError:
+            raise LitAlignError(f"model.optim {name!r} needs bitsandbytes: pip install 'lit_align[bnb]'") from None
+        cls = {"adamw_8bit": bitsandbytes.optim.AdamW8bit, "paged_adamw_8bit": bitsandbytes.optim.PagedAdamW8bit}[name]
+        return cls(params, lr=lr, weight_decay=weight_decay)
+
+    return build
+
+
+def _adafactor(params, lr: float, weight_decay: float):
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=lr, weight_decay=weight_decay, scale_parameter=False, relative_step=False)
+
+
+# ``model.optim``: TRL's (transformers') optimizer names -> ``(params, lr, weight_decay) -> optimizer``
+OPTIMIZERS = {
+    "adamw_torch": lambda params, lr, weight_decay: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay),
+    "adamw_torch_fused": lambda params, lr, weight_decay: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+                                                                             fused=True),
+    "sgd": lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr, weight_decay=weight_decay),
+    "adafactor": _adafactor,
+    "adamw_8bit": _bitsandbytes("adamw_8bit"),
+    "paged_adamw_8bit": _bitsandbytes("paged_adamw_8bit"),
+}
 
 # Model settings a resume may change: how the same numbers are computed or exported, not which numbers.
 RESUME_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "on_nonfinite_loss", "export_merged", "engine",
@@ -56,7 +86,14 @@ class AlignModule(L.LightningModule):
         learning_rate: AdamW learning rate (TRL's DPO default: 1e-6).
         weight_decay: AdamW weight decay.
         lr_scheduler_type: any ``transformers.get_scheduler`` name: ``linear`` (TRL's default), ``cosine``,
-            ``constant``, ``constant_with_warmup``, ...
+            ``constant``, ``constant_with_warmup``, ``cosine_with_min_lr``, ...
+        lr_scheduler_kwargs: that scheduler's own arguments (TRL's name), e.g. ``{num_cycles: 2}`` for
+            ``cosine_with_restarts`` or ``{min_lr: 1e-7}`` for ``cosine_with_min_lr``.
+        optim: the optimizer by TRL's name: ``adamw_torch`` (default), ``adamw_torch_fused``, ``sgd``,
+            ``adafactor``, ``adamw_8bit``, ``paged_adamw_8bit`` (the last two: ``pip install "lit_align[bnb]"``,
+            bitsandbytes), with ``learning_rate`` and ``weight_decay``.
+        optimizer: any optimizer the LightningCLI way instead, e.g. ``{class_path: torch.optim.SGD, init_args:
+            {lr: 0.1, momentum: 0.9}}`` (its own ``lr`` then; the schedule and warmup still apply).
         warmup_ratio: fraction of the run's optimizer steps spent warming up (used when ``warmup_steps`` is 0).
         warmup_steps: optimizer steps of linear warmup.
         on_nonfinite_loss: ``error`` (default): stop at a NaN/inf loss with the step and the batch's offending rows
@@ -90,6 +127,9 @@ class AlignModule(L.LightningModule):
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
         lr_scheduler_type: str = "linear",
+        lr_scheduler_kwargs: dict | None = None,
+        optim: str = "adamw_torch",
+        optimizer: OptimizerCallable | None = None,
         warmup_ratio: float = 0.0,
         warmup_steps: int = 0,
         on_nonfinite_loss: str = "error",
@@ -107,7 +147,11 @@ class AlignModule(L.LightningModule):
                 raise LitAlignError(f"model.{name} must be >= 0, got {value}")
         if not 0 <= warmup_ratio <= 1:
             raise LitAlignError(f"model.warmup_ratio must be in [0, 1], got {warmup_ratio}")
-        self.save_hyperparameters()
+        if optim not in OPTIMIZERS:
+            raise LitAlignError(f"model.optim {optim!r}: expected one of {sorted(OPTIMIZERS)} (or model.optimizer: "
+                                "{class_path: ..., init_args: ...} for any torch optimizer)")
+        self.optimizer_factory = optimizer
+        self.save_hyperparameters(ignore=["optimizer"])
         self.lora_config = lora_config(peft_config) if peft_config is not None else None
         from_pretrained_kwargs(model_init_kwargs)  # refuse a bad mapping now, not at configure_model
         self.model_name = model
@@ -278,7 +322,10 @@ class AlignModule(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        if self.optimizer_factory is not None:
+            optimizer = self.optimizer_factory(params)
+        else:
+            optimizer = OPTIMIZERS[hp.optim](params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
         total = int(self.trainer.estimated_stepping_batches)
         if self._resumed_total is not None and self._resumed_total != total:
             rank_zero_warn(f"lit_align: resumed with another length: the learning-rate schedule ({hp.lr_scheduler_type}) "
@@ -286,8 +333,9 @@ class AlignModule(L.LightningModule):
         self.total_steps = total
         warmup = hp.warmup_steps or int(hp.warmup_ratio * total)
         try:
-            scheduler = get_scheduler(hp.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
-        except ValueError as exc:
+            scheduler = get_scheduler(hp.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total,
+                                      scheduler_specific_kwargs=hp.lr_scheduler_kwargs)
+        except (TypeError, ValueError) as exc:
             raise LitAlignError(f"model.lr_scheduler_type {hp.lr_scheduler_type!r}: {exc}") from exc
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -281,3 +281,51 @@ def test_grad_norm_and_learning_rate_are_logged(tmp_path, tiny_path):
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
     assert [r["train/learning_rate"] for r in rows] == [float(torch.tensor(1e-3))] * 3  # logged as fp32
     assert all(r["train/grad_norm"] > 1e-3 for r in rows)  # the norm before clipping to 1e-6
+
+
+def test_optimizers_by_trl_name_or_the_lightningcli_way(tmp_path, tiny_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    import sys
+
+    from helpers import fit, read_metrics
+
+    module = DPOModule(model="builtin:tiny", optim="sgd", learning_rate=0.05)
+    trainer = fit(module, data(), tmp_path)
+    (optimizer,) = trainer.optimizers
+    assert type(optimizer) is torch.optim.SGD and optimizer.defaults["lr"] == 0.05
+
+    # the LightningCLI way: any optimizer as class_path/init_args
+    from lit_align.cli import run
+
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        cli = run(["fit", "-c", str(REPO / "configs" / "dpo.yaml"), "--trainer.max_steps", "1",
+                   "--trainer.val_check_interval", "1.0", "--data.init_args.val_split", "null",
+                   "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", "--export.enabled", "false",
+                   "--model.init_args.optimizer", "{class_path: torch.optim.SGD, init_args: {lr: 0.05, momentum: 0.9}}",
+                   "--trainer.default_root_dir", str(tmp_path)])
+    finally:
+        sys.argv = argv
+    (optimizer,) = cli.trainer.optimizers
+    assert type(optimizer) is torch.optim.SGD and optimizer.defaults["momentum"] == 0.9
+
+    # lr_scheduler_kwargs reach the schedule: two cosine cycles restart at the half
+    lrs = {}
+    for cycles in (1, 2):
+        module = DPOModule(model="builtin:tiny", learning_rate=1e-3, lr_scheduler_type="cosine_with_restarts",
+                           lr_scheduler_kwargs={"num_cycles": cycles})
+        root = tmp_path / f"cycles{cycles}"
+        fit(module, data(), root, max_steps=8, logger=CSVLogger(root, name="m"))
+        lrs[cycles] = {int(r["step"]): r["train/learning_rate"]
+                       for r in read_metrics(root / "m" / "version_0" / "metrics.csv") if "train/learning_rate" in r}
+    assert lrs[2][4] == lrs[2][0] > lrs[1][4]
+
+    with pytest.raises(LitAlignError, match=r"model.optim 'adamw_9bit': expected one of"):
+        DPOModule(optim="adamw_9bit")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        module = DPOModule(model="builtin:tiny", optim="adamw_8bit")
+        with pytest.raises(LitAlignError, match=r"model.optim 'adamw_8bit' needs bitsandbytes: pip install"):
+            fit(module, data(), tmp_path / "bnb")
