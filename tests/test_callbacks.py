@@ -113,8 +113,8 @@ class TableLogger:
 def test_completions_logger_writes_the_latest_round_at_its_cadence(tmp_path):
     logger = CompletionsLogger(every_n_steps=2, max_rows=3)
     table = TableLogger()
-    trainer = SimpleNamespace(is_global_zero=True, global_step=0, log_dir=str(tmp_path), default_root_dir=tmp_path,
-                              loggers=[table])
+    trainer = SimpleNamespace(is_global_zero=True, global_step=0, logger=None, default_root_dir=tmp_path,
+                              loggers=[table])  # no version directory: the run's directory is default_root_dir
     module = SimpleNamespace(round=make_round())
     for step in (0, 1, 2, 2, 3, 4):  # step 2 twice: two micro-batches of one optimizer step
         trainer.global_step = step
