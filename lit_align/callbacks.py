@@ -109,19 +109,21 @@ class CompletionsLogger(L.Callback):
         if self._last_step == trainer.global_step:  # several batches per step under gradient accumulation
             return
         self._last_step = trainer.global_step
-        rows = list(zip(latest.prompts, latest.completions, latest.rewards))[: self.max_rows]
+        extra = getattr(latest, "extra", {})  # columns the reward functions logged (log_extra)
+        columns = ["step", "prompt", "completion", "reward", *extra]
+        rows = [[trainer.global_step, str(p), c, r, *(extra[k][i] for k in extra)]
+                for i, (p, c, r) in enumerate(zip(latest.prompts, latest.completions, latest.rewards))][: self.max_rows]
         path = run_dir(trainer) / "completions.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         new = not path.exists()
         with path.open("a", newline="") as f:
             writer = csv.writer(f)
             if new:
-                writer.writerow(["step", "prompt", "completion", "reward"])
-            writer.writerows([trainer.global_step, str(p), c, r] for p, c, r in rows)
+                writer.writerow(columns)
+            writer.writerows(rows)
         for logger in trainer.loggers:
             if hasattr(logger, "log_table"):
-                logger.log_table(key="completions", columns=["step", "prompt", "completion", "reward"],
-                                 data=[[trainer.global_step, str(p), c, r] for p, c, r in rows])
+                logger.log_table(key="completions", columns=columns, data=rows)
 
 
 class SigtermCheckpoint(L.Callback):

@@ -11,7 +11,7 @@ console script links (``lit_align.cli``): ``num_generations`` (completions per p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -65,6 +65,7 @@ class GenerationRound:
     completions: list[str]
     rewards: list[float]
     dataset_rows: list[int] | None = None  # per row: the dataset index of its prompt
+    extra: dict[str, list] = field(default_factory=dict)  # per row: columns reward functions logged (log_extra)
 
     def step_rows(self, position: int) -> StepRows:
         """The rows of the round's ``position``-th step (passes repeat: ``position`` counts modulo ``steps``).

@@ -3,15 +3,21 @@
 A reward function is any Python callable ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``
 (one value per completion; None where the function does not apply). ``columns`` are the dataset's extra columns,
 one value per completion (e.g. ``answer``). Configs name them by dotted path: ``lit_align.rewards.sort_accuracy`` or
-``my_package.my_module.my_reward``. Completions are strings, or ``[{"role": "assistant", "content": ...}]`` for
-conversational prompts.
+``my_package.my_module.my_reward``, or as ``{class_path, init_args}`` for a parametrised reward (an object whose
+``__call__`` is the reward). As TRL, functions also get ``trainer_state`` (``RewardState``: global_step, max_steps,
+epoch), ``log_metric(name, value)`` (logged as ``train/<name>``, averaged over the round) and
+``log_extra(column, values)`` (a column of the completions table); ``async def`` functions run concurrently.
+Completions are strings, or ``[{"role": "assistant", "content": ...}]`` for conversational prompts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from lit_align.data.tasks import SortTask
@@ -58,12 +64,68 @@ def reward_name(fn: Callable) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+@dataclass
+class RewardState:
+    """What a reward function gets as ``trainer_state`` (TRL passes its ``TrainerState``): training progress, for
+    rewards shaped by it."""
+
+    global_step: int
+    max_steps: int
+    epoch: int
+
+
+def load_reward(spec: str | dict) -> Callable:
+    """A reward from a config: a dotted path to a callable, or ``{class_path, init_args}`` for a parametrised one (an
+    object whose ``__call__`` is the reward)."""
+    if isinstance(spec, str):
+        return import_reward(spec)
+    if not isinstance(spec, dict) or "class_path" not in spec:
+        raise LitAlignError(f"reward function {spec!r}: expected a dotted path, or {{class_path, init_args}}")
+    cls = import_reward(spec["class_path"])
+    try:
+        reward = cls(**(spec.get("init_args") or {}))
+    except TypeError as exc:
+        raise LitAlignError(f"reward function {spec['class_path']!r}: {exc}") from exc
+    if not callable(reward):
+        raise LitAlignError(f"reward function {spec['class_path']!r}: its instances are not callable (define __call__)")
+    return reward
+
+
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def score_all(fns: list[Callable], prompts: list, completions: list, completion_ids: list[list[int]],
+              columns: dict[str, list], extra: dict | None = None) -> list[list[float]]:
+    """Every reward function's checked values (``score``), the async ones run concurrently (``asyncio.gather``).
+    ``extra``: TRL's further keyword arguments (``trainer_state``, ``log_metric``, ``log_extra``)."""
+    kwargs = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns,
+              **(extra or {})}
+    waiting = {i: fn for i, fn in enumerate(fns) if _is_async(fn)}
+    results: dict[int, Any] = {}
+    if waiting:
+        async def gather():
+            return await asyncio.gather(*(fn(**kwargs) for fn in waiting.values()), return_exceptions=True)
+
+        results = dict(zip(waiting, asyncio.run(gather())))
+    return [score(fn, prompts, completions, completion_ids, columns, extra, returned=results.get(i, _NOT_RUN))
+            for i, fn in enumerate(fns)]
+
+
+_NOT_RUN = object()
+
+
 def score(fn: Callable, prompts: list, completions: list, completion_ids: list[list[int]],
-          columns: dict[str, list]) -> list[float]:
-    """Call one reward function and check what it returns; None becomes NaN (not applicable)."""
+          columns: dict[str, list], extra: dict | None = None, returned: Any = _NOT_RUN) -> list[float]:
+    """Call one reward function (or take what it ``returned``) and check it; None becomes NaN (not applicable)."""
     name = reward_name(fn)
     try:
-        values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        if returned is _NOT_RUN:
+            returned = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+                          **(extra or {}))
+        if isinstance(returned, BaseException):
+            raise returned
+        values = returned
     except Exception as exc:  # noqa: BLE001 - the user's function; say whose and what
         raise LitAlignError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(values, (list, tuple)) or len(values) != len(completions):

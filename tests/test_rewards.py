@@ -239,3 +239,35 @@ def test_frac_reward_zero_std_ignores_unscorable_rows(tokenizer):
     assert r.advantages.tolist() == [0.0, 0.0, 0.0, 0.0]
     stats = {k: float(v) for k, v in r.stats.items()}
     assert stats["frac_reward_zero_std"] == 1.0
+
+
+# -- TRL's reward conveniences: class_path rewards, async rewards, trainer_state, log_metric, log_extra ------------
+class LengthOver:
+    """A parametrised reward (``{class_path, init_args}``): 1.0 for completions longer than ``threshold``."""
+
+    def __init__(self, threshold: int):
+        self.threshold = threshold
+
+    def __call__(self, completions, trainer_state, log_metric, log_extra, **_):
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+        log_metric("long_fraction", sum(len(t) > self.threshold for t in texts) / len(texts))
+        log_extra("length", [len(t) for t in texts])
+        assert trainer_state.global_step == 0 and trainer_state.max_steps == -1  # the stand-in trainer's
+        return [float(len(t) > self.threshold) for t in texts]
+
+
+async def async_exact(completions, answer, **_):
+    """An ``async def`` reward: awaited with the others, concurrently."""
+    return sort_exact(completions, answer)
+
+
+def test_class_path_and_async_rewards_with_trls_extra_arguments(tokenizer):
+    module = GRPOModule(reward_funcs=[{"class_path": "test_rewards.LengthOver", "init_args": {"threshold": 2}},
+                                      "test_rewards.async_exact"])
+    assert module.reward_names == ["LengthOver", "async_exact"]
+    r = round_for(module, tokenizer, ["sort 31:", "sort 502:"], ["13", "31", "025", "052"], {"answer": ["13", "025"]})
+    assert r.rewards == [1.0, 0.0, 2.0, 1.0]  # (length > 2) + exact
+    assert float(r.stats["long_fraction"]) == 0.5  # log_metric: logged as train/long_fraction with the round
+    assert r.extra == {"length": [2, 2, 3, 3]}  # log_extra: a completions-table column
+    with pytest.raises(LitAlignError, match=r"reward function 'test_rewards.LengthOver': .*threshold"):
+        GRPOModule(reward_funcs=[{"class_path": "test_rewards.LengthOver"}])

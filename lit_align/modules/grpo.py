@@ -26,7 +26,7 @@ from lit_align.losses.grpo import (
 )
 from lit_align.modules.base import AlignModule
 from lit_align.reference import choose_reference
-from lit_align.rewards import import_reward, reward_name, score
+from lit_align.rewards import RewardState, load_reward, reward_name, score_all
 
 
 def _repeat(values: list, times: int) -> list:
@@ -48,7 +48,8 @@ class GRPOModule(AlignModule):
     """Group Relative Policy Optimization, with TRL's loss types and metric names.
 
     Args:
-        reward_funcs: dotted paths of reward functions (``lit_align.rewards.sort_accuracy``, ``my_pkg.mod.fn``).
+        reward_funcs: reward functions: dotted paths (``lit_align.rewards.sort_accuracy``, ``my_pkg.mod.fn``) or
+            ``{class_path, init_args}`` objects; plain or ``async``; TRL's calling convention (``lit_align.rewards``).
         reward_weights: one weight per reward function (default: all 1.0); rewards are summed with these weights.
         num_generations: completions sampled per prompt (G; TRL's default 8). With ``lit-align`` it is set once,
             under ``data:`` (linked here); in Python pass the DataModule's values.
@@ -77,7 +78,7 @@ class GRPOModule(AlignModule):
     def __init__(
         self,
         model: str = "builtin:tiny",
-        reward_funcs: list[str] | None = None,
+        reward_funcs: list[str | dict] | None = None,
         reward_weights: list[float] | None = None,
         num_generations: int = 8,
         steps_per_generation: int = 1,
@@ -108,7 +109,7 @@ class GRPOModule(AlignModule):
         if engine not in ENGINES:
             raise LitAlignError(f"model.engine {engine!r}: expected one of {sorted(ENGINES)}")
         reward_funcs = reward_funcs or ["lit_align.rewards.sort_accuracy"]
-        self.reward_funcs = [import_reward(path) for path in reward_funcs]
+        self.reward_funcs = [load_reward(spec) for spec in reward_funcs]
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
         weights = reward_weights or [1.0] * len(self.reward_funcs)
         if len(weights) != len(self.reward_funcs):
@@ -126,6 +127,8 @@ class GRPOModule(AlignModule):
                                     top_k=top_k)
         self.greedy = make_sampler(engine, max_new_tokens=max_completion_length, temperature=0.0)
         self.round: GenerationRound | None = None
+        self.reward_metrics: dict[str, list[float]] = {}  # what reward functions log this round (log_metric)
+        self.reward_columns: dict[str, list] = {}  # and their completions-table columns (log_extra)
         self.generation_rounds = 0
         self.generation_seed = torch.initial_seed()  # re-read at fit start (after ``seed_everything``)
         self.val_metrics = torch.nn.ModuleDict(
@@ -156,7 +159,12 @@ class GRPOModule(AlignModule):
         """``[N, F]`` rewards, one column per reward function (NaN where a function returned None)."""
         columns = {k: _repeat(v, num_samples) for k, v in batch["columns"].items()}
         ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
-        per_func = [score(fn, prompts, completions, ids, columns) for fn in self.reward_funcs]
+        trainer = self._trainer
+        state = RewardState(self.global_step, getattr(trainer, "max_steps", -1), getattr(trainer, "current_epoch", 0))
+        extra = {"trainer_state": state, "log_metric": lambda name, value: self.reward_metrics.setdefault(
+                     name, []).append(float(value)),
+                 "log_extra": lambda column, values: self.reward_columns.setdefault(column, []).extend(values)}
+        per_func = score_all(self.reward_funcs, prompts, completions, ids, columns, extra)
         return torch.tensor(per_func, dtype=torch.float32, device=self.device).T.reshape(len(prompts), -1)
 
     def advantages(self, per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,6 +187,7 @@ class GRPOModule(AlignModule):
     @torch.no_grad()
     def generate_round(self, batch: dict[str, Any]) -> GenerationRound:
         group = self.num_generations
+        self.reward_metrics, self.reward_columns = {}, {}
         with self.round_rng():
             rollout, prompts, completions = self.sample(self.sampler, batch, group)
         per_func = self.score(batch, rollout, prompts, completions, group)
@@ -213,6 +222,7 @@ class GRPOModule(AlignModule):
             stats=self.round_stats(rollout, per_func, rewards, all_rewards),
             prompts=prompts, completions=[c if isinstance(c, str) else c[0]["content"] for c in completions],
             rewards=rewards.tolist(), dataset_rows=None if prompt_rows is None else _repeat(prompt_rows, group),
+            extra={k: v for k, v in self.reward_columns.items() if len(v) == len(prompts)},
         )
 
     def round_stats(self, rollout, per_func, rewards, all_rewards) -> dict[str, torch.Tensor]:
@@ -230,6 +240,7 @@ class GRPOModule(AlignModule):
             "completions/max_length": all_lengths.max(),
             "completions/clipped_ratio": rollout.truncated.float().mean(),
             **{f"rewards/{n}/mean": per_func[:, i].nanmean() for i, n in enumerate(self.reward_names)},
+            **{name: torch.tensor(sum(v) / len(v), device=self.device) for name, v in self.reward_metrics.items()},
         }
         values = self.trainer.strategy.reduce(torch.stack(list(stats.values())), reduce_op="mean")
         return dict(zip(stats, values))
