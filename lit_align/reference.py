@@ -140,6 +140,7 @@ class PrecomputedReference(Reference):
         super().__init__()
         self.name, self.batch_size = name, batch_size
         self.computed: list[str] = []  # the splits this process ran the reference over (the others: from the cache)
+        self._files_hash: dict[str, str] = {}  # per reference name: its files are read once, not once per split
 
     def logps(self, batch, compute=None) -> torch.Tensor:
         if REF_COLUMNS[0] not in batch:
@@ -157,8 +158,9 @@ class PrecomputedReference(Reference):
             return rows
         module, strategy = trainer.lightning_module, trainer.strategy
         name = self.name or module.model_name
-        # one rank reads the weight files to hash them (every rank reading a large model's files is slow)
-        reference_hash = strategy.broadcast(model_files_hash(name) if trainer.is_global_zero else None)
+        if name not in self._files_hash:  # one rank reads the weight files (every rank reading them is slow)
+            self._files_hash[name] = strategy.broadcast(model_files_hash(name) if trainer.is_global_zero else None)
+        reference_hash = self._files_hash[name]
         hp = module.hparams
         path = cache_path(cache_key(rows, reference=reference_hash, dtype=hp.dtype,
                                     attn_implementation=hp.attn_implementation, precision=str(trainer.precision),

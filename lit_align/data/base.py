@@ -210,15 +210,20 @@ class AlignDataModule(L.LightningDataModule):
             train_rows, val_rows, val_source = parts["train"], parts["test"], f"{self.path} (held-out)"
         elif self.val_split is not None:
             val_source = self.val_path or self.path
-            split = self.val_split
-            if self.val_path and not self.val_path.startswith("builtin:") and "." in self.val_path.rsplit("/", 1)[-1]:
-                split = "train"  # a single file has one split
-            val_rows = self._load(val_source, split)
+            val_rows = self._load(val_source, self._val_split())
         if need_train:
             self.train_data = self.process(train_rows, self.path)
             rank_zero_info(f"lit_align: {len(self.train_data)} training rows from {self.path}")
         if need_val and val_rows is not None:
             self.val_data = self.process(val_rows, val_source)
+
+    def _val_split(self) -> str:
+        """The split validation rows are read from: ``val_split``, but ``train`` from a ``val_path`` that is a single
+        file (its one split)."""
+        path = self.val_path
+        if path and not path.startswith("builtin:") and "." in path.rsplit("/", 1)[-1]:
+            return "train"
+        return self.val_split
 
     def _setup_mixture(self, need_train: bool, need_val: bool) -> None:
         parts = []
@@ -240,9 +245,8 @@ class AlignDataModule(L.LightningDataModule):
         if self.val_fraction > 0:
             split = rows.train_test_split(test_size=self.val_fraction, seed=self.seed)
             rows, self.val_data = split["train"], split["test"] if need_val else None
-        elif need_val and self.val_path is not None:
-            split = "train" if "." in self.val_path.rsplit("/", 1)[-1] else (self.val_split or "test")
-            self.val_data = self.process(self._load(self.val_path, split), self.val_path)
+        elif need_val and self.val_path is not None and self.val_split is not None:
+            self.val_data = self.process(self._load(self.val_path, self._val_split()), self.val_path)
         if need_train:
             self.train_data = rows
             sizes = ", ".join(f"{s.path} {len(p)}" for s, p in zip(self.mixture, parts))

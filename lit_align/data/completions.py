@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.utils.rnn import pad_sequence
 
 from lit_align.data.base import AlignDataModule
-from lit_align.data.packing import PACKING_STRATEGIES, collate_packed, pack
+from lit_align.data.packing import PACKING_STRATEGIES, collate_packed, pack, present_keys
 from lit_align.data.rows import (
     check_max_length, encode_conversation, encode_prompt_completion, encode_text, keep_start, normalize_completion,
     sft_row_kind, template_kwargs, with_eos,
@@ -70,7 +70,7 @@ def collate_completions(rows: list[dict[str, Any]], pad_token_id: int) -> dict[s
         "attention_mask": pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True, padding_value=0),
         "completion_mask": padded("completion_mask"),
     }
-    if all(len(r.get("assistant_mask") or []) == len(r["input_ids"]) for r in rows):
+    if "assistant_mask" in present_keys(rows):
         batch["assistant_mask"] = padded("assistant_mask")
     return batch
 

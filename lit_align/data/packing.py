@@ -14,6 +14,7 @@ the loss over the same sequences is the one an unpacked batch gives (to float ro
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from typing import Any
 
@@ -23,57 +24,39 @@ PACKING_STRATEGIES = ("bfd", "wrapped")
 KEYS = ("input_ids", "completion_mask", "assistant_mask")
 
 
-class _FirstFit:
-    """Counts of bins by free space ``0..capacity``; ``pop_at_least(n)``: a bin with the least free space >= n."""
+class _FreeSpace:
+    """Open bins by free space: ``pop_at_least(n)`` takes a bin with the least free space >= ``n`` (best fit). Free
+    spaces are integers up to the capacity, so the sorted list of those in use stays short."""
 
-    def __init__(self, capacity: int):
-        self.size = 1
-        while self.size < capacity + 1:
-            self.size *= 2
-        self.tree = [0] * (2 * self.size)
+    def __init__(self):
+        self.spaces: list[int] = []  # sorted, each with at least one bin
         self.bins: dict[int, list[int]] = {}
 
-    def _add(self, space: int, delta: int) -> None:
-        i = space + self.size
-        while i:
-            self.tree[i] += delta
-            i //= 2
-
     def push(self, space: int, bin_id: int) -> None:
+        if not self.bins.get(space):
+            bisect.insort(self.spaces, space)
         self.bins.setdefault(space, []).append(bin_id)
-        self._add(space, 1)
 
     def pop_at_least(self, need: int) -> tuple[int, int] | None:
         """``(space, bin)`` with the smallest free space >= ``need``, removed; None if no bin has room."""
-        i, lo, hi = 1, 0, self.size - 1
-        if self._count(need, self.size - 1) == 0:
+        j = bisect.bisect_left(self.spaces, need)
+        if j == len(self.spaces):
             return None
-        while lo != hi:  # descend to the leftmost leaf >= need with a bin
-            mid = (lo + hi) // 2
-            if need <= mid and self._count(max(need, lo), mid) > 0:
-                i, hi = 2 * i, mid
-            else:
-                i, lo = 2 * i + 1, mid + 1
-        bin_id = self.bins[lo].pop()
-        self._add(lo, -1)
-        return lo, bin_id
+        space = self.spaces[j]
+        bin_id = self.bins[space].pop()
+        if not self.bins[space]:
+            del self.spaces[j]
+        return space, bin_id
 
-    def _count(self, lo: int, hi: int) -> int:
-        lo, hi, total = lo + self.size, hi + self.size + 1, 0
-        while lo < hi:
-            if lo & 1:
-                total += self.tree[lo]
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                total += self.tree[hi]
-            lo, hi = lo // 2, hi // 2
-        return total
+
+def present_keys(rows: list[dict[str, Any]]) -> list[str]:
+    """The ``KEYS`` every row has in full (``assistant_mask`` is empty on rows that are not chats)."""
+    return [k for k in KEYS if all(len(r.get(k) or []) == len(r["input_ids"]) for r in rows)]
 
 
 def bfd_bins(lengths: list[int], capacity: int) -> list[list[int]]:
     """Indices of ``lengths`` grouped into bins of at most ``capacity`` by best-fit decreasing."""
-    free = _FirstFit(capacity)
+    free = _FreeSpace()
     bins: list[list[int]] = []
     for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         found = free.pop_at_least(lengths[index])
@@ -90,7 +73,7 @@ def bfd_bins(lengths: list[int], capacity: int) -> list[list[int]]:
 
 def pack(rows: list[dict[str, list[int]]], max_length: int, strategy: str = "bfd") -> list[dict[str, list[int]]]:
     """Packed rows (``KEYS`` concatenated, plus ``seq_lengths``) from tokenized SFT rows."""
-    keys = [k for k in KEYS if all(len(r.get(k) or []) == len(r["input_ids"]) for r in rows)]
+    keys = present_keys(rows)
     if strategy == "bfd":
         rows = [{k: r[k][:max_length] for k in keys} for r in rows]
         return [{**{k: [t for i in b for t in rows[i][k]] for k in keys},
@@ -112,10 +95,10 @@ def collate_packed(rows: list[dict[str, Any]], pad_token_id: int, one_row: bool 
     ``input_ids``, ``attention_mask``, the masks, ``position_ids`` (0 at each sequence's start) and ``segment_ids``
     (which sequence of the row; -1 on padding)."""
     if one_row:
-        keys = [k for k in KEYS if all(len(r.get(k) or []) == len(r["input_ids"]) for r in rows)]
+        keys = present_keys(rows)
         lengths = [n for r in rows for n in (r.get("seq_lengths") or [len(r["input_ids"])])]
         rows = [{**{k: [t for r in rows for t in r[k]] for k in keys}, "seq_lengths": lengths}]
-    keys = [k for k in KEYS if all(len(r.get(k) or []) == len(r["input_ids"]) for r in rows)]
+    keys = present_keys(rows)
     width = max(len(r["input_ids"]) for r in rows)
     batch = {k: torch.zeros(len(rows), width, dtype=torch.long) for k in keys}
     batch["input_ids"].fill_(pad_token_id)
