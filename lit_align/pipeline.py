@@ -6,7 +6,7 @@
 Each stage is an ordinary ``lit-align fit -c configs/<stage>.yaml`` (run in this process through ``cli.run``) whose
 model starts from the previous stage's export; after each, ``lit-align validate -c configs/eval_sort.yaml`` measures
 held-out greedy exact-match accuracy on the 200 test prompts. Nothing here computes anything a stage does not: this
-file only chains configs, reads their ``metrics.csv`` and plots them.
+file only chains configs, reads their logged metrics and plots them.
 """
 
 from __future__ import annotations
@@ -50,10 +50,19 @@ def evaluate(model: str, root: Path, name: str, quick: bool) -> dict[str, float]
             "partial": float(metrics["val/rewards/sort_accuracy/mean"])}
 
 
-def read_metrics(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """``metrics.csv`` as ``{name: [(step, value), ...]}`` (empty cells skipped)."""
+def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """A run directory's logged scalars as ``{name: [(step, value), ...]}``: its TensorBoard events (the shipped
+    configs' logger), or its CSVLogger ``metrics.csv``."""
     series: dict[str, list[tuple[int, float]]] = {}
-    with path.open() as f:
+    if any(run.glob("events.out.tfevents.*")):
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(run), size_guidance={"scalars": 0})  # 0: keep every point
+        events.Reload()
+        for name in events.Tags()["scalars"]:
+            series[name] = [(e.step, e.value) for e in events.Scalars(name)]
+        return series
+    with (run / "metrics.csv").open() as f:
         for row in csv.DictReader(f):
             for name, value in row.items():
                 if value not in ("", None) and name not in ("step", "epoch"):
@@ -84,7 +93,7 @@ def plot(root: Path) -> Path | None:
 
     fig, axes = plt.subplots(3, 2, figsize=(10, 9))
     for ax, (stage, metric, title) in zip(axes.flat, PLOTS):
-        series = read_metrics(root / stage / "run" / "metrics.csv").get(metric, [])
+        series = read_metrics(root / stage / "run").get(metric, [])
         if series:
             steps, values = zip(*series)
             ax.plot(steps, values, marker="o" if len(series) < 20 else None)
@@ -110,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         model = str(run_stage(stage, root, model, args.quick))
         accuracy = evaluate(model, root, stage, args.quick)
         rows.append((stage, accuracy, time.time() - t0))
-    dpo_metrics = read_metrics(root / "dpo" / "run" / "metrics.csv").get("val/rewards/accuracies", [])
+    dpo_metrics = read_metrics(root / "dpo" / "run").get("val/rewards/accuracies", [])
     curves = plot(root)
     print("\nstage  held-out exact  partial credit  minutes")
     for stage, accuracy, seconds in rows:

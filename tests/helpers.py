@@ -22,7 +22,16 @@ TESTS = Path(__file__).resolve().parent
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    """A CSVLogger ``metrics.csv`` as a list of rows, empty cells dropped, numbers parsed."""
+    """A CSVLogger ``metrics.csv`` as a list of rows, empty cells dropped, numbers parsed; or a run directory's
+    TensorBoard events (the shipped configs' logger) as one row per step (``lit_align.pipeline.read_metrics``)."""
+    if Path(path).is_dir():
+        from lit_align.pipeline import read_metrics as read_run
+
+        rows: dict[int, dict[str, float]] = {}
+        for name, points in read_run(Path(path)).items():
+            for step, value in points:
+                rows.setdefault(step, {"step": float(step)})[name] = value
+        return [rows[step] for step in sorted(rows)]
     with open(path, newline="") as f:
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 

@@ -64,7 +64,7 @@ def test_dpo_yaml_trains_and_exports(tmp_path, capfd, tiny_path):
     ], capfd)
     assert code == 0, err
     run = tmp_path / "dpo" / "version_0"
-    metrics = read_metrics(run / "metrics.csv")
+    metrics = read_metrics(run)
     assert metric_at(metrics, "train/loss", 0) == pytest.approx(math.log(2), abs=1e-6)
     assert metric_at(metrics, "train/loss", 2) < math.log(2)
     assert 0.0 <= metric_at(metrics, "val/rewards/accuracies", 2) <= 1.0

@@ -131,7 +131,7 @@ def test_fsdp_dpo_trains_like_one_process_and_exports_a_hf_model(tmp_path_factor
         tmp_path_factory, lambda out: args(out, "dpo.yaml", 2),
         lambda out: args(out, "dpo.yaml", 4, "--trainer.enable_checkpointing", "false", "--export.enabled", "false"),
         strategy=FSDP)
-    fsdp, single = (read_metrics(d / "dpo" / "version_0" / "metrics.csv") for d in (fsdp_dir, single_dir))
+    fsdp, single = (read_metrics(d / "dpo" / "version_0") for d in (fsdp_dir, single_dir))
     assert metric_at(fsdp, "train/loss", 0) == pytest.approx(math.log(2), abs=1e-6)
     assert metric_at(fsdp, "train/loss", 1) != pytest.approx(math.log(2), abs=1e-4)
     assert_rounding_close(metric_at(fsdp, "train/loss", 1), metric_at(single, "train/loss", 1), scale=1.0,
@@ -150,7 +150,7 @@ def test_fsdp_dpo_trains_like_one_process_and_exports_a_hf_model(tmp_path_factor
         tmp_path_factory, lambda out: args(out, "dpo.yaml", 2, "--trainer.max_steps", "3", "--ckpt_path", str(ckpt),
                                            "--export.enabled", "false"),
         strategy=FSDP)
-    resumed = read_metrics(resumed_dir / "dpo" / "version_0" / "metrics.csv")
+    resumed = read_metrics(resumed_dir / "dpo" / "version_0")
     assert sorted(int(r["step"]) for r in resumed if "train/loss" in r) == [2]
     assert math.isfinite(metric_at(resumed, "train/loss", 2))
     assert metric_at(resumed, "train/loss", 2) != pytest.approx(math.log(2), abs=1e-4)  # not a fresh policy
@@ -165,7 +165,7 @@ def test_fsdp_grpo_generates_with_a_sharded_policy_and_reference(tmp_path_factor
             "--data.init_args.num_generations", "2", "--data.init_args.steps_per_generation", "1",
             "--trainer.enable_checkpointing", "false", "--export.enabled", "false"]
     fsdp_dir, _ = ddp_and_single(tmp_path_factory, lambda out: args(out, "grpo.yaml", 4, *grpo), strategy=FSDP)
-    metrics = read_metrics(fsdp_dir / "grpo" / "version_0" / "metrics.csv")
+    metrics = read_metrics(fsdp_dir / "grpo" / "version_0")
     for step in (0, 1):
         assert math.isfinite(metric_at(metrics, "train/loss", step))
         assert metric_at(metrics, "train/generation_rounds", step) == step + 1

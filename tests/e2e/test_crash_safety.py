@@ -65,7 +65,7 @@ def run_in_process(args: list[str]) -> None:
 def losses(root: Path) -> dict[int, float]:
     """``{step: train/loss}`` over every version directory under ``root/dpo`` (a resume logs into a new one)."""
     out = {}
-    for path in sorted((root / "dpo").glob("version_*/metrics.csv")):
+    for path in sorted((root / "dpo").glob("version_*")):
         out.update({int(r["step"]): r["train/loss"] for r in read_metrics(path) if "train/loss" in r})
     return out
 

@@ -67,8 +67,8 @@ def runs(tmp_path_factory):
     return {
         "ddp": [json.loads((ddp_dir / "batches" / f"rank{r}.json").read_text()) for r in (0, 1)],
         "single": json.loads((single_dir / "batches" / "rank0.json").read_text()),
-        "ddp_metrics": read_metrics(ddp_dir / "dpo" / "version_0" / "metrics.csv"),
-        "single_metrics": read_metrics(single_dir / "dpo" / "version_0" / "metrics.csv"),
+        "ddp_metrics": read_metrics(ddp_dir / "dpo" / "version_0"),
+        "single_metrics": read_metrics(single_dir / "dpo" / "version_0"),
     }
 
 
@@ -112,8 +112,8 @@ def test_sft_two_ranks_train_like_one_process(tmp_path_factory):
         lambda out: args(out, 8))
     exported = ddp_dir / "sft" / "version_0" / "hf_model"
     assert (exported / "config.json").exists() and (exported / "model.safetensors").exists()
-    ddp = read_metrics(ddp_dir / "sft" / "version_0" / "metrics.csv")
-    single = read_metrics(single_dir / "sft" / "version_0" / "metrics.csv")
+    ddp = read_metrics(ddp_dir / "sft" / "version_0")
+    single = read_metrics(single_dir / "sft" / "version_0")
     batches = [by_step(json.loads((ddp_dir / "batches" / f"rank{r}.json").read_text())) for r in (0, 1)]
     assert sorted(batches[0][0] + batches[1][0]) == sorted(by_step(json.loads(
         (single_dir / "batches" / "rank0.json").read_text()))[0])
@@ -145,8 +145,8 @@ def test_grpo_two_ranks_train_like_one_process_on_the_same_completions(tmp_path_
     ddp_dir, single_dir = ddp_and_single(tmp_path_factory, ddp)  # then replay what the ranks sampled, in one process
     run_single(grpo_args(single_dir, 8, {"class_path": "helpers.ReplayRollouts",
                                          "init_args": {"replay_dir": record["dir"]}}))
-    ddp_m = read_metrics(ddp_dir / "grpo" / "version_0" / "metrics.csv")
-    single_m = read_metrics(single_dir / "grpo" / "version_0" / "metrics.csv")
+    ddp_m = read_metrics(ddp_dir / "grpo" / "version_0")
+    single_m = read_metrics(single_dir / "grpo" / "version_0")
     for step in range(STEPS):
         for name in ("train/reward", "train/reward_std", "train/completions/mean_length",
                      "train/completions/min_length", "train/completions/max_length"):  # the same replayed rows

@@ -71,7 +71,7 @@ def test_tool_calls_are_trained_and_tool_results_are_not(tokenizer):
 def test_sft_trains_on_each_layout(tmp_path, fixture, extra, capfd):
     code, _, err = run_main(fit("sft", tmp_path, FORMATS / fixture, *extra), capfd)
     assert code == 0, err
-    losses = [r["train/loss"] for r in read_metrics(tmp_path / "sft" / "run" / "metrics.csv") if "train/loss" in r]
+    losses = [r["train/loss"] for r in read_metrics(tmp_path / "sft" / "run") if "train/loss" in r]
     assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
 
 
@@ -172,14 +172,14 @@ def test_a_mixture_resumes_exactly_and_refuses_unlike_sources(tmp_path, capfd):
               "--trainer.callbacks.filename", "{step}"]
     code, _, err = run_main(fit("sft", tmp_path / "full", FORMATS / "capybara.jsonl", *common), capfd)
     assert code == 0, err
-    full = {int(r["step"]): r["train/loss"] for r in read_metrics(tmp_path / "full" / "sft" / "run" / "metrics.csv")
+    full = {int(r["step"]): r["train/loss"] for r in read_metrics(tmp_path / "full" / "sft" / "run")
             if "train/loss" in r}
     ckpt = tmp_path / "full" / "sft" / "run" / "checkpoints" / "step=2.ckpt"
     code, _, err = run_main([*fit("sft", tmp_path / "resumed", FORMATS / "capybara.jsonl", *common),
                              "--ckpt_path", str(ckpt)], capfd)
     assert code == 0, err
     resumed = {int(r["step"]): r["train/loss"]
-               for r in read_metrics(tmp_path / "resumed" / "sft" / "run" / "metrics.csv") if "train/loss" in r}
+               for r in read_metrics(tmp_path / "resumed" / "sft" / "run") if "train/loss" in r}
     assert resumed == {2: full[2], 3: full[3]}
 
     unlike = json.dumps([{"path": str(FORMATS / "ultrachat_200k.jsonl")},

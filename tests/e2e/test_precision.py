@@ -34,7 +34,7 @@ def fit(out: Path, recipe: str, *extra: str) -> list[dict]:
                 "--trainer.enable_model_summary", "false", "--trainer.enable_checkpointing", "false",
                 "--trainer.logger.init_args.save_dir", str(out), "--data.init_args.val_split", "null",
                 "--export.enabled", "false", *SMALL[recipe], *extra])
-    return read_metrics(out / recipe / "version_0" / "metrics.csv")
+    return read_metrics(out / recipe / "version_0")
 
 
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])

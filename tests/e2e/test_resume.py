@@ -158,6 +158,6 @@ def test_grpo_ddp_resume_mid_round_is_exact(tmp_path, prompts_file, lit_align_ca
     run(cmd(tmp_path))  # rounds of 3 steps: the step-2 checkpoint is mid-round
     run(cmd(tmp_path, "--ckpt_path", str(tmp_path / "ckpt" / "step=2.ckpt")))
     runs = [{int(r["step"]): r["train/loss"] for r in read_metrics(p) if "train/loss" in r}
-            for p in sorted((tmp_path / "grpo").glob("version_*/metrics.csv"))]
+            for p in sorted((tmp_path / "grpo").glob("version_*"))]
     assert sorted(runs[0]) == list(range(5)) and sorted(runs[1]) == [2, 3, 4]
     assert runs[1] == {s: runs[0][s] for s in runs[1]}

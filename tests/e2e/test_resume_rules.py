@@ -67,7 +67,7 @@ def test_a_resume_keeps_the_users_settings_and_refuses_a_model_setting_it_cannot
     assert code == 0, err
     saved = yaml.safe_load((tmp_path / "dpo" / "run" / "config.yaml").read_text())
     assert saved["model"]["init_args"]["logps_chunk_size"] == 8  # the user's value, not the checkpoint's
-    assert [int(r["step"]) for r in read_metrics(tmp_path / "dpo" / "run" / "metrics.csv") if "train/loss" in r] \
+    assert [int(r["step"]) for r in read_metrics(tmp_path / "dpo" / "run") if "train/loss" in r] \
         == [2, 3, 4]
 
 
