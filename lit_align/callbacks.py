@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -21,8 +22,6 @@ def run_dir(trainer: L.Trainer) -> Path:
     """The run's own directory: the logger's version directory (CSV, TensorBoard); for loggers whose ``save_dir`` is
     shared by every run (W&B's ``.``, MLflow's ``./mlruns``) ``<default_root_dir>/<name>/<version>``, so one run's
     export never lands on another's; ``default_root_dir`` without a logger. The same on every rank (broadcast)."""
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
     logger = trainer.logger
     if logger is None:
         return Path(trainer.default_root_dir)
@@ -86,19 +85,24 @@ class HFExport(L.Callback):
 
 
 class CompletionsLogger(L.Callback):
-    """Every ``every_n_steps`` optimizer steps, write the latest generation round's prompts, completions and rewards.
+    """Every ``every_n_steps`` optimizer steps, show the latest generation round's prompts, completions and rewards
+    (TRL's ``log_completions``).
 
-    Rows go to ``<run dir>/completions.csv`` (columns: step, prompt, completion, reward), and to the logger's table
-    when it has one (``WandbLogger.log_table``). Works with any module exposing its latest ``round``
-    (``lit_align.generation_round.GenerationRound``: GRPOModule).
+    The first ``max_rows`` rows of the round (each prompt's completions in a row) go to ``<run dir>/completions.csv``
+    and to the logger: a text table under TensorBoard (``completions``), a table where the logger has ``log_table``
+    (W&B). The first ``num_completions_to_print`` are printed as a table on the console (TRL's name; 0: none).
+    Columns: step, prompt, completion, reward (weighted sum), each reward function's value when there are several,
+    advantage, and the columns reward functions logged (``log_extra``). Works with any module exposing its latest
+    ``round`` (``lit_align.generation_round.GenerationRound``: GRPOModule).
 
     Args:
         every_n_steps: cadence in optimizer steps.
         max_rows: rows written per round at most.
+        num_completions_to_print: rows printed to the console per round.
     """
 
-    def __init__(self, every_n_steps: int = 10, max_rows: int = 16):
-        self.every_n_steps, self.max_rows = every_n_steps, max_rows
+    def __init__(self, every_n_steps: int = 10, max_rows: int = 16, num_completions_to_print: int = 4):
+        self.every_n_steps, self.max_rows, self.num_completions_to_print = every_n_steps, max_rows, num_completions_to_print
         self._last_step: int | None = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
@@ -109,10 +113,7 @@ class CompletionsLogger(L.Callback):
         if self._last_step == trainer.global_step:  # several batches per step under gradient accumulation
             return
         self._last_step = trainer.global_step
-        extra = getattr(latest, "extra", {})  # columns the reward functions logged (log_extra)
-        columns = ["step", "prompt", "completion", "reward", *extra]
-        rows = [[trainer.global_step, str(p), c, r, *(extra[k][i] for k in extra)]
-                for i, (p, c, r) in enumerate(zip(latest.prompts, latest.completions, latest.rewards))][: self.max_rows]
+        columns, rows = self.table(latest, step)
         path = run_dir(trainer) / "completions.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         new = not path.exists()
@@ -124,6 +125,49 @@ class CompletionsLogger(L.Callback):
         for logger in trainer.loggers:
             if hasattr(logger, "log_table"):
                 logger.log_table(key="completions", columns=columns, data=rows)
+            elif isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("completions", markdown_table(columns, rows), step)
+        if self.num_completions_to_print:
+            print_table(columns, rows[: self.num_completions_to_print], f"Step {step}")
+
+    def table(self, latest, step: int) -> tuple[list[str], list[list]]:
+        """The round's first ``max_rows`` rows as ``(columns, rows)``."""
+        per_func = latest.reward_funcs if len(latest.reward_funcs) > 1 else {}
+        extra = latest.extra
+        columns = ["step", "prompt", "completion", "reward", *per_func, "advantage", *extra]
+        advantages = latest.advantages.tolist()
+        rows = [[step, _text(latest.prompts[i]), latest.completions[i], latest.rewards[i],
+                 *(per_func[k][i] for k in per_func), advantages[i], *(extra[k][i] for k in extra)]
+                for i in range(min(self.max_rows, len(latest.completions)))]
+        return columns, rows
+
+
+def _text(prompt) -> str:
+    """A prompt as one string: its text, or a conversation's messages as ``role: content`` lines."""
+    if isinstance(prompt, list):
+        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in prompt)
+    return str(prompt)
+
+
+def markdown_table(columns: list[str], rows: list[list]) -> str:
+    """Rows as a Markdown table (TensorBoard renders a text summary as Markdown)."""
+    def cell(value) -> str:
+        text = f"{value:.3f}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows])
+
+
+def print_table(columns: list[str], rows: list[list], title: str) -> None:
+    """Rows as a table on the console (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(*columns[1:], title=title, show_lines=True)  # the step is the title
+    for row in rows:
+        table.add_row(*(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row[1:]))
+    Console().print(table)
 
 
 class SigtermCheckpoint(L.Callback):

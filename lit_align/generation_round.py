@@ -66,6 +66,7 @@ class GenerationRound:
     rewards: list[float]
     dataset_rows: list[int] | None = None  # per row: the dataset index of its prompt
     extra: dict[str, list] = field(default_factory=dict)  # per row: columns reward functions logged (log_extra)
+    reward_funcs: dict[str, list[float]] = field(default_factory=dict)  # per row: each reward function's value
 
     def step_rows(self, position: int) -> StepRows:
         """The rows of the round's ``position``-th step (passes repeat: ``position`` counts modulo ``steps``).

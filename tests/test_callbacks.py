@@ -110,8 +110,8 @@ class TableLogger:
         self.tables.append((key, columns, data))
 
 
-def test_completions_logger_writes_the_latest_round_at_its_cadence(tmp_path):
-    logger = CompletionsLogger(every_n_steps=2, max_rows=3)
+def test_completions_logger_writes_the_latest_round_at_its_cadence(tmp_path, capsys):
+    logger = CompletionsLogger(every_n_steps=2, max_rows=3, num_completions_to_print=0)
     table = TableLogger()
     trainer = SimpleNamespace(is_global_zero=True, global_step=0, logger=None, default_root_dir=tmp_path,
                               loggers=[table])  # no version directory: the run's directory is default_root_dir
@@ -121,14 +121,42 @@ def test_completions_logger_writes_the_latest_round_at_its_cadence(tmp_path):
         logger.on_train_batch_end(trainer, module, None, None, 0)
     with open(tmp_path / "completions.csv", newline="") as f:
         rows = list(csv.reader(f))
-    assert rows[0] == ["step", "prompt", "completion", "reward"]
+    assert rows[0] == ["step", "prompt", "completion", "reward", "advantage"]
     assert [r[0] for r in rows[1:]] == ["2"] * 3 + ["4"] * 3  # steps 2 and 4 once each, max_rows 3
-    assert rows[1:4] == [["2", "a", "x", "1.0"], ["2", "a", "y", "0.0"], ["2", "b", "z", "0.5"]]
+    assert rows[1:4] == [["2", "a", "x", "1.0", "1.0"], ["2", "a", "y", "0.0", "-1.0"], ["2", "b", "z", "0.5", "0.5"]]
     assert [key for key, _, _ in table.tables] == ["completions", "completions"]
-    assert table.tables[0][2] == [[2, "a", "x", 1.0], [2, "a", "y", 0.0], [2, "b", "z", 0.5]]
+    assert table.tables[0][2] == [[2, "a", "x", 1.0, 1.0], [2, "a", "y", 0.0, -1.0], [2, "b", "z", 0.5, 0.5]]
     logger.on_train_batch_end(SimpleNamespace(**{**trainer.__dict__, "is_global_zero": False, "global_step": 6}),
                               module, None, None, 0)
     assert len(table.tables) == 2  # only rank 0 writes
+    assert capsys.readouterr().out == ""  # num_completions_to_print 0: nothing on the console
+
+
+def test_completions_go_to_the_console_and_to_tensorboard_with_each_rewards_column(tmp_path, capsys):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = TensorBoardLogger(tmp_path, name="grpo", version="run")
+    trainer = SimpleNamespace(is_global_zero=True, global_step=5, logger=tb, loggers=[tb], log_dir=tb.log_dir)
+    latest = make_round()
+    latest.prompts = [[{"role": "user", "content": "sort 31"}]] * 4  # conversational prompts
+    latest.reward_funcs = {"exact": [1.0, 0.0, 0.0, 0.0], "format": [0.0, 0.0, 0.5, 0.0]}
+    latest.extra = {"judge": ["ok", "no", "ok", "no"]}
+    CompletionsLogger(every_n_steps=5, max_rows=2, num_completions_to_print=1).on_train_batch_end(
+        trainer, SimpleNamespace(round=latest), None, None, 0)
+    tb.finalize("success")
+
+    printed = capsys.readouterr().out
+    assert "Step 5" in printed and "user: sort 31" in printed and "judge" in printed
+    assert "exact" in printed and "format" in printed and printed.count("user: sort 31") == 1  # one row printed
+    events = EventAccumulator(tb.log_dir)
+    events.Reload()
+    (text,) = events.Tensors("completions/text_summary")
+    markdown = text.tensor_proto.string_val[0].decode()
+    assert text.step == 5
+    assert markdown.splitlines()[0] == "| step | prompt | completion | reward | exact | format | advantage | judge |"
+    assert markdown.splitlines()[2:] == ["| 5 | user: sort 31 | x | 1.000 | 1.000 | 0.000 | 1.000 | ok |",
+                                         "| 5 | user: sort 31 | y | 0.000 | 0.000 | 0.000 | -1.000 | no |"]
 
 
 class SharedDirLogger(L.pytorch.loggers.Logger):

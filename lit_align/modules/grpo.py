@@ -223,6 +223,7 @@ class GRPOModule(AlignModule):
             prompts=prompts, completions=[c if isinstance(c, str) else c[0]["content"] for c in completions],
             rewards=rewards.tolist(), dataset_rows=None if prompt_rows is None else _repeat(prompt_rows, group),
             extra={k: v for k, v in self.reward_columns.items() if len(v) == len(prompts)},
+            reward_funcs={name: per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
         )
 
     def round_stats(self, rollout, per_func, rewards, all_rewards) -> dict[str, torch.Tensor]:

@@ -261,7 +261,8 @@ def test_metrics_have_trl_names_and_values(run_a, run_b):
 def test_completions_logger_writes_rows_at_its_cadence(run_a, prompts_file):
     with open(run_a.log_dir / "completions.csv", newline="") as f:
         rows = list(csv.reader(f))
-    assert rows[0] == ["step", "prompt", "completion", "reward"]
+    names = run_a.module.reward_names
+    assert len(names) == 2 and rows[0] == ["step", "prompt", "completion", "reward", *names, "advantage"]
     assert [r[0] for r in rows[1:]] == ["5"] * 3 + ["10"] * 3  # every 5 steps, max_rows=3
     prompts = {json.loads(line)["prompt"] for line in Path(prompts_file).read_text().splitlines()}
     assert all(r[1] in prompts for r in rows[1:])
@@ -269,6 +270,9 @@ def test_completions_logger_writes_rows_at_its_cadence(run_a, prompts_file):
     assert [r[1] for r in rows[4:]] == [str(p) for p in logged.prompts[:3]]
     assert [r[2] for r in rows[4:]] == logged.completions[:3]
     assert [float(r[3]) for r in rows[4:]] == pytest.approx(logged.rewards[:3])
+    for k, name in enumerate(names):  # each function's value; the reward is their weighted sum
+        assert [float(r[4 + k]) for r in rows[4:]] == pytest.approx(logged.reward_funcs[name][:3])
+    assert [float(r[6]) for r in rows[4:]] == pytest.approx(logged.advantages[:3].tolist())
 
 
 def test_gradient_accumulation_counts_optimizer_steps(tmp_path, prompts_file, tiny_path):
