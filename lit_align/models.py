@@ -113,7 +113,7 @@ def resolve(name_or_path: str) -> str:
     return str(target)
 
 
-def _check_loadable(name_or_path: str, what: str) -> str:
+def check_loadable(name_or_path: str, what: str) -> str:
     """Resolve built-ins; reject a local-looking path that does not exist before transformers tries the hub."""
     path = resolve(name_or_path)
     local = Path(path).expanduser()
@@ -148,7 +148,7 @@ def read_chat_template(chat_template: str) -> str:
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template: str | None = None):
     """Load a tokenizer; give it a pad token (EOS) if it has none, as TRL does; ``chat_template`` (a file or the
     template) replaces its own."""
-    path = _check_loadable(name_or_path, "tokenizer")
+    path = check_loadable(name_or_path, "tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types; the user needs one line
@@ -186,8 +186,10 @@ def load_model(
     attn_implementation: str | None = "sdpa",
     trust_remote_code: bool = False,
     model_init_kwargs: dict | None = None,
+    auto_class=AutoModelForCausalLM,
 ):
-    """Load a causal LM by hub name, local directory or ``builtin:<name>``.
+    """Load a causal LM (or, with ``auto_class``, another head: a reward model's sequence classifier) by hub name,
+    local directory or ``builtin:<name>``.
 
     Args:
         name_or_path: what ``AutoModelForCausalLM.from_pretrained`` takes, or ``builtin:tiny`` / ``builtin:small``.
@@ -196,11 +198,11 @@ def load_model(
         model_init_kwargs: more ``from_pretrained`` arguments (TRL's name), e.g. ``device_map``, ``revision``, config
             overrides, or ``quantization_config`` (a mapping of ``BitsAndBytesConfig`` arguments, for QLoRA).
     """
-    path = _check_loadable(name_or_path, "model")
+    path = check_loadable(name_or_path, "model")
     if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise LitAlignError(f"model dtype {dtype!r}: expected float32, bfloat16, float16 or auto")
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        return auto_class.from_pretrained(
             path,
             dtype=dtype if dtype == "auto" else getattr(torch, dtype),
             attn_implementation=attn_implementation,

@@ -7,7 +7,8 @@ one value per completion (e.g. ``answer``). Configs name them by dotted path: ``
 ``__call__`` is the reward). As TRL, functions also get ``trainer_state`` (``RewardState``: global_step, max_steps,
 epoch), ``log_metric(name, value)`` (logged as ``train/<name>``, averaged over the round) and
 ``log_extra(column, values)`` (a column of the completions table); ``async def`` functions run concurrently.
-Completions are strings, or ``[{"role": "assistant", "content": ...}]`` for conversational prompts.
+Completions are strings, or ``[{"role": "assistant", "content": ...}]`` for conversational prompts. A reward model
+(a sequence classifier scoring ``prompt + completion``) is named by its hub name or directory (``RewardModel``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import inspect
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 from lit_align.data.tasks import SortTask
 from lit_align.errors import LitAlignError
@@ -56,7 +60,8 @@ def import_reward(path: str) -> Callable:
     except (ImportError, AttributeError) as exc:
         raise LitAlignError(f"reward function {path!r}: cannot import it ({exc})") from None
     if not callable(fn):
-        raise LitAlignError(f"reward function {path!r}: expected a dotted path to a callable like 'pkg.module.fn'")
+        raise LitAlignError(f"reward function {path!r}: expected a dotted path to a callable like 'pkg.module.fn', "
+                            "or a reward model's hub name ('org/name') or directory")
     return fn
 
 
@@ -74,11 +79,83 @@ class RewardState:
     epoch: int
 
 
+class RewardModel:
+    """A sequence classifier as a reward function (TRL's reward model given by name): the completion's reward is the
+    model's single logit on ``prompt + completion``.
+
+    Text prompts are joined to their completions as they are; conversations are rendered with the reward model's own
+    chat template (its tokenizer is its own, not the policy's). Rows are scored ``batch_size`` at a time, right-padded,
+    without added special tokens (the text is what the policy saw), on the policy's device. ``load`` runs in the
+    module's ``configure_model`` with the policy's ``dtype``, ``trust_remote_code`` and ``model_init_kwargs``; the
+    model is not a submodule of the LightningModule: never trained, not in checkpoints.
+
+    Args:
+        model: a hub name (``org/name``) or a local Hugging Face directory of a model with a sequence-classification
+            head and one label.
+        batch_size: rows per forward.
+    """
+
+    def __init__(self, model: str, batch_size: int = 32):
+        if batch_size < 1:
+            raise LitAlignError(f"reward model {model!r}: batch_size must be >= 1, got {batch_size}")
+        from lit_align.models import check_loadable
+
+        check_loadable(model, "reward model")  # a local path that is not there: now, not when the run starts
+        self.model_name, self.batch_size = model, batch_size
+        self.__name__ = model.rstrip("/").split("/")[-1]  # as TRL names it: the model id's last part
+        self.network = self.tokenizer = None
+
+    def load(self, dtype: str = "float32", trust_remote_code: bool = False, model_init_kwargs: dict | None = None):
+        from transformers import AutoModelForSequenceClassification
+
+        from lit_align.models import load_model, load_tokenizer
+
+        if self.network is not None:
+            return self
+        self.tokenizer = load_tokenizer(self.model_name, trust_remote_code=trust_remote_code)
+        self.network = load_model(self.model_name, dtype=dtype, attn_implementation=None,
+                                  trust_remote_code=trust_remote_code,
+                                  model_init_kwargs={**(model_init_kwargs or {}), "num_labels": 1},
+                                  auto_class=AutoModelForSequenceClassification).eval().requires_grad_(False)
+        self.network.config.pad_token_id = self.tokenizer.pad_token_id  # the score is read at the last real token
+        return self
+
+    def to(self, device) -> RewardModel:
+        if self.network is None:
+            self.load()
+        self.network.to(device)
+        return self
+
+    def texts(self, prompts: list, completions: list) -> list[str]:
+        if not isinstance(prompts[0], list):
+            return [p + c for p, c in zip(prompts, completions)]
+        if not self.tokenizer.chat_template:
+            raise LitAlignError(f"reward model {self.model_name!r}: conversational prompts need a chat template, "
+                                "and its tokenizer has none")
+        return [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, completions: list, **_: Any) -> list[float]:
+        if self.network is None:
+            self.load()
+        texts, device, scores = self.texts(prompts, completions), self.network.device, []
+        for i in range(0, len(texts), self.batch_size):
+            inputs = self.tokenizer(texts[i : i + self.batch_size], return_tensors="pt", padding=True,
+                                    padding_side="right", add_special_tokens=False).to(device)
+            scores += self.network(**inputs).logits[:, 0].float().tolist()
+        return scores
+
+
+def is_model_name(spec: str) -> bool:
+    """A reward given as a model (a local directory, or ``org/name``), not as a dotted path (which has no ``/``)."""
+    return "/" in spec or Path(spec).expanduser().is_dir()
+
+
 def load_reward(spec: str | dict) -> Callable:
-    """A reward from a config: a dotted path to a callable, or ``{class_path, init_args}`` for a parametrised one (an
-    object whose ``__call__`` is the reward)."""
+    """A reward from a config: a dotted path to a callable; a reward model's hub name or directory (``RewardModel``);
+    or ``{class_path, init_args}`` for a parametrised one (an object whose ``__call__`` is the reward)."""
     if isinstance(spec, str):
-        return import_reward(spec)
+        return RewardModel(spec) if is_model_name(spec) else import_reward(spec)
     if not isinstance(spec, dict) or "class_path" not in spec:
         raise LitAlignError(f"reward function {spec!r}: expected a dotted path, or {{class_path, init_args}}")
     cls = import_reward(spec["class_path"])

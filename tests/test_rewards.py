@@ -271,3 +271,68 @@ def test_class_path_and_async_rewards_with_trls_extra_arguments(tokenizer):
     assert r.extra == {"length": [2, 2, 3, 3]}  # log_extra: a completions-table column
     with pytest.raises(LitAlignError, match=r"reward function 'test_rewards.LengthOver': .*threshold"):
         GRPOModule(reward_funcs=[{"class_path": "test_rewards.LengthOver"}])
+
+
+# -- reward models by name: a sequence classifier with its own tokenizer ---------------------------------------------
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory, tokenizer) -> str:
+    """A tiny Llama sequence classifier (one label) with the built-in tokenizer, built offline."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id)
+    path = tmp_path_factory.mktemp("reward") / "tiny-rm"
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def logit_alone(path: str, text: str) -> float:
+    """The classifier's logit on one unpadded text: what a reward model must give each row of a padded batch."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model, tok = AutoModelForSequenceClassification.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    with torch.no_grad():
+        return float(model(**tok(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0])
+
+
+def test_a_reward_model_scores_prompt_and_completion_at_the_last_real_token(reward_model_dir):
+    from lit_align.rewards import RewardModel, load_reward
+
+    fn = load_reward(reward_model_dir)
+    assert isinstance(fn, RewardModel) and fn.__name__ == "tiny-rm"  # TRL's name: the model id's last part
+    fn.batch_size = 2  # 5 rows: batches of 2, 2, 1, each right-padded to its longest
+    prompts = ["sort 31:", "sort 502:", "sort 7:", "sort 9910:", "sort 4:"]
+    completions = ["13", "025", "7 and more text", "0199", ""]
+    scores = fn(prompts=prompts, completions=completions, completion_ids=[[]] * 5)
+    expected = [logit_alone(reward_model_dir, p + c) for p, c in zip(prompts, completions)]
+    assert scores == pytest.approx(expected, abs=1e-5) and len(set(scores)) == 5
+
+    conversation = [[{"role": "user", "content": "sort 31"}]]
+    answer = [[{"role": "assistant", "content": "13"}]]
+    text = fn.tokenizer.apply_chat_template(conversation[0] + answer[0], tokenize=False)
+    assert fn(prompts=conversation, completions=answer) == pytest.approx([logit_alone(reward_model_dir, text)], abs=1e-5)
+
+
+def test_grpo_loads_reward_models_with_the_policys_settings_and_logs_them(reward_model_dir, tokenizer):
+    module = GRPOModule(reward_funcs=["lit_align.rewards.sort_exact", reward_model_dir],
+                        model_init_kwargs={"attention_dropout": 0.25})
+    assert module.reward_names == ["sort_exact", "tiny-rm"]
+    module.configure_model()
+    rm = module.reward_funcs[1]
+    assert rm.network.config.attention_dropout == 0.25  # model_init_kwargs reach the reward model too
+    assert not rm.network.training and not any(p.requires_grad for p in rm.network.parameters())
+    assert not any("tiny-rm" in k or "score" in k for k in module.state_dict())  # not trained, not checkpointed
+    prompts, texts = ["sort 31:", "sort 502:"], ["13", "31", "025", "052"]
+    r = round_for(module, tokenizer, prompts, texts, {"answer": ["13", "025"]})
+    model_scores = rm(prompts=[p for p in prompts for _ in range(2)], completions=texts)
+    assert r.reward_funcs["tiny-rm"] == pytest.approx(model_scores)
+    assert r.rewards == pytest.approx([e + m for e, m in zip([1.0, 0.0, 1.0, 0.0], model_scores)])
+    assert float(r.stats["rewards/tiny-rm/mean"]) == pytest.approx(sum(model_scores) / 4)
+
+
+def test_a_missing_reward_model_is_named_before_the_run(tmp_path):
+    with pytest.raises(LitAlignError, match=r"reward model '.*/no-rm': no such directory"):
+        GRPOModule(reward_funcs=[str(tmp_path / "no-rm")])

@@ -26,7 +26,7 @@ from lit_align.losses.grpo import (
 )
 from lit_align.modules.base import AlignModule
 from lit_align.reference import choose_reference
-from lit_align.rewards import RewardState, load_reward, reward_name, score_all
+from lit_align.rewards import RewardModel, RewardState, load_reward, reward_name, score_all
 
 
 def _repeat(values: list, times: int) -> list:
@@ -48,8 +48,9 @@ class GRPOModule(AlignModule):
     """Group Relative Policy Optimization, with TRL's loss types and metric names.
 
     Args:
-        reward_funcs: reward functions: dotted paths (``lit_align.rewards.sort_accuracy``, ``my_pkg.mod.fn``) or
-            ``{class_path, init_args}`` objects; plain or ``async``; TRL's calling convention (``lit_align.rewards``).
+        reward_funcs: reward functions: dotted paths (``lit_align.rewards.sort_accuracy``, ``my_pkg.mod.fn``),
+            ``{class_path, init_args}`` objects, plain or ``async``, with TRL's calling convention
+            (``lit_align.rewards``); or reward models by hub name or directory (``lit_align.rewards.RewardModel``).
         reward_weights: one weight per reward function (default: all 1.0); rewards are summed with these weights.
         num_generations: completions sampled per prompt (G; TRL's default 8). With ``lit-align`` it is set once,
             under ``data:`` (linked here); in Python pass the DataModule's values.
@@ -143,6 +144,13 @@ class GRPOModule(AlignModule):
                 raise LitAlignError(f"model.{name} {getattr(self, name)} differs from data.{name} {theirs}: one "
                                     "generation round needs both to agree (set it once, under data:)")
 
+    def configure_model(self) -> None:
+        super().configure_model()
+        hp = self.hparams
+        for fn in self.reward_funcs:  # reward models load with the policy's settings (TRL: model_init_kwargs)
+            if isinstance(fn, RewardModel):
+                fn.load(hp.dtype, hp.trust_remote_code, hp.model_init_kwargs)
+
     # -- the pieces of a generation round ------------------------------------------------------------------------------
     def sample(self, sampler, batch: dict[str, Any], num_samples: int):
         """``num_samples`` completions per prompt: the ``Rollout``, the prompts (repeated) and the completions (text,
@@ -164,6 +172,9 @@ class GRPOModule(AlignModule):
         extra = {"trainer_state": state, "log_metric": lambda name, value: self.reward_metrics.setdefault(
                      name, []).append(float(value)),
                  "log_extra": lambda column, values: self.reward_columns.setdefault(column, []).extend(values)}
+        for fn in self.reward_funcs:
+            if isinstance(fn, RewardModel):
+                fn.to(self.device)
         per_func = score_all(self.reward_funcs, prompts, completions, ids, columns, extra)
         return torch.tensor(per_func, dtype=torch.float32, device=self.device).T.reshape(len(prompts), -1)
 
