@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_align.capabilities import sharded_strategy
 from lit_align.errors import LitAlignError
+from lit_align.hub import CONFIG_NAME, check_hub_token, model_card, push_to_hub
 from lit_align.reference import FrozenReference
 from lit_align.strategies import full_policy_state_dict
 
@@ -32,21 +33,33 @@ def run_dir(trainer: L.Trainer) -> Path:
 
 
 class HFExport(L.Callback):
-    """At the end of fit, write the policy and tokenizer as a Hugging Face model directory.
+    """At the end of fit, write the policy and tokenizer as a Hugging Face model directory, with a model card.
 
     The directory is ``<run dir>/<dirname>`` (e.g. ``runs/dpo/version_0/hf_model``) unless ``path`` is given. It is
     written beside its final place and renamed in, so an interrupted export never leaves a half-written model where a
-    complete one stood.
+    complete one stood. Its ``README.md`` is a model card (``lit_align.hub.model_card``: base model, recipe and its
+    settings, data, final metrics, the command and config that reproduce the run, which ``lit-align`` sets as
+    ``command`` and ``config``). With ``push_to_hub`` the directory is then uploaded (TRL's names).
 
     Args:
         dirname: directory name inside the run directory.
         path: an explicit output directory instead (overwritten if it exists).
         enabled: set false to skip the export.
+        push_to_hub: upload the export to the Hugging Face Hub at the end (needs a token: ``hf auth login``).
+        hub_model_id: the repo, ``org/name`` or ``name`` (under your account); required with ``push_to_hub``.
+        hub_private_repo: create the repo private (None: the account's default).
     """
 
-    def __init__(self, dirname: str = "hf_model", path: str | None = None, enabled: bool = True):
+    def __init__(self, dirname: str = "hf_model", path: str | None = None, enabled: bool = True,
+                 push_to_hub: bool = False, hub_model_id: str | None = None, hub_private_repo: bool | None = None):
         self.dirname, self.path, self.enabled = dirname, path, enabled
+        self.push_to_hub, self.hub_model_id, self.hub_private_repo = push_to_hub, hub_model_id, hub_private_repo
+        if push_to_hub and not hub_model_id:
+            raise LitAlignError("export.push_to_hub needs export.hub_model_id (the repo: 'org/name' or 'name')")
+        self.command: str | None = None  # how the run was started (``lit-align`` sets it)
+        self.config: str | None = None  # the run's resolved config (YAML), written beside the weights
         self.exported_to: Path | None = None
+        self.pushed_to: str | None = None
 
     def target(self, trainer: L.Trainer) -> Path:
         """Where the export goes; refuses (before training, and again at the end) a path that holds anything but a
@@ -60,6 +73,8 @@ class HFExport(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.enabled:
             self.target(trainer)  # a mistake found now costs nothing; at the end it would cost the run
+            if self.push_to_hub:
+                check_hub_token()
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.enabled:
@@ -72,6 +87,7 @@ class HFExport(L.Callback):
         staging = target.with_name(f".{target.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
         pl_module.export(staging, state_dict=state_dict)
+        self.write_card(staging, trainer, pl_module, title=self.hub_model_id or target.name)
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)
@@ -82,6 +98,17 @@ class HFExport(L.Callback):
             staging.rename(target)
         self.exported_to = target
         rank_zero_info(f"lit_align: exported the Hugging Face model to {target}")
+        if self.push_to_hub:
+            message = f"lit_align: {type(pl_module).__name__} after {trainer.global_step} steps"
+            self.pushed_to = push_to_hub(target, self.hub_model_id, self.hub_private_repo, message)
+            rank_zero_info(f"lit_align: pushed {target} to {self.pushed_to}")
+
+    def write_card(self, folder: Path, trainer: L.Trainer, pl_module: L.LightningModule, title: str) -> None:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        if self.config is not None:
+            (folder / CONFIG_NAME).write_text(self.config)
+        card = model_card(pl_module, trainer.datamodule, metrics, title, self.command, self.config is not None)
+        (folder / "README.md").write_text(card)
 
 
 class CompletionsLogger(L.Callback):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import sys
 import zipfile
 from pathlib import Path
@@ -49,6 +50,18 @@ class AlignCLI(LightningCLI):
             parser.link_arguments(f"data.init_args.{name}", f"model.init_args.{name}", apply_on="parse")
         # a chat template belongs to the model (the export carries it); the data renders its rows with it
         parser.link_arguments("model.init_args.chat_template", "data.init_args.chat_template", apply_on="parse")
+
+    def parse_arguments(self, parser, args) -> None:
+        argv = sys.argv[1:] if args is None else args
+        self.command = "lit-align " + shlex.join(map(str, argv)) if isinstance(argv, (list, tuple)) else None
+        super().parse_arguments(parser, args)
+
+    def before_fit(self) -> None:
+        """The export's model card cites how this run was started and carries its resolved config."""
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, HFExport):
+                callback.command = self.command
+                callback.config = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
 
     def instantiate_trainer(self, **kwargs):
         """The trainer, plus crash safety: atomic checkpoint writes, a checkpoint on SIGTERM (README: Reliability)."""

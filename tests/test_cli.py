@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import random
 import subprocess
 import sys
@@ -81,6 +82,15 @@ def test_dpo_yaml_trains_and_exports(tmp_path, capfd, tiny_path):
     assert all(not torch.equal(new[k], old[k]) for k in old), "some exported weights equal the starting ones"
     assert not [p for p in run.iterdir() if p.name.startswith(".hf_model")]  # no staging leftovers
 
+    card = (hf / "README.md").read_text()  # the model card
+    assert card.startswith("---\nlibrary_name: transformers\ntags:\n- lit_align\n- dpo\n---")
+    assert "DPO of `builtin:tiny` with lit_align" in card and "| `beta` | `0.1` |" in card
+    assert "`builtin:sort`" in card  # the data
+    accuracy = metric_at(metrics, "val/rewards/accuracies", 2)
+    assert f"| `val/rewards/accuracies` | {accuracy:.4g} |" in card
+    assert "lit-align fit -c lit_align_config.yaml" in card and "--trainer.max_steps 3" in card  # how to reproduce
+    assert yaml.safe_load((hf / "lit_align_config.yaml").read_text()) == saved  # the run's resolved config
+
 
 def test_export_path_override(tmp_path, capfd):
     target = tmp_path / "out" / "model"
@@ -91,6 +101,73 @@ def test_export_path_override(tmp_path, capfd):
     ], capfd)
     assert code == 0, err
     assert (target / "config.json").exists() and (target / "tokenizer.json").exists()
+
+
+class HubStandIn:
+    """``huggingface_hub.HfApi``'s create_repo / upload_folder, recording what they were given: a local stand-in for
+    the Hub (the files land in ``root/<repo_id>``)."""
+
+    def __init__(self, root, fail: bool = False):
+        self.root, self.fail, self.created = root, fail, []
+
+    def create_repo(self, api, repo_id, private=None, repo_type=None, exist_ok=False, **_):
+        from huggingface_hub import RepoUrl
+
+        self.created.append((repo_id, private, repo_type, exist_ok))
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, api, repo_id, folder_path, commit_message=None, repo_type=None, **_):
+        if self.fail:
+            raise OSError("connection refused")
+        shutil.copytree(folder_path, self.root / repo_id)
+        self.message = commit_message
+
+
+def push_run(tmp_path, capfd, *extra):
+    return run_main(["fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
+                     "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+                     "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path),
+                     "--export.path", str(tmp_path / "model"), *extra], capfd)
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+
+    stand_in = HubStandIn(tmp_path / "hub")
+    monkeypatch.setattr(HfApi, "create_repo", lambda api, *a, **k: stand_in.create_repo(api, *a, **k))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda api, *a, **k: stand_in.upload_folder(api, *a, **k))
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    return stand_in
+
+
+def test_push_to_hub_uploads_the_export_with_its_card(tmp_path, capfd, hub):
+    code, _, err = push_run(tmp_path, capfd, "--export.push_to_hub", "true", "--export.hub_model_id", "me/tiny-dpo",
+                            "--export.hub_private_repo", "true")
+    assert code == 0, err
+    assert hub.created == [("me/tiny-dpo", True, "model", True)]
+    pushed = tmp_path / "hub" / "me" / "tiny-dpo"
+    assert sorted(p.name for p in pushed.iterdir()) == sorted(p.name for p in (tmp_path / "model").iterdir())
+    assert "\n# me/tiny-dpo\n" in (pushed / "README.md").read_text()  # titled by its repo
+    assert hub.message == "lit_align: DPOModule after 1 steps"
+
+
+def test_push_to_hub_mistakes_are_one_line_and_a_failed_upload_keeps_the_export(tmp_path, capfd, hub, monkeypatch):
+    code, _, err = push_run(tmp_path, capfd, "--export.push_to_hub", "true")
+    assert_one_line_error(code, err, "export.push_to_hub needs export.hub_model_id")
+
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no stored token either
+    code, _, err = push_run(tmp_path, capfd, "--export.push_to_hub", "true", "--export.hub_model_id", "me/x")
+    assert_one_line_error(code, err, "needs a Hugging Face token")
+    assert not (tmp_path / "model").exists()  # refused before training
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    hub.fail = True
+    code, _, err = push_run(tmp_path, capfd, "--export.push_to_hub", "true", "--export.hub_model_id", "me/x")
+    assert_one_line_error(code, err, "export.push_to_hub to 'me/x' failed (connection refused)",
+                          f"the model is saved at {tmp_path / 'model'}")
+    assert (tmp_path / "model" / "config.json").exists() and (tmp_path / "model" / "README.md").exists()
 
 
 def test_export_never_replaces_a_directory_that_is_not_a_model(tmp_path, capfd):
