@@ -1,6 +1,6 @@
 """DPO and GRPO for a few steps under each sharded strategy on GPUs, printing the losses: the check CPU cannot make.
 
-    python bench/gpu_strategies.py                           # every GPU, fsdp + deepspeed_zero2/3, bf16-mixed
+    python bench/gpu_strategies.py                           # every GPU, fsdp + deepspeed_zero2/3 + qlora, bf16-mixed
     python bench/gpu_strategies.py --strategies fsdp --steps 3 --devices 2 --chunk-size 256
     python bench/gpu_strategies.py --accelerator cpu --strategies ddp --devices 1 --precision 32  # smoke test
 
@@ -13,13 +13,14 @@ checkpoint's ``reference.*`` keys are counted: 0 expected). A DeepSpeed strategy
 
 What it exercises that tests/ (CPU) cannot: FSDP on CUDA (tests/test_strategies.py runs torch's FSDP on CPU through
 a test-only subclass), DeepSpeed ZeRO-2/3 (the reference partitioned, GRPO sampling through ZeRO-3's gather hooks,
-``exclude_frozen_parameters``, the ZeRO-3 export gather), bf16-mixed on GPU.
+``exclude_frozen_parameters``, the ZeRO-3 export gather), bf16-mixed on GPU, QLoRA (``qlora``: a 4-bit policy through
+``model_init_kwargs.quantization_config`` with LoRA adapters; bitsandbytes needs CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import importlib.util
 import json
 import math
 import os
@@ -27,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from lit_align.pipeline import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = {
@@ -38,9 +41,24 @@ RECIPES = {
 }
 
 
+# runs that are not a strategy file: (strategy, what they need importable, their arguments)
+VARIANTS = {
+    # QLoRA: the policy loaded in 4 bits (bitsandbytes), LoRA adapters trained in bf16; the reference is the policy
+    # with its adapters off. The export is the adapter.
+    "qlora": ("auto", "bitsandbytes", [
+        "--model.init_args.model_init_kwargs", json.dumps({"quantization_config": {
+            "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16"}}),
+        "--model.init_args.peft_config", json.dumps({"r": 8, "lora_alpha": 16, "target_modules": "all-linear"})]),
+}
+
+
 def run(recipe: str, strategy: str, args, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "lit_align", "fit", "-c", str(ROOT / "configs" / f"{recipe}.yaml"),
-           "-c", str(ROOT / "configs" / "strategy" / f"{strategy}.yaml"),
+    if strategy in VARIANTS:
+        name, _, extra = VARIANTS[strategy]
+        setting = ["--trainer.strategy", name, *extra]
+    else:
+        setting = ["-c", str(ROOT / "configs" / "strategy" / f"{strategy}.yaml")]
+    cmd = [sys.executable, "-m", "lit_align", "fit", "-c", str(ROOT / "configs" / f"{recipe}.yaml"), *setting,
            "--model.init_args.model", "builtin:small", "--trainer.accelerator", args.accelerator,
            "--trainer.devices", args.devices, "--trainer.precision", args.precision,
            "--trainer.max_steps", str(args.steps), "--trainer.log_every_n_steps", "1",
@@ -56,11 +74,13 @@ def run(recipe: str, strategy: str, args, out: Path) -> dict:
     if not result["ok"]:
         result["error"] = (proc.stdout + proc.stderr)[-3000:]
         return result
-    with open(next(out.glob(f"{recipe}/version_*/metrics.csv")), newline="") as f:
-        rows = list(csv.DictReader(f))
-    result["losses"] = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
-    result["kl"] = [float(r["train/kl"]) for r in rows if r.get("train/kl")]
-    result.update(check_export(out, recipe))
+    metrics = read_metrics(next(out.glob(f"{recipe}/version_*")))
+    result["losses"] = [value for _, value in metrics.get("train/loss", [])]
+    result["kl"] = [value for _, value in metrics.get("train/kl", [])]
+    if (out / "hf_model" / "adapter_config.json").exists():  # a LoRA export: the adapter, no full weights to compare
+        result["adapter_files"] = sorted(p.name for p in (out / "hf_model").iterdir())
+    else:
+        result.update(check_export(out, recipe))
     return result
 
 
@@ -81,7 +101,8 @@ def check_export(out: Path, recipe: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategies", nargs="+", default=["fsdp", "deepspeed_zero2", "deepspeed_zero3"])
+    parser.add_argument("--strategies", nargs="+", default=["fsdp", "deepspeed_zero2", "deepspeed_zero3", "qlora"],
+                        help=f"strategy files of configs/strategy, or {sorted(VARIANTS)}")
     parser.add_argument("--recipes", nargs="+", default=["dpo", "grpo"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--devices", default="-1", help="trainer.devices (default: every GPU)")
@@ -90,16 +111,11 @@ def main() -> None:
     parser.add_argument("--out", default="runs/gpu_strategies")
     parser.add_argument("--accelerator", default="gpu", help="cpu: a smoke test of this script with --strategies ddp")
     args = parser.parse_args()
-    try:
-        import deepspeed  # noqa: F401
-        have_deepspeed = True
-    except ImportError:
-        have_deepspeed = False
-
     failed = False
     for strategy in args.strategies:
-        if strategy.startswith("deepspeed") and not have_deepspeed:
-            print(f"{strategy:<16} skipped: deepspeed is not installed (pip install deepspeed)", flush=True)
+        needs = VARIANTS[strategy][1] if strategy in VARIANTS else "deepspeed" if "deepspeed" in strategy else None
+        if needs and importlib.util.find_spec(needs) is None:
+            print(f"{strategy:<16} skipped: {needs} is not installed (pip install {needs})", flush=True)
             continue
         for recipe in args.recipes:
             out = Path(args.out).resolve() / f"{strategy}_{recipe}"
