@@ -64,7 +64,7 @@ class GRPOModule(AlignModule):
         epsilon_high: upper bound (``1 + epsilon_high``; default: ``epsilon``; DAPO uses 0.28).
         scale_rewards: ``group`` (divide by the group's std), ``batch`` or ``none``.
         mask_truncated_completions: leave completions that hit ``max_completion_length`` out of the loss.
-        max_completion_length: tokens generated per completion at most (TRL's default 256).
+        max_completion_length: tokens generated per completion at most (TRL's default, 512).
         temperature: sampling temperature; the training log-probs use the same temperature, as TRL does.
         top_p: nucleus sampling (1.0: off).
         top_k: top-k sampling (0: off).
@@ -91,7 +91,7 @@ class GRPOModule(AlignModule):
         epsilon_high: float | None = None,
         scale_rewards: str = "group",
         mask_truncated_completions: bool = False,
-        max_completion_length: int = 256,
+        max_completion_length: int = 512,
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,

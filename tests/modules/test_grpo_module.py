@@ -415,3 +415,35 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
     with pytest.raises(LitAlignError, match="padding_free needs sdpa or eager attention"):
         completion_token_logps(model, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
                                torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), packed=True)
+
+
+def recipe_defaults(cls) -> dict:
+    """Every ``__init__`` default of a module class, its bases' included (the options a config may leave out)."""
+    import inspect
+
+    defaults = {}
+    for klass in reversed(cls.__mro__):
+        if "__init__" in klass.__dict__:
+            defaults.update({k: p.default for k, p in inspect.signature(klass.__init__).parameters.items()
+                             if p.default is not inspect.Parameter.empty})
+    return defaults
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "dpo", "sft"])
+def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
+    """Every option named as in TRL defaults as in TRL, but the differences the README gives reasons for."""
+    import dataclasses
+
+    import trl
+
+    from lit_align.modules import DPOModule, SFTModule
+
+    module, config = {"grpo": (GRPOModule, trl.GRPOConfig), "dpo": (DPOModule, trl.DPOConfig),
+                      "sft": (SFTModule, trl.SFTConfig)}[recipe]
+    theirs = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+    ours = recipe_defaults(module)
+    differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and v != theirs[k]}
+    listed = {"gradient_checkpointing": (False, True), "optim": ("adamw_torch", "adamw_torch_fused")}
+    listed |= {"grpo": {"disable_dropout": (True, False), "steps_per_generation": (1, None)},  # None: 1 in TRL too
+               "sft": {"completion_only_loss": (True, None)}, "dpo": {}}[recipe]  # None: on for prompt-completion rows
+    assert differ == listed
