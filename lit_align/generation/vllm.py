@@ -109,6 +109,7 @@ class ColocatedEngine:
             return
         # vLLM's in-place reload: checkpoint-format names and tensors, one at a time, each made whole on arrival
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
+        self.llm.apply_model(_prepare_tied_head)
         self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
         self._pushed = (weakref.ref(model), version)
         self._weights_dropped = False
@@ -126,6 +127,14 @@ class ColocatedEngine:
         """Level 2: weights and KV cache freed for the training step; the next ``sync`` pushes the weights again."""
         self.llm.sleep(level=2)
         self._weights_dropped = True
+
+
+def _prepare_tied_head(network: torch.nn.Module) -> None:
+    """A head tied to the embedding gets no weights of its own in a reload, so vLLM does not prepare it again, and on
+    CPU its prepacked copy would keep the old weights: prepare it from the (updated, shared) weight."""
+    head = getattr(network, "lm_head", None)
+    if getattr(network.config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
 
 
 _ENGINES: dict[EngineSettings, ColocatedEngine] = {}  # this process's engines: the GPU memory is the process's
