@@ -196,6 +196,7 @@ class VLLMSampler:
         self.engine.sync(model, None if self.weights_version is None else self.weights_version())
 
         config, logps_wanted = self.config, self.returns_logps
+        stop = [t for t in eos_token_ids if t < network.config.vocab_size]  # vLLM refuses ids it cannot emit
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)]
         if config.greedy:  # vLLM refuses n > 1 without sampling: each prompt num_samples times, n = 1
             prompts, num_samples = [p for p in prompts for _ in range(num_samples)], 1
@@ -204,7 +205,8 @@ class VLLMSampler:
         seed = int(torch.randint(0, 2**31, ()))
         params = [SamplingParams(n=num_samples, temperature=config.temperature, top_p=config.top_p,
                                  top_k=config.top_k, max_tokens=config.max_new_tokens,
-                                 logprobs=0 if logps_wanted else None, stop_token_ids=eos_token_ids,
+                                 logprobs=0 if logps_wanted else None, stop_token_ids=stop,
+                                 ignore_eos=True,  # stop at eos_token_ids only, not also at the model config's
                                  detokenize=False, seed=None if config.greedy else seed + i * num_samples)
                   for i in range(len(prompts))]
         samples = [sample for out in self.engine.generate(prompts, params) for sample in out.outputs]
