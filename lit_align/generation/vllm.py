@@ -78,9 +78,13 @@ class ColocatedEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process, not an engine-core child
         kwargs = {}
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # each rank runs its own engine in its own process, on the process group the trainer set up
+            # each rank runs its own engine in its own process, beside the process group the trainer set up; vLLM
+            # reads the rank from the environment (Lightning leaves rank 0's unset: its local rank 0 by default)
+            rank = torch.distributed.get_rank()
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(torch.distributed.get_world_size()))
+            os.environ.setdefault("LOCAL_RANK", "0")
             kwargs = {"distributed_executor_backend": "external_launcher",
-                      "seed": torch.distributed.get_rank() // settings.tensor_parallel_size}
+                      "seed": rank // settings.tensor_parallel_size}
         try:
             self.llm = vllm.LLM(
                 model=settings.path, dtype=settings.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
