@@ -3,16 +3,18 @@
 ``VLLMSampler`` returns what ``HFSampler`` does. The engine loads the model from its Hugging Face directory once per
 process (one per rank under DDP, shared by every sampler on the same model and settings: GRPO's sampling and greedy
 samplers), then holds its own copy of the weights: before a ``generate`` the policy's weights are pushed into it
-(vLLM's in-place ``reload_weights``) only when they changed since the last push, which the sampler learns from ``weights_version`` (the
-module's optimizer step). Under LoRA the adapters are merged into the pushed weights, the policy left untouched.
+(vLLM's in-place ``reload_weights``) only when they changed since the last push, which the sampler learns from
+``weights_version`` (the module's optimizer step). Under LoRA the adapters are merged into the pushed weights, the
+policy left untouched.
 
 Log-probs are vLLM's ``processed_logprobs``: the temperature-scaled distribution, after top-k/top-p. With neither
 filter that is the trainer's definition (temperature-scaled, unfiltered); with one, the sampler returns no log-probs
 and the trainer computes them with a forward pass. They come from vLLM's kernels, not the training forward's, so they
 differ a little: GRPO corrects for it (``lit_align.losses.grpo.importance_sampling_ratio``).
 
-Left out: TRL's ``vllm_mode: server`` (``trl vllm-serve``); sharded policies (FSDP, DeepSpeed ZeRO-3), whose weights
-would have to be gathered a layer at a time, are refused.
+Left out, and refused with one error: TRL's ``vllm_mode: server`` (``trl vllm-serve``); an engine spanning several
+GPUs (``tensor_parallel_size > 1``: the ranks of a group would have to pool their prompts); sharded policies (FSDP,
+DeepSpeed ZeRO-3), whose weights would have to be gathered a layer at a time for the push.
 """
 
 from __future__ import annotations

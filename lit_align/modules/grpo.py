@@ -277,14 +277,16 @@ class GRPOModule(AlignModule):
 
     def sampling_stats(self, train_logps, sampling_logps, mask, is_ratio) -> dict[str, torch.Tensor]:
         """TRL's ``sampling/*`` metrics: how far vLLM's log-probs are from the training forward's, and the importance
-        weights (over real tokens; per completion for the sequence modes); rank-averaged means, every rank's extremes."""
+        weights (over real tokens; per completion for the sequence modes); rank-averaged means, every rank's
+        extremes."""
         real = mask.bool()
         gap = (train_logps - sampling_logps).abs()[real]
         weights = is_ratio[real] if is_ratio.shape == mask.shape else is_ratio.flatten()
         strategy = self.trainer.strategy
         means = strategy.reduce(torch.stack([gap.mean(), weights.mean()]), reduce_op="mean")
         extremes = strategy.all_gather(torch.stack([gap.max(), weights.max(), -weights.min()])).reshape(-1, 3).amax(0)
-        return {"sampling/sampling_logp_difference/mean": means[0], "sampling/sampling_logp_difference/max": extremes[0],
+        return {"sampling/sampling_logp_difference/mean": means[0],
+                "sampling/sampling_logp_difference/max": extremes[0],
                 "sampling/importance_sampling_ratio/min": -extremes[2],
                 "sampling/importance_sampling_ratio/mean": means[1],
                 "sampling/importance_sampling_ratio/max": extremes[1]}

@@ -269,7 +269,7 @@ def test_loss_and_clip_metrics_match_trl_compute_loss(loss_type, float64_default
     assert 0 < trl_metrics["clip_ratio/low_mean"] and 0 < trl_metrics["clip_ratio/high_mean"]  # both sides exercised
 
 
-# -- the sampling engine's importance weights (TRL's vllm_importance_sampling_*) -------------------------------------------
+# -- the sampling engine's importance weights (TRL's vllm_importance_sampling_*) ---------------------------------------
 def test_importance_sampling_ratio_by_hand():
     """Token ratios exp(train - sampling) on real tokens (1 on padding); sequences sum the log gap over the completion;
     truncate clamps to [min, max], mask zeroes outside it."""

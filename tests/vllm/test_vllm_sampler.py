@@ -74,8 +74,9 @@ def test_sampling_logps_are_the_training_forwards(tiny_path, tokenizer):
     ended = (~rollout.truncated).nonzero().flatten()
     assert (rollout.completion_ids[ended, lengths[ended] - 1] == tokenizer.eos_token_id).all()
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
-    forward, _ = completion_token_logps(model, prompt_ids.repeat_interleave(16, 0), prompt_mask.repeat_interleave(16, 0),
-                                        rollout.completion_ids, rollout.completion_mask, temperature=0.7)
+    forward, _ = completion_token_logps(model, prompt_ids.repeat_interleave(16, 0),
+                                        prompt_mask.repeat_interleave(16, 0), rollout.completion_ids,
+                                        rollout.completion_mask, temperature=0.7)
     torch.testing.assert_close(rollout.logps, forward.detach(), atol=1e-4, rtol=0)
     assert (rollout.logps[rollout.completion_mask == 0] == 0).all()
 
