@@ -158,7 +158,7 @@ class GRPOModule(AlignModule):
             engine_settings = dict(gpu_memory_utilization=vllm_gpu_memory_utilization,
                                    tensor_parallel_size=vllm_tensor_parallel_size,
                                    max_model_length=vllm_max_model_length, enable_sleep_mode=vllm_enable_sleep_mode,
-                                   weights_version=lambda: self.global_step)  # optimizer steps change the weights
+                                   weights_version=self.weights_version)
             if vllm_importance_sampling_correction:
                 if vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
                     raise LitAlignError(f"model.vllm_importance_sampling_mode {vllm_importance_sampling_mode!r}: "
@@ -188,6 +188,10 @@ class GRPOModule(AlignModule):
             if theirs is not None and theirs != getattr(self, name):
                 raise LitAlignError(f"model.{name} {getattr(self, name)} differs from data.{name} {theirs}: one "
                                     "generation round needs both to agree (set it once, under data:)")
+
+    def weights_version(self) -> int:
+        """The policy weights' version, for engines that hold a copy of them (vllm): the optimizer steps taken."""
+        return self.global_step
 
     # -- the pieces of a generation round ------------------------------------------------------------------------------
     def sample(self, sampler, batch: dict[str, Any], num_samples: int):
