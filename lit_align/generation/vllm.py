@@ -205,12 +205,12 @@ class VLLMSampler:
             prompts, num_samples = [p for p in prompts for _ in range(num_samples)], 1
         # one seed per prompt from torch's RNG (vLLM gives sample j of a prompt seed + j): the module's round RNG
         # then decides the completions, as for the other engines
-        seed = int(torch.randint(0, 2**31, ()))
+        seed = None if config.greedy else int(torch.randint(0, 2**31, ()))
         params = [SamplingParams(n=num_samples, temperature=config.temperature, top_p=config.top_p,
                                  top_k=config.top_k, max_tokens=config.max_new_tokens,
                                  logprobs=0 if logps_wanted else None, stop_token_ids=stop,
                                  ignore_eos=True,  # stop at eos_token_ids only, not also at the model config's
-                                 detokenize=False, seed=None if config.greedy else seed + i * num_samples)
+                                 detokenize=False, seed=None if seed is None else seed + i * num_samples)
                   for i in range(len(prompts))]
         samples = [sample for out in self.engine.generate(prompts, params) for sample in out.outputs]
 
