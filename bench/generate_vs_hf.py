@@ -1,8 +1,17 @@
-"""Sampling throughput: lit_align's ``NativeSampler`` against ``HFSampler`` (transformers ``generate``), CPU.
+"""Sampling throughput: lit_align's ``NativeSampler`` (and ``VLLMSampler``) against ``HFSampler`` (transformers
+``generate``), CPU.
 
     python bench/generate_vs_hf.py                          # builtin:tiny and builtin:small, B*G in 8 64 256
     python bench/generate_vs_hf.py --rows 64 --models builtin:small --repeats 5 --threads 1
     python bench/generate_vs_hf.py --eos --max-new-tokens 256 --rows 64     # rows end where they sample EOS
+    .venv-vllm/bin/python bench/generate_vs_hf.py --engines hf vllm --models builtin:small --rows 64  # make bench-vllm
+
+``--engines`` adds ``vllm`` (run it with ``.venv-vllm``'s python, which has vLLM): its colocated engine gets the
+model's weights pushed once, then runs in this process on torch's ``--threads`` threads like the others (here
+``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM would otherwise pin the process's OpenMP threads to cores, which changes
+the other engines' figures too), KV cache ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1 here). Compare it with ``hf``
+there and take ``native``'s figure from the main environment: under ``.venv-vllm``'s transformers (<5.20) the native
+engine's KV cache does not fit transformers' cache interface (its fast decode repeats one token, ~10x "faster").
 
 Both engines get the same model object (fp32, sdpa attention, eval), the same left-padded prompts (the built-in sort
 task's, ``rows / num_generations`` of them, each sampled ``num_generations`` times), temperature 1.0, top-k 0,
@@ -58,18 +67,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--eos", action="store_true", help="end rows at the tokenizer's EOS (varied lengths)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one native call")
+    parser.add_argument("--engines", nargs="+", default=["hf", "native"], help="hf first (the ratios' base); vllm")
     args = parser.parse_args()
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # else vLLM pins this process's threads for all
     import torch
 
     from lit_align.data.tasks import SortTask
-    from lit_align.generation import HFSampler, NativeSampler
+    from lit_align.generation import ENGINES
     from lit_align.models import load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
     prompts = SortTask().prompt_rows("train")["prompt"]
-    engines = {"hf": HFSampler, "native": NativeSampler}
+    if args.engines[0] != "hf":
+        parser.error("--engines: hf first (the ratios are to it)")
+    engines = {name: ENGINES[name] for name in args.engines}
     results = []
     for name in args.models:
         model = load_model(name, dtype="float32", attn_implementation="sdpa").eval()
@@ -102,8 +116,7 @@ def main() -> None:
             cell = {k: statistics.median(v) for k, v in rates.items()}
             cell["bound"] = None if args.eos else matmul_bound(model, rows)
             results.append((name, rows, cell))
-            print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>12.0f}{cell['native'] / cell['hf']:>9.2f}x",
-                  flush=True)
+            print(f"{name:<15}{rows:>6}" + "".join(f"{cell[k]:>12.0f}" for k in engines), flush=True)
             if args.profile and rows == args.rows[-1]:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -115,12 +128,14 @@ def main() -> None:
     print(f"\nSampling, B*G rows x {'at most ' if args.eos else ''}{args.max_new_tokens} new tokens "
           f"({'ending at EOS' if args.eos else 'no EOS'}, G={args.num_generations}), fp32, CPU, "
           f"{args.threads} threads, median of {args.repeats}; load average {load[0]:.1f} {load[1]:.1f}\n")
-    header = f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}{'native tok/s':>14}{'native/HF':>11}"
+    others = [k for k in engines if k != "hf"]
+    header = f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}" + "".join(f"{k + ' tok/s':>14}{k + '/HF':>11}" for k in others)
     header += "" if args.eos else f"{'matmul bound':>14}{'bound/HF':>10}"
     print(header)
     print("-" * len(header))
     for name, rows, cell in results:
-        line = f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>14.0f}{cell['native'] / cell['hf']:>10.2f}x"
+        line = f"{name:<15}{rows:>6}{cell['hf']:>12.0f}"
+        line += "".join(f"{cell[k]:>14.0f}{cell[k] / cell['hf']:>10.2f}x" for k in others)
         print(line if args.eos else line + f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
     if not args.eos:
         print("\nmatmul bound: tok/s if a decode step cost only its nn.Linear matmuls (same rows, same threads): no engine "

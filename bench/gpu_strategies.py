@@ -1,6 +1,7 @@
 """DPO and GRPO for a few steps under each sharded strategy on GPUs, printing the losses: the check CPU cannot make.
 
-    python bench/gpu_strategies.py                           # every GPU, fsdp + deepspeed_zero2/3 + qlora, bf16-mixed
+    python bench/gpu_strategies.py                           # every GPU, every case below, bf16-mixed
+    python bench/gpu_strategies.py --strategies vllm_colocate vllm_sleep    # only GRPO with engine vllm (ddp)
     python bench/gpu_strategies.py --strategies fsdp --steps 3 --devices 2 --chunk-size 256
     python bench/gpu_strategies.py --accelerator cpu --strategies ddp --devices 1 --precision 32  # smoke test
 
@@ -14,7 +15,11 @@ checkpoint's ``reference.*`` keys are counted: 0 expected). A DeepSpeed strategy
 What it exercises that tests/ (CPU) cannot: FSDP on CUDA (tests/test_strategies.py runs torch's FSDP on CPU through
 a test-only subclass), DeepSpeed ZeRO-2/3 (the reference partitioned, GRPO sampling through ZeRO-3's gather hooks,
 ``exclude_frozen_parameters``, the ZeRO-3 export gather), bf16-mixed on GPU, QLoRA (``qlora``: a 4-bit policy through
-``model_init_kwargs.quantization_config`` with LoRA adapters; bitsandbytes needs CUDA).
+``model_init_kwargs.quantization_config`` with LoRA adapters; bitsandbytes needs CUDA), and GRPO with
+``engine: vllm`` under ``ddp`` (one colocated engine per GPU: ``vllm_colocate``; ``vllm_sleep`` with
+``vllm_enable_sleep_mode``: weights and KV cache freed between rounds, pushed back before each), whose
+``train/sampling/importance_sampling_ratio/mean`` (vLLM's sampling against the training forward) is printed. A case
+whose package is not importable (deepspeed, bitsandbytes, vllm) is skipped, said so.
 """
 
 from __future__ import annotations
@@ -41,23 +46,23 @@ RECIPES = {
 }
 
 
-# runs that are not a strategy file: (strategy, what they need importable, their arguments)
+# runs that are not a strategy file alone: name -> (strategy file or None, the package they need, recipes, arguments)
+VLLM = ["--model.init_args.engine", "vllm", "--model.init_args.vllm_gpu_memory_utilization", "0.3"]
 VARIANTS = {
     # QLoRA: the policy loaded in 4 bits (bitsandbytes), LoRA adapters trained in bf16; the reference is the policy
     # with its adapters off. The export is the adapter.
-    "qlora": ("auto", "bitsandbytes", [
+    "qlora": (None, "bitsandbytes", ("dpo", "grpo"), [
         "--model.init_args.model_init_kwargs", json.dumps({"quantization_config": {
             "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16"}}),
         "--model.init_args.peft_config", json.dumps({"r": 8, "lora_alpha": 16, "target_modules": "all-linear"})]),
+    "vllm_colocate": ("ddp", "vllm", ("grpo",), VLLM),  # vLLM refuses sharded policies
+    "vllm_sleep": ("ddp", "vllm", ("grpo",), [*VLLM, "--model.init_args.vllm_enable_sleep_mode", "true"]),
 }
 
 
 def run(recipe: str, strategy: str, args, out: Path) -> dict:
-    if strategy in VARIANTS:
-        name, _, extra = VARIANTS[strategy]
-        setting = ["--trainer.strategy", name, *extra]
-    else:
-        setting = ["-c", str(ROOT / "configs" / "strategy" / f"{strategy}.yaml")]
+    file, _, _, extra = VARIANTS.get(strategy, (strategy, None, (), []))
+    setting = [*(["-c", str(ROOT / "configs" / "strategy" / f"{file}.yaml")] if file else []), *extra]
     cmd = [sys.executable, "-m", "lit_align", "fit", "-c", str(ROOT / "configs" / f"{recipe}.yaml"), *setting,
            "--model.init_args.model", "builtin:small", "--trainer.accelerator", args.accelerator,
            "--trainer.devices", args.devices, "--trainer.precision", args.precision,
@@ -77,6 +82,9 @@ def run(recipe: str, strategy: str, args, out: Path) -> dict:
     metrics = read_metrics(next(out.glob(f"{recipe}/version_*")))
     result["losses"] = [value for _, value in metrics.get("train/loss", [])]
     result["kl"] = [value for _, value in metrics.get("train/kl", [])]
+    weights = [value for _, value in metrics.get("train/sampling/importance_sampling_ratio/mean", [])]
+    if weights:
+        result["importance_sampling_ratio"] = weights
     if (out / "hf_model" / "adapter_config.json").exists():  # a LoRA export: the adapter, no full weights to compare
         result["adapter_files"] = sorted(p.name for p in (out / "hf_model").iterdir())
     else:
@@ -101,7 +109,7 @@ def check_export(out: Path, recipe: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategies", nargs="+", default=["fsdp", "deepspeed_zero2", "deepspeed_zero3", "qlora"],
+    parser.add_argument("--strategies", nargs="+", default=["fsdp", "deepspeed_zero2", "deepspeed_zero3", *VARIANTS],
                         help=f"strategy files of configs/strategy, or {sorted(VARIANTS)}")
     parser.add_argument("--recipes", nargs="+", default=["dpo", "grpo"])
     parser.add_argument("--steps", type=int, default=4)
@@ -113,11 +121,12 @@ def main() -> None:
     args = parser.parse_args()
     failed = False
     for strategy in args.strategies:
-        needs = VARIANTS[strategy][1] if strategy in VARIANTS else "deepspeed" if "deepspeed" in strategy else None
+        _, needs, recipes, _ = VARIANTS.get(strategy, (None, "deepspeed" if "deepspeed" in strategy else None,
+                                                       args.recipes, []))
         if needs and importlib.util.find_spec(needs) is None:
             print(f"{strategy:<16} skipped: {needs} is not installed (pip install {needs})", flush=True)
             continue
-        for recipe in args.recipes:
+        for recipe in [r for r in args.recipes if r in recipes]:
             out = Path(args.out).resolve() / f"{strategy}_{recipe}"
             out.mkdir(parents=True, exist_ok=True)
             result = run(recipe, strategy, args, out)

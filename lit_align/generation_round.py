@@ -43,6 +43,7 @@ class StepRows:
     old_logps: torch.Tensor | None  # [n, C'] the sampling policy's, when the policy moved since
     ref_logps: torch.Tensor | None  # [n, C'] the reference's, when beta != 0
     dataset_rows: list[int] | None  # the dataset index of each completion's prompt
+    is_ratio: torch.Tensor | None = None  # [n, C'] or [n, 1]: the sampling engine's importance weights (vLLM)
 
 
 @dataclass
@@ -67,6 +68,7 @@ class GenerationRound:
     dataset_rows: list[int] | None = None  # per row: the dataset index of its prompt
     extra: dict[str, list] = field(default_factory=dict)  # per row: columns reward functions logged (log_extra)
     reward_funcs: dict[str, list[float]] = field(default_factory=dict)  # per row: each reward function's value
+    is_ratio: torch.Tensor | None = None  # [N, C] or [N, 1]: importance weights for the sampling engine (vLLM)
 
     def step_rows(self, position: int) -> StepRows:
         """The rows of the round's ``position``-th step (passes repeat: ``position`` counts modulo ``steps``).
@@ -88,6 +90,7 @@ class GenerationRound:
             completions(self.completion_ids), completions(self.completion_mask), completions(self.loss_mask),
             self.advantages[rows], completions(self.old_logps), completions(self.ref_logps),
             None if self.dataset_rows is None else [self.dataset_rows[i] for i in rows.tolist()],
+            None if self.is_ratio is None else self.is_ratio[rows][:, :width],
         )
 
     def to(self, device: torch.device | str) -> GenerationRound:

@@ -9,7 +9,8 @@ log-probs are, so the trainer can skip a forward pass). Rows are ``num_samples``
 
 ``HFSampler`` (``hf``) wraps transformers' ``generate`` and is the reference engine. ``NativeSampler`` (``native``)
 runs its own decode loop (one prefill per prompt shared by its samples, a preallocated KV cache, sampling on
-tensors) and returns the same thing. Another engine plugs in as a module here and an entry in ``ENGINES``.
+tensors) and returns the same thing. ``VLLMSampler`` (``vllm``) runs a vLLM engine colocated in the training process
+(imported only when chosen; its own environment). Another engine plugs in as a module here and an entry in ``ENGINES``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, Sampler, SamplingConfig, completion_mask_from_eos
 from lit_align.generation.hf import HFSampler
 from lit_align.generation.native import NativeSampler, filter_logits, sample_next
+from lit_align.generation.vllm import VLLMSampler
 
-ENGINES: dict[str, type[Sampler]] = {"hf": HFSampler, "native": NativeSampler}
+ENGINES: dict[str, type[Sampler]] = {"hf": HFSampler, "native": NativeSampler, "vllm": VLLMSampler}
 
 
 def make_sampler(engine: str, **settings) -> Sampler:
@@ -31,5 +33,5 @@ def make_sampler(engine: str, **settings) -> Sampler:
 
 __all__ = [
     "ENGINES", "HFSampler", "NativeSampler", "Rollout", "Sampler", "SamplingConfig", "completion_mask_from_eos",
-    "filter_logits", "make_sampler", "sample_next",
+    "VLLMSampler", "filter_logits", "make_sampler", "sample_next",
 ]

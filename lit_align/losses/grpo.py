@@ -5,10 +5,13 @@ Shapes: ``N`` completions (``num_generations`` consecutive ones per prompt), ``C
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
@@ -102,3 +105,26 @@ def aggregate_grpo_loss(
             raise ValueError("aggregate_grpo_loss(loss_type='dapo') needs num_tokens")
         return total / max(num_tokens, 1.0)
     raise ValueError(f"unknown GRPO loss_type {loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
+
+
+def importance_sampling_ratio(train_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                              mode: str = "sequence_mask", clip_min: float | None = None,
+                              clip_max: float | None = 3.0) -> torch.Tensor:
+    """TRL's correction for sampling with another engine (vLLM) than the training forward: the weight of each token's
+    loss, ``[N, C]`` (``token_*``) or ``[N, 1]`` (``sequence_*``, one per completion).
+
+    The ratio is ``exp(train - sampling)`` per token over the ``mask``'s tokens, or ``exp(sum over the completion)``
+    per sequence; ``*_truncate`` clamps it to ``[clip_min, clip_max]`` (truncated importance sampling), ``*_mask``
+    sets it to 0 outside that range. None bounds are open.
+    """
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"unknown importance sampling mode {mode!r}: expected one of {IMPORTANCE_SAMPLING_MODES}")
+    diff = ((train_logps - sampling_logps) * mask).nan_to_num(0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=low, max=high)
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)

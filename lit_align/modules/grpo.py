@@ -22,7 +22,8 @@ from lit_align.generation import ENGINES, make_sampler
 from lit_align.generation_round import ROUND_SETTINGS, GenerationRound, check_round_settings
 from lit_align.logps import layout_logps
 from lit_align.losses.grpo import (
-    GRPO_LOSS_TYPES, SCALE_REWARDS, aggregate_grpo_loss, group_advantages, grpo_token_losses, nanstd,
+    GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_MODES, SCALE_REWARDS, aggregate_grpo_loss, group_advantages,
+    grpo_token_losses, importance_sampling_ratio, nanstd,
 )
 from lit_align.modules.base import AlignModule
 from lit_align.reference import choose_reference
@@ -68,12 +69,29 @@ class GRPOModule(AlignModule):
         temperature: sampling temperature; the training log-probs use the same temperature, as TRL does.
         top_p: nucleus sampling (1.0: off).
         top_k: top-k sampling (0: off).
-        engine: sampler: ``hf`` (transformers ``generate``) or ``native`` (lit_align's batched decode loop, faster).
+        engine: sampler: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or
+            ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with ``vllm_mode: colocate``; its own
+            environment, see the README).
         padding_free: compute each step's training log-probs with its rows packed into one sequence
             (``lit_align.layouts.packed``): the same values, without the cost of padding. Pays with long-tailed
             lengths and few rows per step; with many short rows the packed row's attention (quadratic in its ``T``
             tokens) costs more than the padding saved. sdpa or eager attention; the mask is ``T * T`` bytes. The
             round-level no-grad passes (old and reference log-probs) stay padded.
+        vllm_mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported).
+        vllm_gpu_memory_utilization: with ``engine: vllm``, the fraction of GPU memory vLLM takes (weights and KV
+            cache; on CPU of the RAM, unless ``VLLM_CPU_KVCACHE_SPACE`` sets the KV cache in GiB).
+        vllm_tensor_parallel_size: GPUs one vLLM engine spans (only 1: an engine per rank).
+        vllm_max_model_length: vLLM's context window (None: the model's): at least the longest prompt plus
+            ``max_completion_length``.
+        vllm_enable_sleep_mode: free vLLM's weights and KV cache during training steps (pushed back before each
+            generation): less GPU memory, some transfer time.
+        vllm_importance_sampling_correction: weigh each token's loss by the ratio of the training forward's
+            probability to vLLM's (TRL's; ``lit_align.losses.grpo.importance_sampling_ratio``); the old log-probs are
+            then the training forward's. Needs vLLM's log-probs: top_k 0 and top_p 1.0.
+        vllm_importance_sampling_mode: ``sequence_mask`` (TRL's default), ``sequence_truncate``, ``token_truncate``
+            or ``token_mask``.
+        vllm_importance_sampling_clip_min: lower bound of the ratio (None: none).
+        vllm_importance_sampling_clip_max: upper bound of the ratio (TRL's cap; None: none).
     """
 
     def __init__(
@@ -97,6 +115,15 @@ class GRPOModule(AlignModule):
         top_k: int = 0,
         engine: str = "hf",
         padding_free: bool = False,
+        vllm_mode: str = "colocate",
+        vllm_gpu_memory_utilization: float = 0.3,
+        vllm_tensor_parallel_size: int = 1,
+        vllm_max_model_length: int | None = None,
+        vllm_enable_sleep_mode: bool = False,
+        vllm_importance_sampling_correction: bool = True,
+        vllm_importance_sampling_mode: str = "sequence_mask",
+        vllm_importance_sampling_clip_min: float | None = None,
+        vllm_importance_sampling_clip_max: float | None = 3.0,
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
@@ -124,9 +151,28 @@ class GRPOModule(AlignModule):
         self.temperature, self.padding_free = temperature, padding_free
         if beta != 0.0:
             self.reference = choose_reference(ref_model, self.lora_config is not None)
+        engine_settings = {}
+        self.importance_sampling = None  # (mode, clip_min, clip_max) when vLLM's sampling is corrected for
+        if engine == "vllm":
+            if vllm_mode != "colocate":
+                raise LitAlignError(f"model.vllm_mode {vllm_mode!r}: only 'colocate' is supported (server mode is not)")
+            engine_settings = dict(gpu_memory_utilization=vllm_gpu_memory_utilization,
+                                   tensor_parallel_size=vllm_tensor_parallel_size,
+                                   max_model_length=vllm_max_model_length, enable_sleep_mode=vllm_enable_sleep_mode,
+                                   weights_version=self.weights_version)
+            if vllm_importance_sampling_correction:
+                if vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
+                    raise LitAlignError(f"model.vllm_importance_sampling_mode {vllm_importance_sampling_mode!r}: "
+                                        f"expected one of {IMPORTANCE_SAMPLING_MODES}")
+                if top_k != 0 or top_p != 1.0:
+                    raise LitAlignError("model.vllm_importance_sampling_correction needs vLLM's sampling log-probs, "
+                                        "which top_k / top_p change: set top_k 0 and top_p 1.0, or the correction "
+                                        "false")
+                self.importance_sampling = (vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
+                                            vllm_importance_sampling_clip_max)
         self.sampler = make_sampler(engine, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
-                                    top_k=top_k)
-        self.greedy = make_sampler(engine, max_new_tokens=max_completion_length, temperature=0.0)
+                                    top_k=top_k, **engine_settings)
+        self.greedy = make_sampler(engine, max_new_tokens=max_completion_length, temperature=0.0, **engine_settings)
         self.round: GenerationRound | None = None
         self.reward_metrics: dict[str, list[float]] = {}  # what reward functions log this round (log_metric)
         self.reward_columns: dict[str, list] = {}  # and their completions-table columns (log_extra)
@@ -150,6 +196,10 @@ class GRPOModule(AlignModule):
         for fn in self.reward_funcs:  # reward models load with the policy's settings (TRL: model_init_kwargs)
             if isinstance(fn, RewardModel):
                 fn.load(hp.dtype, hp.trust_remote_code, hp.model_init_kwargs)
+
+    def weights_version(self) -> int:
+        """The policy weights' version, for engines that hold a copy of them (vllm): the optimizer steps taken."""
+        return self.global_step
 
     # -- the pieces of a generation round ------------------------------------------------------------------------------
     def sample(self, sampler, batch: dict[str, Any], num_samples: int):
@@ -212,8 +262,12 @@ class GRPOModule(AlignModule):
 
         # old-policy log-probs matter only when the policy moves before these completions are used up, that is unless
         # the round's steps all fall in one accumulation window (TRL: gradient_accumulation_steps % generate_every)
-        old_logps = None
-        if self.trainer.accumulate_grad_batches % (self.steps_per_generation * self.num_iterations):
+        old_logps, is_ratio, sampling_stats = None, None, {}
+        if self.importance_sampling is not None:  # vLLM's log-probs: the old ones are the training forward's (TRL)
+            old_logps = self.completion_logps(self.network, *rows)[0]
+            is_ratio = importance_sampling_ratio(old_logps, rollout.logps, completion_mask, *self.importance_sampling)
+            sampling_stats = self.sampling_stats(old_logps, rollout.logps, completion_mask, is_ratio)
+        elif self.trainer.accumulate_grad_batches % (self.steps_per_generation * self.num_iterations):
             old_logps = rollout.logps
             if old_logps is None:
                 old_logps = self.completion_logps(self.network, *rows)[0]
@@ -230,12 +284,28 @@ class GRPOModule(AlignModule):
             prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps,
             order=order, steps=self.steps_per_generation,
             num_tokens=float(num_tokens) / (self.trainer.world_size * self.steps_per_generation),
-            stats=self.round_stats(rollout, per_func, rewards, all_rewards),
+            stats={**self.round_stats(rollout, per_func, rewards, all_rewards), **sampling_stats},
             prompts=prompts, completions=[c if isinstance(c, str) else c[0]["content"] for c in completions],
             rewards=rewards.tolist(), dataset_rows=None if prompt_rows is None else _repeat(prompt_rows, group),
-            extra={k: v for k, v in self.reward_columns.items() if len(v) == len(prompts)},
+            extra={k: v for k, v in self.reward_columns.items() if len(v) == len(prompts)}, is_ratio=is_ratio,
             reward_funcs={name: per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
         )
+
+    def sampling_stats(self, train_logps, sampling_logps, mask, is_ratio) -> dict[str, torch.Tensor]:
+        """TRL's ``sampling/*`` metrics: how far vLLM's log-probs are from the training forward's, and the importance
+        weights (over real tokens; per completion for the sequence modes); rank-averaged means, every rank's
+        extremes."""
+        real = mask.bool()
+        gap = (train_logps - sampling_logps).abs()[real]
+        weights = is_ratio[real] if is_ratio.shape == mask.shape else is_ratio.flatten()
+        strategy = self.trainer.strategy
+        means = strategy.reduce(torch.stack([gap.mean(), weights.mean()]), reduce_op="mean")
+        extremes = strategy.all_gather(torch.stack([gap.max(), weights.max(), -weights.min()])).reshape(-1, 3).amax(0)
+        return {"sampling/sampling_logp_difference/mean": means[0],
+                "sampling/sampling_logp_difference/max": extremes[0],
+                "sampling/importance_sampling_ratio/min": -extremes[2],
+                "sampling/importance_sampling_ratio/mean": means[1],
+                "sampling/importance_sampling_ratio/max": extremes[1]}
 
     def round_stats(self, rollout, per_func, rewards, all_rewards) -> dict[str, torch.Tensor]:
         """TRL's per-round metrics, averaged over ranks; std, min and max are over every rank's completions
@@ -305,6 +375,8 @@ class GRPOModule(AlignModule):
                                                rows.completion_mask, with_entropy=True, packed=self.padding_free)
         token_losses, info = grpo_token_losses(logps, rows.old_logps, rows.advantages, self.epsilon,
                                                self.epsilon_high, rows.ref_logps, self.beta)
+        if rows.is_ratio is not None:  # the sampling engine's importance weights (vLLM)
+            token_losses = token_losses * rows.is_ratio
         loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length,
                                    self.round.num_tokens)
         loss = self.guard_loss(loss, (token_losses * mask).sum(1), batch_idx, rows.dataset_rows)

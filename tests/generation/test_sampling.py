@@ -10,8 +10,8 @@ import torch
 
 from lit_align.errors import LitAlignError
 from lit_align.generation import (
-    ENGINES, HFSampler, NativeSampler, Sampler, SamplingConfig, completion_mask_from_eos, filter_logits, make_sampler,
-    sample_next,
+    ENGINES, HFSampler, NativeSampler, Sampler, SamplingConfig, VLLMSampler, completion_mask_from_eos, filter_logits,
+    make_sampler, sample_next,
 )
 from numerics import assert_rounding_close
 
@@ -129,11 +129,11 @@ def test_out_of_range_settings_are_refused_by_every_engine(bad):
 
 
 def test_engines_are_built_by_name():
-    assert ENGINES == {"hf": HFSampler, "native": NativeSampler}
+    assert ENGINES == {"hf": HFSampler, "native": NativeSampler, "vllm": VLLMSampler}
     sampler = make_sampler("native", max_new_tokens=5, temperature=0.7, top_k=3, eos_check_every=2)
     assert isinstance(sampler, NativeSampler) and isinstance(sampler, Sampler)
     assert sampler.config == SamplingConfig(max_new_tokens=5, temperature=0.7, top_k=3)
     assert sampler.eos_check_every == 2
     assert isinstance(make_sampler("hf"), HFSampler) and make_sampler("hf").config == SamplingConfig()
-    with pytest.raises(LitAlignError, match=r"model.engine 'vllm-nope': expected one of \['hf', 'native'\]"):
+    with pytest.raises(LitAlignError, match=r"model.engine 'vllm-nope': expected one of \['hf', 'native', 'vllm'\]"):
         make_sampler("vllm-nope")

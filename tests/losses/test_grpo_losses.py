@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lit_align.losses.grpo import aggregate_grpo_loss, group_advantages, grpo_token_losses
+from lit_align.losses.grpo import aggregate_grpo_loss, group_advantages, grpo_token_losses, importance_sampling_ratio
 from numerics import assert_formula, f64, formula
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
@@ -267,3 +267,25 @@ def test_loss_and_clip_metrics_match_trl_compute_loss(loss_type, float64_default
         trl_metrics["clip_ratio/region_mean"])
     assert masked_mean(info["kl"]) == formula(trl_metrics["kl"])
     assert 0 < trl_metrics["clip_ratio/low_mean"] and 0 < trl_metrics["clip_ratio/high_mean"]  # both sides exercised
+
+
+# -- the sampling engine's importance weights (TRL's vllm_importance_sampling_*) ---------------------------------------
+def test_importance_sampling_ratio_by_hand():
+    """Token ratios exp(train - sampling) on real tokens (1 on padding); sequences sum the log gap over the completion;
+    truncate clamps to [min, max], mask zeroes outside it."""
+    train = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]])
+    sampling = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -2.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    e = math.exp
+    token = importance_sampling_ratio(train, sampling, mask, "token_truncate", None, None)
+    torch.testing.assert_close(token, torch.tensor([[e(0.5), e(-1.0), 1.0], [1.0, e(1.0), 1.0]]))
+    torch.testing.assert_close(importance_sampling_ratio(train, sampling, mask, "token_truncate", 0.5, 2.0),
+                               torch.tensor([[e(0.5), 0.5, 1.0], [1.0, 2.0, 1.0]]))
+    torch.testing.assert_close(importance_sampling_ratio(train, sampling, mask, "token_mask", 0.5, 2.0),
+                               torch.tensor([[e(0.5), 0.0, 1.0], [1.0, 0.0, 1.0]]))
+    torch.testing.assert_close(importance_sampling_ratio(train, sampling, mask, "sequence_truncate", None, 2.0),
+                               torch.tensor([[e(-0.5)], [2.0]]))
+    torch.testing.assert_close(importance_sampling_ratio(train, sampling, mask, "sequence_mask", None, 2.0),
+                               torch.tensor([[e(-0.5)], [0.0]]))
+    with pytest.raises(ValueError, match="unknown importance sampling mode"):
+        importance_sampling_ratio(train, sampling, mask, "tokens")

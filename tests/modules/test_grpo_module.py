@@ -292,10 +292,22 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path, prompts_file, ti
     ({"loss_type": "ppo"}, "model.loss_type 'ppo'"),
     ({"scale_rewards": "global"}, "model.scale_rewards 'global'"),
     ({"engine": "vllm-nope"}, "model.engine 'vllm-nope'"),
+    ({"engine": "vllm", "vllm_mode": "server"}, "model.vllm_mode 'server': only 'colocate'"),
+    ({"engine": "vllm", "top_p": 0.9}, "model.vllm_importance_sampling_correction needs vLLM's sampling log-probs"),
+    ({"engine": "vllm", "vllm_importance_sampling_mode": "tokens"}, "model.vllm_importance_sampling_mode 'tokens'"),
+    ({"engine": "vllm", "vllm_tensor_parallel_size": 2}, "model.vllm_tensor_parallel_size 2: only 1"),
+    ({"engine": "vllm", "vllm_gpu_memory_utilization": 1.5}, "model.vllm_gpu_memory_utilization must be in"),
 ])
 def test_bad_settings_raise(kwargs, match):
     with pytest.raises(LitAlignError, match=match):
         GRPOModule(**kwargs)
+
+
+def test_engine_vllm_without_vllm_says_how_to_install(monkeypatch):
+    """The main environment has no vLLM (it lives in ``make test-vllm``'s): choosing it names the install."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM imports
+    with pytest.raises(LitAlignError, match=r"model.engine 'vllm' needs vLLM: pip install -e '.\[vllm\]'"):
+        GRPOModule(engine="vllm")
 
 
 # -- DDP through the CLI ---------------------------------------------------------------------------------------------------

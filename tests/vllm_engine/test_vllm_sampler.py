@@ -1,0 +1,112 @@
+"""The vllm engine against the reference: greedy completions equal HF ``generate``'s on the same weights (before and
+after optimizer steps, which are pushed into the engine once per weights version), sampling log-probs equal the
+training forward's, LoRA adapters are merged for generation, and what vLLM cannot run is one clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import left_padded
+
+from lit_align.errors import LitAlignError
+from lit_align.generation import HFSampler, VLLMSampler
+from lit_align.models import load_model
+from lit_align.modules.grpo import completion_token_logps
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["<|user|>sort: 3 1 2\n<|assistant|>", "<|user|>hello\n<|assistant|>", "<|user|>9 8\n<|assistant|>"]
+
+
+def generate(sampler, model, tokenizer, num_samples: int = 2):
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    return sampler.generate(model, prompt_ids, prompt_mask, num_samples, [tokenizer.eos_token_id],
+                            tokenizer.pad_token_id)
+
+
+def assert_same_rollout(a, b):
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask)
+    assert torch.equal(a.truncated, b.truncated)
+
+
+def test_greedy_equals_hf_generate_and_follows_optimizer_steps(tiny_path, tokenizer):
+    """The engine starts from the model's directory; the policy's weights are pushed when their version changes:
+    after SGD steps its greedy completions are the trained policy's, not the checkpoint's."""
+    model = load_model("builtin:tiny").train()
+    version = 0
+    vllm = VLLMSampler(max_new_tokens=12, temperature=0.0, weights_version=lambda: version)
+    hf = HFSampler(max_new_tokens=12, temperature=0.0)
+    before = generate(vllm, model, tokenizer)
+    assert_same_rollout(before, generate(hf, model, tokenizer))
+    pushes = vllm.engine.pushes
+    generate(vllm, model, tokenizer)
+    assert vllm.engine.pushes == pushes, "same weights version: nothing pushed"
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    target = tokenizer("7", add_special_tokens=False)["input_ids"][0]
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    for _ in range(3):  # make the model prefer the digit 7 after each prompt
+        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask).logits[:, -1]
+        torch.nn.functional.cross_entropy(logits, torch.full((len(PROMPTS),), target)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    version = 3
+    after = generate(vllm, model, tokenizer)
+    assert vllm.engine.pushes == pushes + 1
+    assert_same_rollout(after, generate(hf, model, tokenizer))
+    assert not torch.equal(after.completion_ids, before.completion_ids)
+    assert (after.completion_ids[:, 0] == target).all()
+
+
+def test_sampling_logps_are_the_training_forwards(tiny_path, tokenizer):
+    """Temperature-scaled log-probs of the sampled tokens, as the training forward computes them (up to kernels);
+    EOS kept and masked after; the same torch seed gives the same completions."""
+    model = load_model("builtin:tiny").train()
+    sampler = VLLMSampler(max_new_tokens=16, temperature=0.7)
+    torch.manual_seed(0)
+    rollout = generate(sampler, model, tokenizer, num_samples=16)
+    torch.manual_seed(0)
+    assert_same_rollout(rollout, generate(sampler, model, tokenizer, num_samples=16))
+    assert rollout.completion_ids.shape[0] == 48
+    assert rollout.truncated.any() and not rollout.truncated.all(), "some rows end at EOS, others run to the cap"
+    lengths = rollout.completion_mask.sum(1)
+    ended = (~rollout.truncated).nonzero().flatten()
+    assert (rollout.completion_ids[ended, lengths[ended] - 1] == tokenizer.eos_token_id).all()
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    forward, _ = completion_token_logps(model, prompt_ids.repeat_interleave(16, 0),
+                                        prompt_mask.repeat_interleave(16, 0), rollout.completion_ids,
+                                        rollout.completion_mask, temperature=0.7)
+    torch.testing.assert_close(rollout.logps, forward.detach(), atol=1e-4, rtol=0)
+    assert (rollout.logps[rollout.completion_mask == 0] == 0).all()
+
+
+def test_top_p_returns_no_logps(tiny_path, tokenizer):
+    """vLLM's log-probs are of the filtered distribution; the trainer's are not: none are returned."""
+    rollout = generate(VLLMSampler(max_new_tokens=4, top_p=0.9), load_model("builtin:tiny"), tokenizer)
+    assert rollout.logps is None and rollout.completion_ids.shape[0] == 6
+
+
+def test_lora_is_merged_for_generation(tiny_path, tokenizer):
+    """A PeftModel's greedy completions in vLLM are the adapted model's; the policy's weights are left as they were."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    policy = get_peft_model(load_model("builtin:tiny"), config)
+    state = {k: v.clone() for k, v in policy.state_dict().items()}
+    vllm = VLLMSampler(max_new_tokens=12, temperature=0.0)
+    rollout = generate(vllm, policy, tokenizer)
+    assert_same_rollout(rollout, generate(HFSampler(max_new_tokens=12, temperature=0.0), policy, tokenizer))
+    with policy.disable_adapter():
+        base = generate(HFSampler(max_new_tokens=12, temperature=0.0), policy, tokenizer)
+    assert not torch.equal(rollout.completion_ids, base.completion_ids), "the adapters change the completions"
+    assert all(torch.equal(v, state[k]) for k, v in policy.state_dict().items())
+
+
+def test_what_vllm_cannot_run_is_one_error(tiny_path, tokenizer):
+    """vLLM's own refusal (sleep mode needs a GPU) comes back as one LitAlignError line naming the engine."""
+    sampler = VLLMSampler(max_new_tokens=4, enable_sleep_mode=True)
+    with pytest.raises(LitAlignError, match=r"model.engine 'vllm' could not start on .*tiny") as info:
+        generate(sampler, load_model("builtin:tiny"), tokenizer)
+    assert "\n" not in str(info.value)
