@@ -45,8 +45,8 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PY) -c "import vllm, lit_align"
 	touch $@
 
-test-vllm: $(VLLM_VENV)/.installed  ## engine: vllm's tests (tests/vllm_engine), in .venv-vllm (built on first use)
-	$(VLLM_PY) -m pytest -q -m vllm tests/vllm_engine
+test-vllm: $(VLLM_VENV)/.installed  ## engine: vllm's tests, and the samplers' on vLLM's older transformers, in .venv-vllm
+	$(VLLM_PY) -m pytest -q -m "vllm or not slow" tests/vllm_engine tests/generation
 
 bench-vllm: $(VLLM_VENV)/.installed setup  ## tokens/s of vllm vs hf (.venv-vllm), native vs hf (.venv), on CPU
 	$(VLLM_PY) bench/generate_vs_hf.py --engines hf vllm --models builtin:small --rows 64 --threads 1

@@ -43,6 +43,11 @@ def forward_parameters(model: torch.nn.Module):
     return inspect.signature(getattr(model, "module", model).forward).parameters
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The forward's name for the KV cache: ``cache`` (transformers >= 5.20) or ``past_key_values`` (before)."""
+    return "cache" if "cache" in forward_parameters(model) else "past_key_values"
+
+
 def takes_logits_to_keep(model: torch.nn.Module) -> bool:
     return "logits_to_keep" in forward_parameters(model)
 

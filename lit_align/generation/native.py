@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lit_align.capabilities import attention_implementation, full_attention_only, is_sharded, takes_custom_mask
+from lit_align.capabilities import (
+    attention_implementation, cache_keyword, full_attention_only, is_sharded, takes_custom_mask,
+)
 from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
 from lit_align.generation.cache import SlotCache
@@ -134,7 +136,8 @@ class _LiveRows:
         if self.fast is not None:
             return self.fast(tokens, t, self.prompt_len + t)
         return self.model(input_ids=tokens.unsqueeze(1), attention_mask=self.step_mask[..., : self.prompt_len + t + 1],
-                          position_ids=self.next_position + t, cache=self.cache, use_cache=True).logits[:, -1]
+                          position_ids=self.next_position + t, use_cache=True,
+                          **{cache_keyword(self.model): self.cache}).logits[:, -1]
 
 
 def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
@@ -145,7 +148,7 @@ def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache: 
     allowed = (causal & prompt_mask[:, None, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=device)
     positions = (prompt_mask.long().cumsum(1) - 1).clamp_(min=0)
     return model(input_ids=prompt_ids, attention_mask=attention_mask_4d(model, allowed), position_ids=positions,
-                 cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                 use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache}).logits[:, -1]
 
 
 class NativeSampler:

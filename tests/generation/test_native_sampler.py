@@ -21,6 +21,16 @@ from numerics import TINY_TERMS, assert_rounding_close
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
 
 
+def test_the_cache_goes_under_the_forwards_own_name(tokenizer):
+    """transformers renamed the forward's ``past_key_values`` to ``cache`` (5.20); a forward given the other name
+    would build a cache of its own and ignore the sampler's (``make test-vllm`` runs these tests on 5.19)."""
+    from lit_align.capabilities import cache_keyword, forward_parameters
+
+    for arch in ARCHITECTURES:
+        model = ARCHITECTURES[arch](tokenizer, "sdpa")
+        assert cache_keyword(model) in forward_parameters(model)
+
+
 # -- against transformers' generate ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
