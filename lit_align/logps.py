@@ -209,6 +209,7 @@ def next_token_logps(
     temperature: float = 1.0,
     stats: tuple[str, ...] = (),
     source: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
     **forward_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Log-probs ``[N, L - start]`` (fp32) of ``input_ids[:, start:]``, each given the tokens before it.
@@ -217,23 +218,32 @@ def next_token_logps(
     runs chunk by chunk (``chunked_token_logps``); otherwise the model's forward computes the logits of the last
     ``L - start + 1`` positions only (``logits_to_keep``). ``stats``: as in ``chunked_token_logps``, on the same
     tempered logits. ``source`` (``[N, L - start]``): the position whose output predicts each label, when it is not
-    the one just before it (DPO's shared-prompt rows, packed rows). ``forward_kwargs`` (``attention_mask``,
-    ``position_ids``, ...) go to the model.
+    the one just before it (DPO's shared-prompt rows, packed rows). ``targets`` (``[S]``, flat positions into
+    ``[N * L]``): score these tokens only, ``source`` then flat too; log-probs ``[1, S]``. ``forward_kwargs``
+    (``attention_mask``, ``position_ids``, ...) go to the model.
     """
     start = max(int(start), 1)
-    labels = input_ids[:, start:]
-    rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
+    if targets is None:
+        labels = input_ids[:, start:]
+        rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
+    else:
+        width = input_ids.shape[1]
+        labels = input_ids.reshape(-1)[targets][None]
+        rows, source = (source // width)[None], (source % width)[None].contiguous()
 
     def predicting(outputs: torch.Tensor) -> torch.Tensor:  # of every position: those that predict the labels
         return outputs[:, start - 1 : -1] if source is None else outputs[rows, source]
 
     forward_kwargs = {"use_cache": False, **forward_kwargs}
-    parts = chunkable_head(model) if chunk_size else None
+    # chunked, or scattered ``targets``: the head on the predicting positions' hidden states, none other
+    parts = chunkable_head(model) if chunk_size or targets is not None else None
     if parts is not None:
         decoder, head, scale = parts
         hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
-        return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size, scale / temperature, stats)
-    if not takes_logits_to_keep(model):
+        if chunk_size:
+            return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size, scale / temperature, stats)
+        logits = head(hidden) * scale if scale != 1.0 else head(hidden)
+    elif not takes_logits_to_keep(model):
         logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
     elif source is None:  # the logits of the last L - start + 1 positions
         logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=labels.shape[1] + 1).logits[:, :-1]
@@ -276,7 +286,7 @@ def layout_logps(model: torch.nn.Module, layout, stats: tuple[str, ...] = (), ch
     if layout.position_ids is not None:
         kwargs["position_ids"] = layout.position_ids
     tokens, values = next_token_logps(model, layout.input_ids, layout.start, chunk_size, temperature, stats=stats,
-                                      source=layout.source, **kwargs)
-    labels = layout.to_grid(layout.input_ids[:, layout.start:])
+                                      source=layout.source, targets=layout.targets, **kwargs)
+    labels = layout.to_grid(layout.labels())
     return TokenLogps(layout.to_grid(tokens).masked_fill(~layout.mask, 0), layout.mask, labels,
                       {name: layout.to_grid(v) for name, v in values.items()})
