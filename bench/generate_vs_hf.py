@@ -3,6 +3,7 @@
     python bench/generate_vs_hf.py                          # builtin:tiny and builtin:small, B*G in 8 64 256
     python bench/generate_vs_hf.py --rows 64 --models builtin:small --repeats 5 --threads 1
     python bench/generate_vs_hf.py --eos --max-new-tokens 256 --rows 64     # rows end where they sample EOS
+    python bench/generate_vs_hf.py --lab realistic --threads 1              # qwen2-152k, llama-32k; GSM8K-like prompts
 
 Both engines get the same model object (fp32, sdpa attention, eval), the same left-padded prompts (the built-in sort
 task's, ``rows / num_generations`` of them, each sampled ``num_generations`` times), temperature 1.0, top-k 0,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import statistics
 import time
 
@@ -58,7 +60,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--eos", action="store_true", help="end rows at the tokenizer's EOS (varied lengths)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one native call")
+    parser.add_argument("--lab", choices=["builtin", "realistic"], default="builtin",
+                        help="realistic: bench/lab.py's qwen2-152k and llama-32k models and GSM8K-like prompts, "
+                             "B*G 16 64, 64 new tokens (unless given)")
     args = parser.parse_args()
+    given = " ".join(sys.argv)
+    if args.lab == "realistic":
+        import lab
+
+        if "--models" not in given:
+            args.models = [lab.model("qwen2-152k"), lab.model("llama-32k")]
+        if "--rows" not in given:
+            args.rows = [16, 64]
+        if "--max-new-tokens" not in given:
+            args.max_new_tokens = 64
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
@@ -68,7 +83,12 @@ def main() -> None:
     from lit_align.models import load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
-    prompts = SortTask().prompt_rows("train")["prompt"]
+    if args.lab == "realistic":
+        import json
+
+        prompts = [json.loads(line)["prompt"] for line in open(lab.prompt_rows())][:256]
+    else:
+        prompts = SortTask().prompt_rows("train")["prompt"]
     engines = {"hf": HFSampler, "native": NativeSampler}
     results = []
     for name in args.models:
@@ -102,7 +122,7 @@ def main() -> None:
             cell = {k: statistics.median(v) for k, v in rates.items()}
             cell["bound"] = None if args.eos else matmul_bound(model, rows)
             results.append((name, rows, cell))
-            print(f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>12.0f}{cell['native'] / cell['hf']:>9.2f}x",
+            print(f"{name[-15:]:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>12.0f}{cell['native'] / cell['hf']:>9.2f}x",
                   flush=True)
             if args.profile and rows == args.rows[-1]:
                 from torch.profiler import ProfilerActivity, profile
@@ -120,7 +140,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for name, rows, cell in results:
-        line = f"{name:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>14.0f}{cell['native'] / cell['hf']:>10.2f}x"
+        line = f"{name[-15:]:<15}{rows:>6}{cell['hf']:>12.0f}{cell['native']:>14.0f}{cell['native'] / cell['hf']:>10.2f}x"
         print(line if args.eos else line + f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
     if not args.eos:
         print("\nmatmul bound: tok/s if a decode step cost only its nn.Linear matmuls (same rows, same threads): no engine "
