@@ -10,7 +10,7 @@
 
 ``--lab realistic`` (``bench/lab.py``): a Llama-shaped 32k-vocabulary model (or ``--lab-model qwen2-152k``) and
 preference rows with UltraFeedback-like length spreads (``[prompt, chosen, rejected]`` ~150-650 tokens, p5-p95),
-``max_length`` 1024 (TRL's default: nothing truncated), 4 pairs per step. lit_align's ``padding_free`` packs each
+``max_length`` 1024 (TRL's default: nothing truncated), 4 pairs per step, 8 steps (2 warmup), one run each. lit_align's ``padding_free`` packs each
 batch's rows without padding (``--padding-free``). The lit_align run also prints the matmul bound of its timed steps
 (``bench/bound.py``: the FLOPs of policy forward + backward and reference forward on the real tokens, at the fp32
 GEMM peak measured in the same process) and its fraction of it.
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -105,7 +106,8 @@ def run_lit(args, spec: dict, on_step=lambda step: None) -> dict:
 
     module = DPOModule(model=spec["model_dir"], beta=0.1, learning_rate=args.lr, lr_scheduler_type="constant",
                        weight_decay=0.0, attn_implementation="sdpa", dtype="float32", gradient_checkpointing=False,
-                       share_prompt=not args.no_share_prompt, padding_free=args.padding_free)
+                       share_prompt=not args.no_share_prompt, padding_free=args.padding_free,
+                       logps_chunk_size=args.chunk_size)
     data = PreferenceDataModule(path=spec["rows"], tokenizer=spec["model_dir"], batch_size=args.batch_size,
                                 max_length=args.max_length, val_split=None, shuffle=False)
     clock = Clock()
@@ -193,6 +195,8 @@ def main() -> None:
     parser.add_argument("--lab-model", choices=["llama-32k", "qwen2-152k"], default="llama-32k",
                         help="the realistic lab's model (default llama-32k)")
     parser.add_argument("--padding-free", action="store_true", help="lit_align: pack each batch's rows (padding_free)")
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="lit_align: logps_chunk_size (the LM head that many positions at a time; default off)")
     parser.add_argument("--model", default="builtin:small", help="model name/dir (default builtin:small, ~10M params)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per engine (default 60)")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (default 10)")
@@ -213,8 +217,12 @@ def main() -> None:
     realistic = args.lab == "realistic"
     args.batch_size = args.batch_size or (4 if realistic else 8)
     args.max_length = args.max_length or (1024 if realistic else 64)
-    if realistic:
+    if realistic:  # the realistic defaults, where not given: 8 steps (2 warmup), one run per engine
+        given = " ".join(sys.argv)
         args.model = args.lab_model
+        args.steps = args.steps if "--steps" in given else 8
+        args.warmup = args.warmup if "--warmup" in given else 2
+        args.repeat = args.repeat if "--repeat" in given else 1
     if args.warmup < 1 or args.steps <= args.warmup:
         parser.error("need 1 <= --warmup < --steps")
 

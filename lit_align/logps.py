@@ -55,7 +55,8 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
     """fp32 (fp64) ``scale * (hidden @ weight.T + bias)``, the matmul in ``weight``'s dtype."""
-    return F.linear(hidden.to(weight.dtype), weight, bias).to(compute_dtype(weight.dtype)) * scale
+    logits = F.linear(hidden.to(weight.dtype), weight, bias).to(compute_dtype(weight.dtype))
+    return logits if scale == 1.0 else logits.mul_(scale)  # [chunk, V]: no extra pass over it when unscaled
 
 
 def _cast(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -81,8 +82,9 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 logits = _logits(hidden[s : s + chunk_size], w, b, scale)
                 lse = torch.logsumexp(logits, -1)
                 logps[s : s + chunk_size] = logits.gather(-1, labels[s : s + chunk_size, None]).squeeze(-1) - lse
-                if "entropy" in out:
-                    out["entropy"][s : s + chunk_size] = lse - (logits.softmax(-1) * logits).sum(-1)
+                if "entropy" in out:  # lse - sum p * logits, the sum as a dot product (no [chunk, V] product)
+                    probs = (logits - lse[:, None]).exp_()
+                    out["entropy"][s : s + chunk_size] = lse - torch.linalg.vecdot(probs, logits)
                 if "argmax" in out:
                     out["argmax"][s : s + chunk_size] = logits.argmax(-1)
                 if "mean_logit" in out:
@@ -110,11 +112,14 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 # d logp / d logits = scale * (onehot(label) - softmax(scale * logits))
                 probs = _logits(h, w, b, scale).softmax(-1)
                 probs.scatter_add_(-1, labels[s : s + chunk, None], probs.new_full((len(h), 1), -1.0))
-                grad_logits = (probs * (-scale * grad_logps[s : s + chunk, None].to(acc))).to(dtype)
+                grad_logits = probs.mul_(-scale * grad_logps[s : s + chunk, None].to(acc)).to(dtype)  # in place
                 if need_h:
                     grad_h[s : s + chunk] = (grad_logits @ w).to(hidden.dtype)
                 if need_w:
-                    grad_w += (grad_logits.T @ h).to(acc)
+                    if dtype == acc:
+                        grad_w.addmm_(grad_logits.T, h)  # no [V, H] temporary per chunk
+                    else:
+                        grad_w += (grad_logits.T @ h).to(acc)
                 if need_b:
                     grad_b += grad_logits.to(acc).sum(0)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
@@ -235,15 +240,16 @@ def next_token_logps(
         return outputs[:, start - 1 : -1] if source is None else outputs[rows, source]
 
     forward_kwargs = {"use_cache": False, **forward_kwargs}
-    # chunked, or scattered ``targets``: the head on the predicting positions' hidden states, none other
-    parts = chunkable_head(model) if chunk_size or targets is not None else None
+    # chunked, or rows laid out by lit_align (``source``): the head on the predicting positions only, through
+    # ``chunked_token_logps`` (unchunked: one chunk), which keeps no logits for backward and at a 152k vocabulary
+    # runs several times faster than autograd through the model's full logits (bench/profile_steps.py)
+    parts = chunkable_head(model) if chunk_size or source is not None else None
     if parts is not None:
         decoder, head, scale = parts
         hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
-        if chunk_size:
-            return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size, scale / temperature, stats)
-        logits = head(hidden) * scale if scale != 1.0 else head(hidden)
-    elif not takes_logits_to_keep(model):
+        return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size or max(labels.numel(), 1),
+                                   scale / temperature, stats)
+    if not takes_logits_to_keep(model):
         logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
     elif source is None:  # the logits of the last L - start + 1 positions
         logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=labels.shape[1] + 1).logits[:, :-1]

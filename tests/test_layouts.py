@@ -7,6 +7,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from torch.overrides import TorchFunctionMode
+
 from lit_align.capabilities import supports_shared_prompt
 from lit_align.data.preference import collate_pairs
 from lit_align.layouts import packed_rows, padded, shared_prompt_pairs
@@ -22,6 +24,19 @@ def completion_logps(model, batch, stats=(), chunk_size=None):
     """The plain ``[chosen; rejected]`` batch, padded."""
     layout = padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
     return layout_logps(model, layout, stats, chunk_size)
+
+
+class HeadRows(TorchFunctionMode):
+    """Records the rows of every matmul against the LM head's weight (``nn.Linear`` or the chunked kernel's)."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size, self.rows = vocab_size, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear and args[1].shape[0] == self.vocab_size:
+            self.rows.append(args[0].numel() // args[0].shape[-1])
+        return func(*args, **(kwargs or {}))
 
 
 # -- GRPO: left-padded prompts and completions, padded or packed ------------------------------------------------------
@@ -82,13 +97,12 @@ def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size,
 def test_packed_log_probs_run_the_head_on_the_predicting_positions_only(tokenizer):
     """Packed, the prompts come first: the LM head must not run on every position after the first row's prompt."""
     model = load_model("builtin:tiny")
-    head_rows = []
-    model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[-2]))
     prompt_ids, prompt_mask = torch.randint(10, 90, (3, 20)), torch.ones(3, 20, dtype=torch.long)
     completion_ids, completion_mask = torch.randint(10, 90, (3, 4)), torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0],
                                                                                  [1, 1, 1, 1]])
-    completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, packed=True)
-    assert head_rows == [int(completion_mask.sum())]  # 7 positions, not the 67 from the first prompt's end on
+    with HeadRows(model.config.vocab_size) as head:
+        completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, packed=True)
+    assert head.rows == [int(completion_mask.sum())]  # 7 positions, not the 67 from the first prompt's end on
 
 
 # -- DPO: shared-prompt pairs --------------------------------------------------------------------------------------
@@ -159,10 +173,9 @@ def test_padding_free_pairs_pack_rows_and_score_completions_only():
     assert layout.input_ids.shape[1] == int(shared.attention_mask.sum(1).max())
     assert len(layout.input_ids) < len(shared.input_ids)
     assert real <= layout.input_ids.numel() < shared.input_ids.numel()
-    head_rows = []
-    model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[-2]))
-    out = layout_logps(model, layout, (), chunk_size=None)
-    assert head_rows == [int(batch["completion_mask"].sum())]  # the positions predicting a completion token
+    with HeadRows(model.config.vocab_size) as head:
+        out = layout_logps(model, layout, (), chunk_size=None)
+    assert head.rows == [int(batch["completion_mask"].sum())]  # the positions predicting a completion token
     assert len(layout.targets) == int(out.mask.sum()) == int(batch["completion_mask"].sum())
 
 
