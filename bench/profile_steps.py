@@ -64,7 +64,7 @@ def main() -> None:
         if "dpo" in args.recipes:
             dpo = argparse.Namespace(lab="realistic", lab_model=args.lab_model, model=args.lab_model, steps=3, warmup=1,
                                      batch_size=4, max_length=1024, threads=args.threads, lr=1e-5,
-                                     no_share_prompt=False, padding_free=True)
+                                     no_share_prompt=False, padding_free=True, chunk_size=None)
             spec = {"workdir": workdir, **dpo_vs_trl.prepare(dpo, Path(workdir))}
             prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             dpo_vs_trl.run_lit(dpo, spec, on_step=lambda step: prof.start() if step == 1 else
