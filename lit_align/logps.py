@@ -28,6 +28,7 @@ from lit_align.capabilities import attention_implementation, is_fsdp_unit, takes
 from lit_align.errors import LitAlignError
 
 STATS = ("entropy", "argmax", "mean_logit", "log_sum_sq_probs")
+DEFAULT_CHUNK_LOGITS = 2**26  # logits per chunk where no chunk size is set: 256 MB in fp32 (441 positions at 152k)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -241,14 +242,15 @@ def next_token_logps(
 
     forward_kwargs = {"use_cache": False, **forward_kwargs}
     # chunked, or rows laid out by lit_align (``source``): the head on the predicting positions only, through
-    # ``chunked_token_logps`` (unchunked: one chunk), which keeps no logits for backward and at a 152k vocabulary
-    # runs several times faster than autograd through the model's full logits (bench/profile_steps.py)
+    # ``chunked_token_logps``, which keeps no logits for backward and at a 152k vocabulary runs several times faster
+    # than autograd through the model's full logits (bench/profile_steps.py); unchunked, ``DEFAULT_CHUNK_LOGITS``
+    # logits at a time (every position at once at small vocabularies)
     parts = chunkable_head(model) if chunk_size or source is not None else None
     if parts is not None:
         decoder, head, scale = parts
         hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
-        return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size or max(labels.numel(), 1),
-                                   scale / temperature, stats)
+        chunk_size = chunk_size or max(DEFAULT_CHUNK_LOGITS // head.weight.shape[0], 1)
+        return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size, scale / temperature, stats)
     if not takes_logits_to_keep(model):
         logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
     elif source is None:  # the logits of the last L - start + 1 positions
