@@ -29,7 +29,7 @@ def table(prof, title: str, vocab: int) -> None:
               "optimizer": 0.0, "rest": 0.0}
     for e in events:
         shapes = str(e.input_shapes)
-        if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"):
+        if e.key in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::matmul", "aten::linear"):
             groups["LM head matmuls" if str(vocab) in shapes else "other matmuls"] += e.self_cpu_time_total
         elif "attention" in e.key:
             groups["attention (sdpa)"] += e.self_cpu_time_total
