@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: setup demo test test-numerics test-slow test-vllm bench bench-vllm clean
+.PHONY: setup demo test test-numerics test-slow test-vllm bench bench-realistic bench-vllm clean
 
 setup: $(VENV)/.installed
 
@@ -60,6 +60,21 @@ bench: setup  ## side-by-side benchmarks against TRL and HF generate (figures ar
 	$(PY) bench/generate_vs_hf.py
 	$(PY) bench/generate_vs_hf.py --eos --max-new-tokens 256
 	$(PY) bench/sft_packing.py
+
+# bench/lab.py's models (Llama-shaped 32k, Qwen2-shaped 152k vocabulary) and UltraFeedback/GSM8K-like rows, built
+# offline once; each side by side on 1 and 2 threads (~25 minutes on 2 idle cores).
+bench-realistic: setup  ## the benchmarks at realistic shapes, with each one's matmul bound, and the 152k profile
+	$(PY) bench/lab.py
+	for t in 1 2; do \
+	  $(PY) bench/dpo_vs_trl.py --lab realistic --padding-free --threads $$t && \
+	  $(PY) bench/grpo_vs_trl.py --lab realistic --lit-engine native+padfree --threads $$t || exit 1; \
+	done
+	$(PY) bench/dpo_vs_trl.py --lab realistic --lab-model qwen2-152k --padding-free --threads 1 --steps 5 --warmup 1
+	$(PY) bench/grpo_vs_trl.py --lab realistic --lab-model qwen2-152k --lit-engine native+padfree --threads 1
+	$(PY) bench/generate_vs_hf.py --lab realistic --threads 1
+	$(PY) bench/generate_vs_hf.py --lab realistic --threads 2
+	$(PY) bench/logps_memory.py --lab realistic
+	$(PY) bench/profile_steps.py
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

@@ -5,6 +5,15 @@
     python bench/dpo_vs_trl.py --steps 100 --batch-size 16 --model builtin:tiny
     python bench/dpo_vs_trl.py --repeat 3           # alternate the engines 3 times, report the fastest of each
     python bench/dpo_vs_trl.py --no-share-prompt    # lit_align on TRL's exact [chosen; rejected] layout
+    python bench/dpo_vs_trl.py --lab realistic --padding-free --threads 1   # llama-32k, UltraFeedback-like rows
+    python bench/dpo_vs_trl.py --lab realistic --lab-model qwen2-152k --padding-free --threads 1
+
+``--lab realistic`` (``bench/lab.py``): a Llama-shaped 32k-vocabulary model (or ``--lab-model qwen2-152k``) and
+preference rows with UltraFeedback-like length spreads (``[prompt, chosen, rejected]`` ~150-650 tokens, p5-p95),
+``max_length`` 1024 (TRL's default: nothing truncated), 4 pairs per step, 8 steps (2 warmup), one run each. lit_align's ``padding_free`` packs each
+batch's rows without padding (``--padding-free``). The lit_align run also prints the matmul bound of its timed steps
+(``bench/bound.py``: the FLOPs of policy forward + backward and reference forward on the real tokens, at the fp32
+GEMM peak measured in the same process) and its fraction of it.
 
 Each engine runs in its own fresh process (this script re-invoked with ``--engine lit`` / ``--engine trl``), so the
 peak RSS (``VmHWM`` of the process, i.e. its own high-water mark, not inherited from the parent) is measured apart.
@@ -33,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,9 +66,16 @@ def prepare(args, workdir: Path) -> dict:
     from lit_align.data.tasks import SortTask
     from lit_align.models import resolve
 
-    model_dir = resolve(args.model)
     needed = args.steps * args.batch_size
-    rows = SortTask(num_train=max(4000, needed)).preference_rows("train").select(range(needed))
+    if args.lab == "realistic":
+        import lab
+        from datasets import load_dataset
+
+        model_dir = lab.model(args.lab_model)
+        rows = load_dataset("json", data_files=lab.preference_rows(), split="train").select(range(needed))
+    else:
+        model_dir = resolve(args.model)
+        rows = SortTask(num_train=max(4000, needed)).preference_rows("train").select(range(needed))
     rows_path = workdir / "rows.jsonl"
     rows.to_json(rows_path)
     return {"model_dir": model_dir, "rows": str(rows_path)}
@@ -89,7 +106,8 @@ def run_lit(args, spec: dict, on_step=lambda step: None) -> dict:
 
     module = DPOModule(model=spec["model_dir"], beta=0.1, learning_rate=args.lr, lr_scheduler_type="constant",
                        weight_decay=0.0, attn_implementation="sdpa", dtype="float32", gradient_checkpointing=False,
-                       share_prompt=not args.no_share_prompt)
+                       share_prompt=not args.no_share_prompt, padding_free=args.padding_free,
+                       logps_chunk_size=args.chunk_size)
     data = PreferenceDataModule(path=spec["rows"], tokenizer=spec["model_dir"], batch_size=args.batch_size,
                                 max_length=args.max_length, val_split=None, shuffle=False)
     clock = Clock()
@@ -99,8 +117,16 @@ def run_lit(args, spec: dict, on_step=lambda step: None) -> dict:
         gradient_clip_val=1.0, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
     )
     trainer.fit(module, datamodule=data)
+    from bound import dpo_step_flops, matmul_peak
+
+    def side(row, name):  # tokens of prompt + one completion, kept at max_length (keep-start truncation)
+        return min(len(row["prompt_ids"]) + len(row[name]), args.max_length or 10**9) - len(row["prompt_ids"])
+
+    timed = [data.train_data[i] for i in range(args.warmup * args.batch_size, args.steps * args.batch_size)]
+    flops = dpo_step_flops(module.policy.config, [(len(r["prompt_ids"]), side(r, "chosen_ids"), side(r, "rejected_ids"))
+                                                  for r in timed]) / (args.steps - args.warmup)
     return {"ends": clock.ends, "threads": clock.threads, "rss_at_start_mib": clock.rss_at_start,
-            "rss_imports_mib": rss_imports,
+            "rss_imports_mib": rss_imports, "flops_per_step": flops, "matmul_peak": matmul_peak(),
             "attn": module.policy.config._attn_implementation,
             "ref_attn": module.reference.model.config._attn_implementation, "dtype": str(module.policy.dtype),
             "loss": float(trainer.callback_metrics["train/loss"])}
@@ -164,11 +190,20 @@ def child(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lab", choices=["builtin", "realistic"], default="builtin",
+                        help="builtin: --model on the built-in sort task; realistic: bench/lab.py's model and rows")
+    parser.add_argument("--lab-model", choices=["llama-32k", "qwen2-152k"], default="llama-32k",
+                        help="the realistic lab's model (default llama-32k)")
+    parser.add_argument("--padding-free", action="store_true", help="lit_align: pack each batch's rows (padding_free)")
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="lit_align: logps_chunk_size (the LM head that many positions at a time; default off)")
     parser.add_argument("--model", default="builtin:small", help="model name/dir (default builtin:small, ~10M params)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per engine (default 60)")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (default 10)")
-    parser.add_argument("--batch-size", type=int, default=8, help="preference pairs per step (default 8)")
-    parser.add_argument("--max-length", type=int, default=64, help="max tokens per sequence (default 64)")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="preference pairs per step (default 8; realistic 4)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="max tokens per sequence (default 64; realistic 1024, TRL's default)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
     parser.add_argument("--engines", default="lit,trl", help="which to run, in order (default lit,trl)")
@@ -179,6 +214,15 @@ def main() -> None:
     parser.add_argument("--engine", choices=["lit", "trl", "prepare"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    realistic = args.lab == "realistic"
+    args.batch_size = args.batch_size or (4 if realistic else 8)
+    args.max_length = args.max_length or (1024 if realistic else 64)
+    if realistic:  # the realistic defaults, where not given: 8 steps (2 warmup), one run per engine
+        given = " ".join(sys.argv)
+        args.model = args.lab_model
+        args.steps = args.steps if "--steps" in given else 8
+        args.warmup = args.warmup if "--warmup" in given else 2
+        args.repeat = args.repeat if "--repeat" in given else 1
     if args.warmup < 1 or args.steps <= args.warmup:
         parser.error("need 1 <= --warmup < --steps")
 
@@ -201,7 +245,8 @@ def main() -> None:
         best["peak_rss_mib"] = max(r["peak_rss_mib"] for r in rs)
         results[engine] = best
 
-    print(f"\nDPO, {args.model} ({spec['model_dir']}), {args.batch_size} pairs/step, max_length {args.max_length}, "
+    print(f"\nDPO, {args.model} ({spec['model_dir']}), {'padding_free, ' if args.padding_free else ''}"
+          f"{args.batch_size} pairs/step, max_length {args.max_length}, "
           f"{args.steps} steps ({args.warmup} warmup), fp32, CPU, {args.threads} threads, "
           f"{'plain [chosen; rejected] batches' if args.no_share_prompt else 'shared prompt'} on lit_align"
           f"{f', best of {args.repeat}' if args.repeat > 1 else ''}\n")
@@ -220,6 +265,14 @@ def main() -> None:
         print(f"{'lit/TRL':<9}{lit['pairs_per_s'] / ref['pairs_per_s']:>8.2f}x{'':>8}"
               f"{ref['cpu_s_per_step'] / lit['cpu_s_per_step']:>10.2f}x{lit['peak_rss_mib'] / ref['peak_rss_mib']:>9.2f}x"
               f"{lit['rss_at_start_mib'] / ref['rss_at_start_mib']:>10.2f}x{lit['rss_imports_mib'] / ref['rss_imports_mib']:>8.2f}x")
+    if "lit" in results:
+        from bound import report
+
+        lit = results["lit"]
+        print(report("lit_align, one step (matmul bound)", lit["flops_per_step"], lit["s_per_step"],
+                     lit["matmul_peak"]))
+        if "trl" in results:
+            print(f"TRL at the same bound: {100 * lit['flops_per_step'] / lit['matmul_peak'] / results['trl']['s_per_step']:.0f}%")
     print("\npairs/s, s/step: wall clock, steady state. CPU s/step: process CPU time per step (all threads; less "
           "sensitive to other load on the machine); its ratio is TRL/lit. peak RSS: VmHWM of the engine's process, MiB. "
           "RSS@start: VmRSS when training starts (imports, models, data), MiB; imports: VmRSS after the imports alone. "

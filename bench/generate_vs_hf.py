@@ -4,14 +4,13 @@
     python bench/generate_vs_hf.py                          # builtin:tiny and builtin:small, B*G in 8 64 256
     python bench/generate_vs_hf.py --rows 64 --models builtin:small --repeats 5 --threads 1
     python bench/generate_vs_hf.py --eos --max-new-tokens 256 --rows 64     # rows end where they sample EOS
+    python bench/generate_vs_hf.py --lab realistic --threads 1              # qwen2-152k, llama-32k; GSM8K-like prompts
     .venv-vllm/bin/python bench/generate_vs_hf.py --engines hf vllm --models builtin:small --rows 64  # make bench-vllm
 
 ``--engines`` adds ``vllm`` (run it with ``.venv-vllm``'s python, which has vLLM): its colocated engine gets the
 model's weights pushed once, then runs in this process on torch's ``--threads`` threads like the others (here
 ``VLLM_CPU_OMP_THREADS_BIND=nobind``: vLLM would otherwise pin the process's OpenMP threads to cores, which changes
-the other engines' figures too), KV cache ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1 here). Compare it with ``hf``
-there and take ``native``'s figure from the main environment: under ``.venv-vllm``'s transformers (<5.20) the native
-engine's KV cache does not fit transformers' cache interface (its fast decode repeats one token, ~10x "faster").
+the other engines' figures too), KV cache ``VLLM_CPU_KVCACHE_SPACE`` GiB (default 1 here).
 
 Both engines get the same model object (fp32, sdpa attention, eval), the same left-padded prompts (the built-in sort
 task's, ``rows / num_generations`` of them, each sampled ``num_generations`` times), temperature 1.0, top-k 0,
@@ -34,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import statistics
 import time
 
@@ -68,7 +68,20 @@ def main() -> None:
     parser.add_argument("--eos", action="store_true", help="end rows at the tokenizer's EOS (varied lengths)")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table of one native call")
     parser.add_argument("--engines", nargs="+", default=["hf", "native"], help="hf first (the ratios' base); vllm")
+    parser.add_argument("--lab", choices=["builtin", "realistic"], default="builtin",
+                        help="realistic: bench/lab.py's qwen2-152k and llama-32k models and GSM8K-like prompts, "
+                             "B*G 16 64, 64 new tokens (unless given)")
     args = parser.parse_args()
+    given = " ".join(sys.argv)
+    if args.lab == "realistic":
+        import lab
+
+        if "--models" not in given:
+            args.models = [lab.model("qwen2-152k"), lab.model("llama-32k")]
+        if "--rows" not in given:
+            args.rows = [16, 64]
+        if "--max-new-tokens" not in given:
+            args.max_new_tokens = 64
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -80,7 +93,12 @@ def main() -> None:
     from lit_align.models import load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
-    prompts = SortTask().prompt_rows("train")["prompt"]
+    if args.lab == "realistic":
+        import json
+
+        prompts = [json.loads(line)["prompt"] for line in open(lab.prompt_rows())][:256]
+    else:
+        prompts = SortTask().prompt_rows("train")["prompt"]
     if args.engines[0] != "hf":
         parser.error("--engines: hf first (the ratios are to it)")
     engines = {name: ENGINES[name] for name in args.engines}
@@ -116,7 +134,7 @@ def main() -> None:
             cell = {k: statistics.median(v) for k, v in rates.items()}
             cell["bound"] = None if args.eos else matmul_bound(model, rows)
             results.append((name, rows, cell))
-            print(f"{name:<15}{rows:>6}" + "".join(f"{cell[k]:>12.0f}" for k in engines), flush=True)
+            print(f"{name[-15:]:<15}{rows:>6}" + "".join(f"{cell[k]:>12.0f}" for k in engines), flush=True)
             if args.profile and rows == args.rows[-1]:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -134,7 +152,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for name, rows, cell in results:
-        line = f"{name:<15}{rows:>6}{cell['hf']:>12.0f}"
+        line = f"{name[-15:]:<15}{rows:>6}{cell['hf']:>12.0f}"
         line += "".join(f"{cell[k]:>14.0f}{cell[k] / cell['hf']:>10.2f}x" for k in others)
         print(line if args.eos else line + f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
     if not args.eos:

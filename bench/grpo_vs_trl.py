@@ -4,6 +4,13 @@
     python bench/grpo_vs_trl.py --lit-engine native          # lit_align with its native sampler
     python bench/grpo_vs_trl.py --lit-engine hf,native --threads 1 --rounds 4
     python bench/grpo_vs_trl.py --lit-engine native,native+padfree --max-new-tokens 256 --lr 0   # long completions
+    python bench/grpo_vs_trl.py --lab realistic --lit-engine native+padfree --threads 1   # llama-32k, GSM8K-like
+
+``--lab realistic`` (``bench/lab.py``): the Llama-shaped 32k model (``--lab-model qwen2-152k``: the 152k one) and
+GSM8K-like prompts (25-200 tokens); 8 completions per step, 2 steps per round, 4 per prompt, 128 new tokens by
+default. The random-weight model samples its EOS about once in 32k tokens, so completions run to the cap. The
+lit_align run prints the matmul bound of a round (``bench/bound.py``: prefill and decode FLOPs of sampling plus
+forward + backward of training, on the real tokens) and its fraction of it.
 
 Each run is a fresh process (this script re-invoked with ``--engine lit`` / ``--engine trl``), so the peak RSS
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss`` in that process, after its run) is its own. The parent imports no torch.
@@ -52,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -82,9 +90,17 @@ def prepare(args, workdir: Path) -> dict:
     from lit_align.data.tasks import SortTask
     from lit_align.models import resolve
 
-    model_dir = resolve(args.model)
     prompts_per_round = args.batch_size * args.steps_per_generation // args.num_generations
-    rows = SortTask().prompt_rows("train").select(range(args.rounds * prompts_per_round))
+    if args.lab == "realistic":
+        import lab
+        from datasets import load_dataset
+
+        model_dir = lab.model(args.lab_model)
+        rows = load_dataset("json", data_files=lab.prompt_rows(), split="train")
+    else:
+        model_dir = resolve(args.model)
+        rows = SortTask().prompt_rows("train")
+    rows = rows.select(range(args.rounds * prompts_per_round))
     path = workdir / "prompts.jsonl"
     rows.to_json(path)
     return {"model_dir": model_dir, "prompts": str(path)}
@@ -147,8 +163,16 @@ def run_lit(args, spec: dict) -> dict:
         gradient_clip_val=1.0, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
     )
     trainer.fit(module, datamodule=data)
+    from bound import grpo_round_flops, matmul_peak
+
+    # the timed rounds' prompts (tokenized as the data module does) and their mean completion length
+    per_round = args.batch_size * args.steps_per_generation // args.num_generations
+    prompt_lengths = [len(data.train_data[i]["prompt_ids"]) for i in range(per_round, args.rounds * per_round)]
+    completion = sum(timer.tokens[1:]) / ((args.rounds - 1) * per_round * args.num_generations)
+    rows = [(p, round(completion)) for p in prompt_lengths for _ in range(args.num_generations)]
+    flops = grpo_round_flops(module.policy.config, rows) / (args.rounds - 1)
     return {"ends": clock.ends, "threads": clock.threads, "gen_s": timer.seconds, "gen_cpu_s": timer.cpu_seconds,
-            "gen_tokens": timer.tokens,
+            "gen_tokens": timer.tokens, "flops_per_round": flops, "matmul_peak": matmul_peak(),
             "attn": module.policy.config._attn_implementation, "dtype": str(module.policy.dtype),
             "loss": float(trainer.callback_metrics["train/loss"])}
 
@@ -233,6 +257,9 @@ def child(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lab", choices=["builtin", "realistic"], default="builtin",
+                        help="builtin: --model on the built-in sort task; realistic: bench/lab.py's model and prompts")
+    parser.add_argument("--lab-model", choices=["llama-32k", "qwen2-152k"], default="llama-32k")
     parser.add_argument("--model", default="builtin:small", help="model name/dir (default builtin:small, ~10M params)")
     parser.add_argument("--rounds", type=int, default=5, help="generation rounds, the first one warm-up (default 5)")
     parser.add_argument("--batch-size", type=int, default=16, help="completions per optimizer step (default 16)")
@@ -249,6 +276,17 @@ def main() -> None:
     parser.add_argument("--engine-name", default="hf", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.lab == "realistic":  # the realistic defaults, where not given
+        given = " ".join(sys.argv)
+        args.model = args.lab_model
+        if "--batch-size" not in given:
+            args.batch_size = 8
+        if "--steps-per-generation" not in given:
+            args.steps_per_generation = 2
+        if "--max-new-tokens" not in given:
+            args.max_new_tokens = 128
+        if "--rounds" not in given:
+            args.rounds = 3
     if args.rounds < 2:
         parser.error("need --rounds >= 2 (the first round is the warm-up)")
     if (args.batch_size * args.steps_per_generation) % args.num_generations:
@@ -295,6 +333,11 @@ def main() -> None:
                       f"{ref['gen_s_per_round'] / r['gen_s_per_round']:>12.2f}x"
                       f"{ref['gen_cpu_s_per_round'] / r['gen_cpu_s_per_round']:>16.2f}x{'':>11}"
                       f"{r['peak_rss_mib'] / ref['peak_rss_mib']:>13.2f}x")
+    from bound import report
+
+    for engine, r in results.items():
+        if "flops_per_round" in r:
+            print(report(f"{engine}, one round (matmul bound)", r["flops_per_round"], r["s_per_round"], r["matmul_peak"]))
     for engine, r in results.items():
         if r["attn"] != "sdpa" or r["dtype"] != "torch.float32":
             print(f"warning: {engine} ran {r['attn']} attention in {r['dtype']}")

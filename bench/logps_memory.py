@@ -2,6 +2,7 @@
 
     python bench/logps_memory.py                                   # V=128256, T=1024, H=512, fp32 and bf16
     python bench/logps_memory.py --vocab 151936 --tokens 2048 --chunk-size 512 --dtypes bfloat16
+    python bench/logps_memory.py --lab realistic       # bench/lab.py's qwen2-152k head: V=151936, H=256, T=1024
 
 What is measured is what a recipe does after the decoder: hidden states ``[1, T, H]`` through the LM head to
 per-token log-probs of ``T`` labels, summed, and backward to the hidden states and the head's weight.
@@ -64,9 +65,15 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lab", choices=["builtin", "realistic"], default="builtin",
+                        help="realistic: the head of bench/lab.py's qwen2-152k (V=151936, H=256)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.lab == "realistic":  # the shape of bench/lab.py's qwen2-152k head (no weights needed: random ones)
+        from lab import LAB_MODELS
+
+        args.vocab, args.hidden = LAB_MODELS["qwen2-152k"]["vocab_size"], LAB_MODELS["qwen2-152k"]["hidden_size"]
     if args.engine:
         return child(args)
 

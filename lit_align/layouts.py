@@ -3,14 +3,16 @@
 A ``Layout`` is the forward's input (``input_ids [R, L]``, a 2D padding mask or a 4D ``allowed`` mask, positions),
 the first label column ``start``, optionally which position predicts each label (``source``), and the map from the
 forward's ``[R, L - start]`` log-probs to the caller's grid ``[N, C]`` (``index``; None: the same grid) with the
-grid's ``mask`` of scored tokens. ``lit_align.logps.layout_logps`` runs any of them. Five layouts:
+grid's ``mask`` of scored tokens. ``lit_align.logps.layout_logps`` runs any of them. Six layouts:
 
 - ``padded``: right-padded rows (SFT rows, DPO's ``[chosen_1..B; rejected_1..B]``), scoring a masked subset;
 - ``prompt_completion``: left-padded prompts, right-padded completions (GRPO), positions following the mask;
 - ``packed``: the same prompts and completions packed into one row without padding, a block-causal mask keeping
   the rows apart (GRPO's ``padding_free``);
 - ``shared_prompt_pairs``: each DPO pair as one row ``[prompt, chosen, rejected]``, the prompt computed once;
-- ``segments``: packed SFT rows, several sequences per row with a block-causal mask.
+- ``segments``: packed SFT rows, several sequences per row with a block-causal mask;
+- ``packed_rows``: any of DPO's two pair layouts without padding (DPO's ``padding_free``), its rows packed into as
+  few rows as hold them, the LM head on the scored tokens only (``targets``).
 
 The 4D layouts need a model that takes a custom mask (``lit_align.capabilities``); ``pairs`` picks the shared-prompt
 layout only for a model that does.
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from lit_align.capabilities import supports_shared_prompt
+from lit_align.data.packing import bfd_bins
+from lit_align.errors import LitAlignError
 
 
 @dataclass
@@ -38,9 +42,16 @@ class Layout:
     index: torch.Tensor | None = None  # [N, C]: flat index into [R * (L - start)] of each grid position (None: same)
     window: int = 0  # the longest original sequence (a custom mask replaces a sliding-window mask)
     varlen: bool = False  # positions restart at each sequence: flash attention can take them instead of ``allowed``
+    # [S]: flat positions into [R * L] of the only tokens scored (``start`` unused); ``source`` then holds their
+    # predictors' flat positions ([S]), the log-probs come out [1, S] and ``index`` points into those
+    targets: torch.Tensor | None = None
+
+    def labels(self) -> torch.Tensor:
+        """The token ids the forward scores: ``[R, L - start]``, or ``[1, S]`` with ``targets``."""
+        return self.input_ids[:, self.start:] if self.targets is None else self.input_ids.reshape(-1)[self.targets][None]
 
     def to_grid(self, values: torch.Tensor) -> torch.Tensor:
-        """``[R, L - start]`` per-label values on the caller's ``[N, C]`` grid."""
+        """The forward's per-label values (``labels``' shape) on the caller's ``[N, C]`` grid."""
         return values if self.index is None else values.reshape(-1)[self.index]
 
 
@@ -163,15 +174,83 @@ def shared_prompt_pairs(batch: dict[str, torch.Tensor]) -> Layout | None:
     labels = width - first
     index = (torch.arange(pairs, device=device)[:, None] * labels + torch.arange(labels, device=device)).repeat(2, 1)
     return Layout("share_prompt", input_ids[source_row, source_col], first,
-                  torch.cat([chosen[:, first:], rejected[:, first:]]), allowed=allowed[:, None],
-                  position_ids=source_col, source=source[:, first:], index=index, window=int(lengths.max()))
+                  torch.cat([chosen[:, first:], rejected[:, first:]]), attention_mask=valid.long(),
+                  allowed=allowed[:, None], position_ids=source_col, source=source[:, first:], index=index,
+                  window=int(lengths.max()))
 
 
-def pairs(batch: dict[str, torch.Tensor], model: torch.nn.Module, share_prompt: bool = True) -> Layout:
-    """The layout ``model`` runs a batch of pairs in: ``shared_prompt_pairs`` where it can, else ``padded``."""
-    if share_prompt and supports_shared_prompt(model):
+def packed_rows(layout: Layout) -> Layout:
+    """``layout``'s right-padded rows (``padded`` or ``shared_prompt_pairs``) without padding::
+
+        [ pair_3 row | pair_1 row ]        each row whole, best-fit decreasing into rows as wide as the longest one
+        [ pair_2 row | pair_4 row | pad ]  (``lit_align.data.packing.bfd_bins``); each sees only itself, as before
+
+    Every token keeps its positions and what it attends to (``layout``'s 4D mask, or causal, within its own row), so
+    the log-probs are ``layout``'s up to float rounding, while the layers compute few padding positions where a padded
+    batch pays every row the longest one's length, and the LM head runs on the scored tokens only (``targets``), not
+    on the prompts. Rows stay about as wide as the longest one, not one row of everything: the attention's cost is
+    square in the row's width. The grid is ``layout``'s.
+    """
+    device = layout.input_ids.device
+    n, width = layout.input_ids.shape
+    lengths = layout.attention_mask.sum(1)
+    capacity = int(lengths.max())
+    bins = bfd_bins(lengths.tolist(), capacity)
+    row_bin, row_offset = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long)
+    for b, members in enumerate(bins):
+        row_bin[members] = b
+        row_offset[members] = (lengths[members].cumsum(0) - lengths[members]).cpu()
+    row_bin, row_offset = row_bin.to(device), row_offset.to(device)
+    columns = torch.arange(width, device=device)
+    rows, cols = (columns < lengths[:, None]).nonzero(as_tuple=True)
+    new_row, new_col = row_bin[rows], row_offset[rows] + cols
+    shape = (len(bins), capacity)
+    input_ids = layout.input_ids.new_zeros(shape).index_put_((new_row, new_col), layout.input_ids[rows, cols])
+    positions = layout.position_ids if layout.position_ids is not None else columns.expand(n, width)
+    position_ids = positions.new_zeros(shape).index_put_((new_row, new_col), positions[rows, cols])
+    owner = torch.full(shape, -1, dtype=torch.long, device=device).index_put_((new_row, new_col), rows)
+    column = torch.zeros(shape, dtype=torch.long, device=device).index_put_((new_row, new_col), cols)
+    if layout.allowed is not None:  # query q sees key k where the original row let it
+        inner = layout.allowed[owner.clamp(min=0)[:, :, None], 0, column[:, :, None], column[:, None, :]]
+    else:
+        inner = column[:, None, :] <= column[:, :, None]
+    allowed = inner & (owner[:, :, None] == owner[:, None, :]) & (owner >= 0)[:, None, :]
+    allowed |= torch.eye(capacity, dtype=torch.bool, device=device)  # padding queries: themselves (no empty softmax)
+    # where each original (row, column) went, flat in [rows * capacity]; then the grid's scored tokens and predictors
+    flat = torch.zeros(n, width, dtype=torch.long, device=device).index_put_((rows, cols), new_row * capacity + new_col)
+    labels = width - layout.start
+    grid = layout.index if layout.index is not None else torch.arange(n * labels, device=device).view(n, labels)
+    grid_row, grid_col = grid // labels, grid % labels + layout.start
+    predictor = (columns - 1).clamp(min=0).repeat(n, 1)
+    if layout.source is not None:
+        predictor[:, layout.start:] = layout.source
+    scored = layout.mask
+    targets = flat[grid_row, grid_col][scored]
+    source = flat[grid_row, predictor[grid_row, grid_col]][scored]
+    index = torch.zeros_like(grid)
+    index[scored] = torch.arange(len(targets), device=device)
+    return Layout(f"{layout.name}+padding_free", input_ids, 1, scored, allowed=allowed[:, None],
+                  position_ids=position_ids, source=source, index=index, window=layout.window, targets=targets)
+
+
+def pairs(batch: dict[str, torch.Tensor], model: torch.nn.Module, share_prompt: bool = True,
+          padding_free: bool = False) -> Layout:
+    """The layout ``model`` runs a batch of pairs in: ``shared_prompt_pairs`` where it can, else ``padded``; with
+    ``padding_free``, that layout packed (``packed_rows``)."""
+    layout = None
+    custom_mask = supports_shared_prompt(model)
+    if padding_free and not custom_mask:
+        raise LitAlignError(f"padding_free needs a model that takes a custom attention mask and position ids (sdpa "
+                            f"or eager attention, a Llama-like architecture); this one is "
+                            f"{getattr(model.config, 'model_type', '?')!r} with "
+                            f"{getattr(model.config, '_attn_implementation', '?')!r} attention")
+    if share_prompt and custom_mask:
         layout = shared_prompt_pairs(batch)
-        window = getattr(model.config, "sliding_window", None)  # a custom mask replaces the sliding-window mask
-        if layout is not None and (not window or layout.window <= window):
-            return layout
-    return padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    if layout is None:
+        layout = padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    if padding_free:
+        layout = packed_rows(layout)
+    window = getattr(model.config, "sliding_window", None)  # a custom mask replaces the sliding-window mask
+    if layout.allowed is not None and window and layout.window > window:
+        return padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    return layout

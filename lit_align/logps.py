@@ -28,6 +28,7 @@ from lit_align.capabilities import attention_implementation, is_fsdp_unit, takes
 from lit_align.errors import LitAlignError
 
 STATS = ("entropy", "argmax", "mean_logit", "log_sum_sq_probs")
+DEFAULT_CHUNK_LOGITS = 2**26  # logits per chunk where no chunk size is set: 256 MB in fp32 (441 positions at 152k)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -55,7 +56,8 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
     """fp32 (fp64) ``scale * (hidden @ weight.T + bias)``, the matmul in ``weight``'s dtype."""
-    return F.linear(hidden.to(weight.dtype), weight, bias).to(compute_dtype(weight.dtype)) * scale
+    logits = F.linear(hidden.to(weight.dtype), weight, bias).to(compute_dtype(weight.dtype))
+    return logits if scale == 1.0 else logits.mul_(scale)  # [chunk, V]: no extra pass over it when unscaled
 
 
 def _cast(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -81,8 +83,9 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 logits = _logits(hidden[s : s + chunk_size], w, b, scale)
                 lse = torch.logsumexp(logits, -1)
                 logps[s : s + chunk_size] = logits.gather(-1, labels[s : s + chunk_size, None]).squeeze(-1) - lse
-                if "entropy" in out:
-                    out["entropy"][s : s + chunk_size] = lse - (logits.softmax(-1) * logits).sum(-1)
+                if "entropy" in out:  # lse - sum p * logits, the sum as a dot product (no [chunk, V] product)
+                    probs = (logits - lse[:, None]).exp_()
+                    out["entropy"][s : s + chunk_size] = lse - torch.linalg.vecdot(probs, logits)
                 if "argmax" in out:
                     out["argmax"][s : s + chunk_size] = logits.argmax(-1)
                 if "mean_logit" in out:
@@ -110,11 +113,14 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 # d logp / d logits = scale * (onehot(label) - softmax(scale * logits))
                 probs = _logits(h, w, b, scale).softmax(-1)
                 probs.scatter_add_(-1, labels[s : s + chunk, None], probs.new_full((len(h), 1), -1.0))
-                grad_logits = (probs * (-scale * grad_logps[s : s + chunk, None].to(acc))).to(dtype)
+                grad_logits = probs.mul_(-scale * grad_logps[s : s + chunk, None].to(acc)).to(dtype)  # in place
                 if need_h:
                     grad_h[s : s + chunk] = (grad_logits @ w).to(hidden.dtype)
                 if need_w:
-                    grad_w += (grad_logits.T @ h).to(acc)
+                    if dtype == acc:
+                        grad_w.addmm_(grad_logits.T, h)  # no [V, H] temporary per chunk
+                    else:
+                        grad_w += (grad_logits.T @ h).to(acc)
                 if need_b:
                     grad_b += grad_logits.to(acc).sum(0)
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
@@ -209,6 +215,7 @@ def next_token_logps(
     temperature: float = 1.0,
     stats: tuple[str, ...] = (),
     source: torch.Tensor | None = None,
+    targets: torch.Tensor | None = None,
     **forward_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Log-probs ``[N, L - start]`` (fp32) of ``input_ids[:, start:]``, each given the tokens before it.
@@ -217,21 +224,32 @@ def next_token_logps(
     runs chunk by chunk (``chunked_token_logps``); otherwise the model's forward computes the logits of the last
     ``L - start + 1`` positions only (``logits_to_keep``). ``stats``: as in ``chunked_token_logps``, on the same
     tempered logits. ``source`` (``[N, L - start]``): the position whose output predicts each label, when it is not
-    the one just before it (DPO's shared-prompt rows, packed rows). ``forward_kwargs`` (``attention_mask``,
-    ``position_ids``, ...) go to the model.
+    the one just before it (DPO's shared-prompt rows, packed rows). ``targets`` (``[S]``, flat positions into
+    ``[N * L]``): score these tokens only, ``source`` then flat too; log-probs ``[1, S]``. ``forward_kwargs``
+    (``attention_mask``, ``position_ids``, ...) go to the model.
     """
     start = max(int(start), 1)
-    labels = input_ids[:, start:]
-    rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
+    if targets is None:
+        labels = input_ids[:, start:]
+        rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
+    else:
+        width = input_ids.shape[1]
+        labels = input_ids.reshape(-1)[targets][None]
+        rows, source = (source // width)[None], (source % width)[None].contiguous()
 
     def predicting(outputs: torch.Tensor) -> torch.Tensor:  # of every position: those that predict the labels
         return outputs[:, start - 1 : -1] if source is None else outputs[rows, source]
 
     forward_kwargs = {"use_cache": False, **forward_kwargs}
-    parts = chunkable_head(model) if chunk_size else None
+    # chunked, or rows laid out by lit_align (``source``): the head on the predicting positions only, through
+    # ``chunked_token_logps``, which keeps no logits for backward and at a 152k vocabulary runs several times faster
+    # than autograd through the model's full logits (bench/profile_steps.py); unchunked, ``DEFAULT_CHUNK_LOGITS``
+    # logits at a time (every position at once at small vocabularies)
+    parts = chunkable_head(model) if chunk_size or source is not None else None
     if parts is not None:
         decoder, head, scale = parts
         hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
+        chunk_size = chunk_size or max(DEFAULT_CHUNK_LOGITS // head.weight.shape[0], 1)
         return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size, scale / temperature, stats)
     if not takes_logits_to_keep(model):
         logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
@@ -276,7 +294,7 @@ def layout_logps(model: torch.nn.Module, layout, stats: tuple[str, ...] = (), ch
     if layout.position_ids is not None:
         kwargs["position_ids"] = layout.position_ids
     tokens, values = next_token_logps(model, layout.input_ids, layout.start, chunk_size, temperature, stats=stats,
-                                      source=layout.source, **kwargs)
-    labels = layout.to_grid(layout.input_ids[:, layout.start:])
+                                      source=layout.source, targets=layout.targets, **kwargs)
+    labels = layout.to_grid(layout.labels())
     return TokenLogps(layout.to_grid(tokens).masked_fill(~layout.mask, 0), layout.mask, labels,
                       {name: layout.to_grid(v) for name, v in values.items()})

@@ -7,9 +7,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from torch.overrides import TorchFunctionMode
+
 from lit_align.capabilities import supports_shared_prompt
 from lit_align.data.preference import collate_pairs
-from lit_align.layouts import padded, shared_prompt_pairs
+from lit_align.layouts import packed_rows, padded, shared_prompt_pairs
 from lit_align.logps import layout_logps
 from lit_align.models import load_model
 from lit_align.modules.grpo import completion_token_logps
@@ -22,6 +24,19 @@ def completion_logps(model, batch, stats=(), chunk_size=None):
     """The plain ``[chosen; rejected]`` batch, padded."""
     layout = padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
     return layout_logps(model, layout, stats, chunk_size)
+
+
+class HeadRows(TorchFunctionMode):
+    """Records the rows of every matmul against the LM head's weight (``nn.Linear`` or the chunked kernel's)."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size, self.rows = vocab_size, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear and args[1].shape[0] == self.vocab_size:
+            self.rows.append(args[0].numel() // args[0].shape[-1])
+        return func(*args, **(kwargs or {}))
 
 
 # -- GRPO: left-padded prompts and completions, padded or packed ------------------------------------------------------
@@ -82,13 +97,12 @@ def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size,
 def test_packed_log_probs_run_the_head_on_the_predicting_positions_only(tokenizer):
     """Packed, the prompts come first: the LM head must not run on every position after the first row's prompt."""
     model = load_model("builtin:tiny")
-    head_rows = []
-    model.lm_head.register_forward_hook(lambda m, args, out: head_rows.append(args[0].shape[-2]))
     prompt_ids, prompt_mask = torch.randint(10, 90, (3, 20)), torch.ones(3, 20, dtype=torch.long)
     completion_ids, completion_mask = torch.randint(10, 90, (3, 4)), torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0],
                                                                                  [1, 1, 1, 1]])
-    completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, packed=True)
-    assert head_rows == [int(completion_mask.sum())]  # 7 positions, not the 67 from the first prompt's end on
+    with HeadRows(model.config.vocab_size) as head:
+        completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, packed=True)
+    assert head.rows == [int(completion_mask.sum())]  # 7 positions, not the 67 from the first prompt's end on
 
 
 # -- DPO: shared-prompt pairs --------------------------------------------------------------------------------------
@@ -109,8 +123,8 @@ def random_pairs(seed: int = 0, pairs: int = 4) -> list[dict[str, list[int]]]:
 @pytest.mark.parametrize("model_type,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"),
                                              ("mistral", "sdpa"), ("gemma2", "eager"), ("phi3", "sdpa")])
 def test_shared_prompt_rows_match_plain_batch(model_type, attn, chunk_size):
-    """Shared-prompt rows, and (``chunk_size``) the chunked LM head on either layout, give the plain batch's per-token
-    log-probs, statistics and gradients."""
+    """Shared-prompt rows, both layouts packed without padding (``padding_free``), and (``chunk_size``) the chunked LM
+    head on the plain layout, give the plain batch's per-token log-probs, statistics and gradients."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY), attn_implementation=attn)
     assert supports_shared_prompt(model)
@@ -122,7 +136,10 @@ def test_shared_prompt_rows_match_plain_batch(model_type, attn, chunk_size):
     plain = plain_out.tokens.sum(1)
     plain.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    others = {"shared": layout_logps(model, layout, stats, chunk_size)}
+    plain_layout = padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    others = {"shared": layout_logps(model, layout, stats, chunk_size),
+              "shared, padding_free": layout_logps(model, packed_rows(layout), stats, chunk_size),
+              "plain, padding_free": layout_logps(model, packed_rows(plain_layout), stats, chunk_size)}
     if chunk_size:
         others["plain, chunked"] = completion_logps(model, batch, stats, chunk_size)
     for what, out in others.items():
@@ -140,6 +157,26 @@ def test_shared_prompt_rows_match_plain_batch(model_type, attn, chunk_size):
         positions = int(batch["attention_mask"].sum())
         for name, param in model.named_parameters():
             assert_rounding_close(param.grad, grads[name], terms=terms * positions, msg=f"{what} {name}")
+
+
+def test_padding_free_pairs_pack_rows_and_score_completions_only():
+    """Packed pairs: fewer rows, no wider than the longest pair row, about as many positions as real tokens, and the LM
+    head runs on the completion tokens only (not on prompts nor padding)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY), attn_implementation="sdpa")
+    rows = random_pairs(3, pairs=8)
+    rows[0]["chosen_ids"] = rows[0]["chosen_ids"] * 5  # one long row, as real data has: the padded batch pays for it
+    batch = collate_pairs(rows, pad_token_id=0, max_length=None)
+    shared = shared_prompt_pairs(batch)
+    layout = packed_rows(shared)
+    real = int(shared.attention_mask.sum())
+    assert layout.input_ids.shape[1] == int(shared.attention_mask.sum(1).max())
+    assert len(layout.input_ids) < len(shared.input_ids)
+    assert real <= layout.input_ids.numel() < shared.input_ids.numel()
+    with HeadRows(model.config.vocab_size) as head:
+        out = layout_logps(model, layout, (), chunk_size=None)
+    assert head.rows == [int(batch["completion_mask"].sum())]  # the positions predicting a completion token
+    assert len(layout.targets) == int(out.mask.sum()) == int(batch["completion_mask"].sum())
 
 
 def test_shared_prompt_pairs_refuse_other_batches():

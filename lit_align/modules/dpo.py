@@ -8,7 +8,9 @@ Metrics carry TRL's names and meanings.
 
 The batch is TRL's ``[chosen_1..B; rejected_1..B]``; by default each pair runs as one sequence
 ``[prompt, chosen, rejected]`` instead (``share_prompt``, ``lit_align.layouts.shared_prompt_pairs``): same log-probs,
-the prompt through the network once per pair instead of twice.
+the prompt through the network once per pair instead of twice. With ``padding_free`` those rows are packed
+without padding (``lit_align.layouts.packed_rows``): rows vary from tens to hundreds of tokens, and a padded batch
+pays every row the longest one's length.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class DPOModule(AlignModule):
         share_prompt: run each pair as one sequence ``[prompt, chosen, rejected]`` so the prompt is computed once,
             not twice (same log-probs up to float rounding). Used where the architecture supports it (Llama, Mistral,
             Qwen, Gemma, Phi-3, ... with ``sdpa`` or ``eager`` attention); elsewhere the plain batch runs.
+        padding_free: pack each batch's rows (``share_prompt``'s, or the plain ones) without padding, several per
+            row, each attending only to itself; the LM head runs on completion tokens only. Same log-probs up to
+            float rounding (TRL's ``padding_free``, which TRL 1.16 turns off with a warning). Needs what
+            ``share_prompt`` needs, else an error.
         precompute_ref_log_probs: run the reference once over the train and validation rows before training (no
             reference in memory while training) and cache the log-probs under ``$LIT_ALIGN_CACHE/ref_logps``; a
             later run on the same rows, reference and settings reads them back (``lit_align.reference``).
@@ -81,7 +87,8 @@ class DPOModule(AlignModule):
                  loss_type: str | list[str] = "sigmoid", loss_weights: list[float] | None = None,
                  label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
                  f_alpha_divergence_coef: float = 0.5, ld_alpha: float | None = None, use_weighting: bool = False,
-                 discopop_tau: float = 0.05, share_prompt: bool = True, precompute_ref_log_probs: bool = False,
+                 discopop_tau: float = 0.05, share_prompt: bool = True, padding_free: bool = False,
+                 precompute_ref_log_probs: bool = False,
                  precompute_ref_batch_size: int | None = None, sync_ref_model: bool = False,
                  ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512, **kwargs):
         super().__init__(model=model, **kwargs)
@@ -94,7 +101,7 @@ class DPOModule(AlignModule):
             raise LitAlignError("model.sync_ref_model needs a reference model in memory: it cannot be combined with "
                                 "precompute_ref_log_probs or peft_config")
         self.reference = choose_reference(ref_model, lora, precompute_ref_log_probs, precompute_ref_batch_size)
-        self.share_prompt = share_prompt
+        self.share_prompt, self.padding_free = share_prompt, padding_free
         self.ref_sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
         self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in METRICS})
 
@@ -105,7 +112,8 @@ class DPOModule(AlignModule):
     def token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor],
                     stats: tuple[str, ...] = ()) -> TokenLogps:
         """Per-token completion log-probs ``[2B, T]`` of the batch's pairs, in the layout ``network`` runs best."""
-        return layout_logps(network, layouts.pairs(batch, network, self.share_prompt), stats, self.logps_chunk_size)
+        return layout_logps(network, layouts.pairs(batch, network, self.share_prompt, self.padding_free), stats,
+                            self.logps_chunk_size)
 
     def pair_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed (LD-DPO-weighted) completion log-probs ``[2B]``: what the reference contributes to the loss."""
@@ -114,7 +122,7 @@ class DPOModule(AlignModule):
 
     def reference_settings(self) -> dict:
         """What else precomputed reference log-probs depend on (their cache key)."""
-        return {"share_prompt": self.share_prompt, "ld_alpha": self.loss_fn.ld_alpha}
+        return {"share_prompt": self.share_prompt, "padding_free": self.padding_free, "ld_alpha": self.loss_fn.ld_alpha}
 
     # -- what is computed -------------------------------------------------------------------------------------------
     def pair_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -202,13 +202,14 @@ PER_TOKEN_CASES = ("sigmoid", "sft", "mpo-list", "ld_alpha", "wpo")
 TRL_BACKWARD_FAILS = ("wpo-hinge",)
 
 
-@pytest.mark.parametrize("case,share_prompt", [(case, True) for case in LOSS_CASES]
-                         + [(case, False) for case in PER_TOKEN_CASES],
-                         ids=lambda x: x if isinstance(x, str) else "shared-prompt" if x else "plain-batch")
-def test_loss_and_metrics_match_trl(setup, tmp_path, case, share_prompt):
-    """One batch: TRL's loss and metrics, and the gradients, from lit_align's shared-prompt rows and plain batch, for
-    each loss option."""
-    options = LOSS_CASES[case]
+@pytest.mark.parametrize("case,layout", [(case, "shared-prompt") for case in LOSS_CASES]
+                         + [(case, "plain-batch") for case in PER_TOKEN_CASES]
+                         + [(case, "padding-free") for case in PER_TOKEN_CASES] + [("sigmoid", "plain-padding-free")])
+def test_loss_and_metrics_match_trl(setup, tmp_path, case, layout):
+    """One batch: TRL's loss and metrics, and the gradients, from lit_align's shared-prompt rows, plain batch, and
+    either packed without padding (``padding_free``), for each loss option."""
+    share_prompt = layout in ("shared-prompt", "padding-free")
+    options = LOSS_CASES[case] | ({"padding_free": True} if "padding-free" in layout else {})
     trainer = trl_trainer(setup, tmp_path / "trl", **options)
     data = lit_data(setup)
     rows = list(range(PAIRS))
@@ -228,9 +229,9 @@ def test_loss_and_metrics_match_trl(setup, tmp_path, case, share_prompt):
     assert_close(ours, theirs, f"one batch, {case}", terms)
     # the reference differs from the policy, so the rewards are not trivially zero
     assert abs(theirs["rewards/margins"]) > 1e-4 and abs(theirs["rewards/chosen"]) > 1e-4
-    if options:  # and the option did change the numbers (it reached both sides), by far more than the tolerance
+    if LOSS_CASES[case]:  # and the option did change the numbers (it reached both sides), by far more than the tolerance
         with torch.no_grad():
-            default = lit_metrics(lit_module(setup, share_prompt), lit_batch)
+            default = lit_metrics(lit_module(setup, share_prompt, padding_free="padding-free" in layout), lit_batch)
         scales = metric_scales(ours)
         assert any(abs(default[name] - ours[name]) > 10 * rounding_tol(scales[name], terms)
                    for name in ("loss", "logps/chosen"))

@@ -1,0 +1,78 @@
+"""The matmul bound: the FLOPs of the work a step must do, at the matmul peak measured in the same process.
+
+    bound seconds = FLOPs / peak;   fraction = bound seconds / measured seconds
+
+FLOPs of one forward over real (unpadded) tokens, for a decoder of ``L`` layers with ``P`` linear weights per layer
+(q, k, v, o, gate, up, down), ``A = heads * head_dim``, hidden ``H`` and vocabulary ``V``::
+
+    forward = 2 * L * P * tokens  +  4 * L * A * attended  +  2 * V * H * scored
+
+``tokens``: the positions that must go through the layers (a DPO pair's prompt once, then chosen and rejected);
+``attended``: the sum over those tokens of how many keys each attends to (causal: its position + 1); ``scored``:
+the tokens whose log-prob is needed (the LM head runs there only). Backward costs twice the forward, so a DPO step is
+``3 * forward`` (policy) ``+ forward`` (reference), a GRPO step ``3 * forward`` (no reference at ``beta=0``) and a
+decode step ``2 * L * P + 4 * L * A * context + 2 * V * H`` per sampled token. Norms, rotary, softmax, the
+optimizer and sampling are left out: the bound is a ceiling no engine reaches.
+
+The peak: the best of several ``[n, n] @ [n, n]`` fp32 GEMMs (n = 2048) at the bench's thread count.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the fastest of ``repeats`` fp32 ``[n, n] @ [n, n]`` products, on this process's torch threads."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def shape(config) -> dict:
+    """``L``, ``P``, ``A``, ``H``, ``V`` of a Llama/Qwen2-like config."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    per_layer = h * heads * head_dim * 2 + h * kv * head_dim * 2 + 3 * h * config.intermediate_size
+    return {"L": config.num_hidden_layers, "P": per_layer, "A": heads * head_dim, "H": h, "V": config.vocab_size}
+
+
+def forward_flops(config, tokens: int, attended: int, scored: int) -> float:
+    s = shape(config)
+    return 2 * s["L"] * s["P"] * tokens + 4 * s["L"] * s["A"] * attended + 2 * s["V"] * s["H"] * scored
+
+
+def causal(start: int, stop: int) -> int:
+    """Keys attended by the tokens at positions ``start .. stop - 1`` of a causal sequence."""
+    return (stop * (stop + 1) - start * (start + 1)) // 2
+
+
+def dpo_step_flops(config, pairs: list[tuple[int, int, int]]) -> float:
+    """One DPO step on ``(prompt, chosen, rejected)`` token counts: policy forward + backward, reference forward."""
+    tokens = sum(p + c + r for p, c, r in pairs)
+    attended = sum(causal(0, p + c) + causal(p, p + r) for p, c, r in pairs)
+    scored = sum(c + r for p, c, r in pairs)
+    return 4 * forward_flops(config, tokens, attended, scored)
+
+
+def grpo_round_flops(config, rows: list[tuple[int, int]], steps_per_row: int = 1) -> float:
+    """One GRPO round on ``(prompt, completion)`` token counts: sampling (prefill of each row's prompt, then one decode
+    step per completion token) and the training forward + backward (no reference)."""
+    sample = sum(forward_flops(config, p, causal(0, p), 0) + forward_flops(config, c, causal(p, p + c), c)
+                 for p, c in rows)
+    train = sum(3 * forward_flops(config, p + c, causal(0, p + c), c) for p, c in rows) * steps_per_row
+    return sample + train
+
+
+def report(label: str, flops: float, seconds: float, peak: float) -> str:
+    bound = flops / peak
+    return (f"{label}: {flops / 1e9:.1f} GFLOP of required work, matmul peak {peak / 1e9:.1f} GFLOP/s -> bound "
+            f"{bound:.3f} s; measured {seconds:.3f} s: {100 * bound / seconds:.0f}% of the bound")
