@@ -50,22 +50,48 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     """One token per row from ``logits [N, V]``: ``(tokens [N], logps [N] or None)``.
 
     Temperature 0 is greedy (argmax, no log-probs). Otherwise the token is drawn from the temperature-scaled,
-    top-k/top-p filtered distribution, and its log-prob is taken under the temperature-scaled, *unfiltered*
-    distribution (HFSampler's and the training forward's definition).
-
-    The draw is the Gumbel-max trick: ``argmax(log p + g)`` with ``g = -log(-log u)``, ``u`` uniform, is an exact
-    sample of ``p``. It costs one uniform per logit and an argmax, where ``torch.multinomial`` on CPU spends most of
-    its time drawing exponentials. ``noise`` is ``u`` (``[N, V]`` in ``[0, 1)``, left untouched); by default
-    ``torch.rand_like``.
+    top-k/top-p filtered distribution (``inverse_cdf``), and its log-prob is taken under the temperature-scaled,
+    *unfiltered* distribution (HFSampler's and the training forward's definition). ``noise`` is the draw's uniform
+    per row (``[N]`` in ``[0, 1)``); by default ``torch.rand`` (float64).
     """
     if temperature == 0:
         return logits.argmax(-1), None
-    logps = (logits.float() / temperature).log_softmax(-1)
-    uniform = torch.rand_like(logps) if noise is None else noise.to(logps.dtype, copy=True)
-    uniform.clamp_(min=torch.finfo(logps.dtype).tiny)  # u = 0 would make a kept token -inf
-    gumbel = uniform.log_().neg_().log_().neg_()
-    tokens = (filter_logits(logps, top_k, top_p) + gumbel).argmax(-1, keepdim=True)
-    return tokens.squeeze(-1), logps.gather(-1, tokens).squeeze(-1)
+    scaled = logits.float() if temperature == 1 else logits.float() / temperature
+    kept = filter_logits(scaled, top_k, top_p)
+    probs = kept.softmax(-1)
+    uniform = torch.rand(len(probs), dtype=torch.float64, device=probs.device) if noise is None else noise
+    tokens = inverse_cdf(probs, uniform)[:, None]
+    if kept is scaled:  # unfiltered: the sampled token's probability is the one to report
+        return tokens.squeeze(-1), probs.gather(-1, tokens).log().squeeze(-1)
+    logps = scaled.gather(-1, tokens) - torch.logsumexp(scaled, -1, keepdim=True)
+    return tokens.squeeze(-1), logps.squeeze(-1)
+
+
+def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """``[N]`` draws from the rows of ``weights [N, V]`` (non-negative, not necessarily normalized): row i takes the
+    first token whose cumulative weight exceeds ``uniform[i]`` times the row's total. Tokens of weight 0 are never
+    drawn, whatever ``uniform`` is in ``[0, 1)``.
+
+    One pass over ``weights`` (block sums of ``block`` tokens), then the cumulative sums of the block sums and of the
+    one block the draw falls in, in float64: an exact draw up to the float32 rounding of the block sums. A Gumbel-max
+    draw spends a uniform and two logarithms per logit, ``torch.multinomial`` on CPU an exponential per logit, a full
+    ``cumsum`` a sequential pass; at a 152k vocabulary each cost about as much as the LM head's matmul.
+    """
+    rows, vocab = weights.shape
+    whole = vocab - vocab % block
+    sums = [weights[:, :whole].reshape(rows, -1, block).sum(-1)] if whole else []
+    if whole < vocab:
+        sums.append(weights[:, whole:].sum(-1, keepdim=True))
+    cum = torch.cat(sums, 1).double().cumsum_(-1)  # [N, blocks]
+    total = cum[:, -1:]
+    target = torch.minimum(uniform.to(cum).reshape(-1, 1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    chosen = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)  # a block of weight > 0
+    before = torch.where(chosen > 0, cum.gather(-1, (chosen - 1).clamp(min=0)), torch.zeros_like(target))
+    columns = chosen * block + torch.arange(block, device=weights.device)
+    inside = weights.gather(-1, columns.clamp(max=vocab - 1)).double().masked_fill_(columns >= vocab, 0).cumsum_(-1)
+    last = (inside < inside[:, -1:]).sum(-1, keepdim=True)  # the block's last token of weight > 0
+    offset = torch.minimum(torch.searchsorted(inside, target - before, right=True), last)
+    return (chosen * block + offset).squeeze(-1)
 
 
 def _check_native_model(model) -> None:

@@ -1,5 +1,5 @@
 """What every engine shares and the native engine samples with: the completion mask from EOS, the top-k/top-p filter
-by hand and against transformers' warpers, the Gumbel-max draw's frequencies and log-probs, and the settings."""
+by hand and against transformers' warpers, the inverse-CDF draw's frequencies and log-probs, and the settings."""
 
 from __future__ import annotations
 
@@ -97,21 +97,48 @@ def test_a_zero_uniform_draw_cannot_pick_a_filtered_token():
     """``torch.rand`` returns exactly 0 about once in 2**24 draws: with a single token kept (top-k 1, or top-p on a
     peaked step) that draw must still give the kept token, not a filtered one."""
     logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]])
-    zeros = torch.zeros_like(logits)
     for kwargs in ({"top_k": 1}, {"top_p": 0.5}):
-        tokens, logps = sample_next(logits, 1.0, noise=zeros, **kwargs)
-        assert tokens.tolist() == [2]
-        assert_rounding_close(logps, logits.log_softmax(-1)[:, 2], scale=5.0, terms=4)
-    assert (zeros == 0).all()  # the noise given is left untouched
+        for u in (0.0, 1.0 - 2**-53):  # the CDF's two ends: the kept token, not the filtered ones around it
+            tokens, logps = sample_next(logits, 1.0, noise=torch.tensor([u], dtype=torch.float64), **kwargs)
+            assert tokens.tolist() == [2]
+            assert_rounding_close(logps, logits.log_softmax(-1)[:, 2], scale=5.0, terms=4)
+
+
+def test_inverse_cdf_by_blocks_equals_the_full_cumulative_sum():
+    """Blocks of 4 over 10 tokens (two whole blocks and a tail), weights with zeros and whole zero blocks: for every
+    uniform on a fine grid the draw is the first token whose cumulative weight exceeds ``u * total``, and never a token
+    of weight 0, at either end of [0, 1)."""
+    from lit_align.generation.native import inverse_cdf
+
+    weights = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.5, 0.0, 1.5, 0.0, 0.0, 2.0],  # a zero first block
+                            [1.0, 0.0, 0.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # zero blocks after
+                            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 7.0]])  # only the tail
+    grid = torch.cat([torch.linspace(0, 1, 1001, dtype=torch.float64)[:-1], torch.tensor([1 - 2**-53])])
+    for u in grid:
+        uniform = torch.full((3,), float(u), dtype=torch.float64)
+        drawn = inverse_cdf(weights, uniform, block=4)
+        cum = weights.double().cumsum(-1)
+        expected = torch.searchsorted(cum, (uniform[:, None] * cum[:, -1:]).clamp(max=cum[:, -1:] * (1 - 1e-15)),
+                                      right=True).squeeze(-1)
+        assert torch.equal(drawn, expected), (float(u), drawn, expected)
+        assert (weights.gather(-1, drawn[:, None]) > 0).all()
+
+
+def test_the_draw_inverts_the_cdf_at_the_rows_uniform():
+    """Row i takes the first token whose cumulative probability exceeds ``u_i``: with probabilities [.1, .2, .3, .4]
+    (CDF .1 .3 .6 1.0), u = .05 .15 .29 .31 .99 pick tokens 0 1 1 2 3."""
+    logits = torch.tensor([0.1, 0.2, 0.3, 0.4]).log().expand(5, 4)
+    tokens, _ = sample_next(logits, 1.0, noise=torch.tensor([0.05, 0.15, 0.29, 0.31, 0.99], dtype=torch.float64))
+    assert tokens.tolist() == [0, 1, 1, 2, 3]
 
 
 def test_seeded_draws_are_the_default_noise():
-    """``noise`` defaults to ``torch.rand_like`` of the log-probs: giving that same draw samples the same tokens."""
+    """``noise`` defaults to one float64 ``torch.rand`` per row: giving that same draw samples the same tokens."""
     logits = torch.randn(64, 50)
     torch.manual_seed(3)
     default = sample_next(logits, 0.8, top_k=10)
     torch.manual_seed(3)
-    given = sample_next(logits, 0.8, top_k=10, noise=torch.rand_like(logits))
+    given = sample_next(logits, 0.8, top_k=10, noise=torch.rand(64, dtype=torch.float64))
     assert torch.equal(default[0], given[0]) and torch.equal(default[1], given[1])
 
 
