@@ -72,26 +72,34 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor, block: int = 1024)
     first token whose cumulative weight exceeds ``uniform[i]`` times the row's total. Tokens of weight 0 are never
     drawn, whatever ``uniform`` is in ``[0, 1)``.
 
-    One pass over ``weights`` (block sums of ``block`` tokens), then the cumulative sums of the block sums and of the
-    one block the draw falls in, in float64: an exact draw up to the float32 rounding of the block sums. A Gumbel-max
-    draw spends a uniform and two logarithms per logit, ``torch.multinomial`` on CPU an exponential per logit, a full
-    ``cumsum`` a sequential pass; at a 152k vocabulary each cost about as much as the LM head's matmul.
+    Past ``block`` tokens, one pass over ``weights`` (block sums), then the cumulative sums of the block sums and of
+    the one block the draw falls in, in float64: an exact draw up to the float32 rounding of the block sums. A
+    Gumbel-max draw spends a uniform and two logarithms per logit, ``torch.multinomial`` on CPU an exponential per
+    logit, a full ``cumsum`` a sequential pass; at a 152k vocabulary each cost about as much as the LM head's matmul.
     """
     rows, vocab = weights.shape
+    uniform = uniform.to(torch.float64).reshape(-1, 1)
+    if vocab <= block:
+        cum = weights.double().cumsum(-1)
+        return _first_above(cum, uniform * cum[:, -1:]).squeeze(-1)
     whole = vocab - vocab % block
-    sums = [weights[:, :whole].reshape(rows, -1, block).sum(-1)] if whole else []
+    sums = [weights[:, :whole].reshape(rows, -1, block).sum(-1)]
     if whole < vocab:
         sums.append(weights[:, whole:].sum(-1, keepdim=True))
     cum = torch.cat(sums, 1).double().cumsum_(-1)  # [N, blocks]
-    total = cum[:, -1:]
-    target = torch.minimum(uniform.to(cum).reshape(-1, 1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    chosen = torch.searchsorted(cum, target, right=True).clamp_(max=cum.shape[1] - 1)  # a block of weight > 0
+    target = uniform * cum[:, -1:]
+    chosen = _first_above(cum, target)  # a block of weight > 0
     before = torch.where(chosen > 0, cum.gather(-1, (chosen - 1).clamp(min=0)), torch.zeros_like(target))
     columns = chosen * block + torch.arange(block, device=weights.device)
     inside = weights.gather(-1, columns.clamp(max=vocab - 1)).double().masked_fill_(columns >= vocab, 0).cumsum_(-1)
-    last = (inside < inside[:, -1:]).sum(-1, keepdim=True)  # the block's last token of weight > 0
-    offset = torch.minimum(torch.searchsorted(inside, target - before, right=True), last)
-    return (chosen * block + offset).squeeze(-1)
+    return (chosen * block + _first_above(inside, target - before)).squeeze(-1)
+
+
+def _first_above(cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``[N, 1]``: the first index where the non-decreasing rows of ``cum`` exceed ``target``, at most the last one
+    that adds weight (a target at the total, by rounding, still lands on weight)."""
+    last = (cum < cum[:, -1:]).sum(-1, keepdim=True)
+    return torch.minimum(torch.searchsorted(cum, target, right=True), last)
 
 
 def _check_native_model(model) -> None:

@@ -105,7 +105,8 @@ def test_a_zero_uniform_draw_cannot_pick_a_filtered_token():
 
 
 def test_inverse_cdf_by_blocks_equals_the_full_cumulative_sum():
-    """Blocks of 4 over 10 tokens (two whole blocks and a tail), weights with zeros and whole zero blocks: for every
+    """Blocks of 4 over 10 tokens (two whole blocks and a tail), and one block of the whole row, weights with zeros
+    and whole zero blocks: for every
     uniform on a fine grid the draw is the first token whose cumulative weight exceeds ``u * total``, and never a token
     of weight 0, at either end of [0, 1)."""
     from lit_align.generation.native import inverse_cdf
@@ -116,12 +117,13 @@ def test_inverse_cdf_by_blocks_equals_the_full_cumulative_sum():
     grid = torch.cat([torch.linspace(0, 1, 1001, dtype=torch.float64)[:-1], torch.tensor([1 - 2**-53])])
     for u in grid:
         uniform = torch.full((3,), float(u), dtype=torch.float64)
-        drawn = inverse_cdf(weights, uniform, block=4)
         cum = weights.double().cumsum(-1)
         expected = torch.searchsorted(cum, (uniform[:, None] * cum[:, -1:]).clamp(max=cum[:, -1:] * (1 - 1e-15)),
                                       right=True).squeeze(-1)
-        assert torch.equal(drawn, expected), (float(u), drawn, expected)
-        assert (weights.gather(-1, drawn[:, None]) > 0).all()
+        for block in (4, 16):  # by blocks; one block (the whole row)
+            drawn = inverse_cdf(weights, uniform, block=block)
+            assert torch.equal(drawn, expected), (float(u), block, drawn, expected)
+            assert (weights.gather(-1, drawn[:, None]) > 0).all()
 
 
 def test_the_draw_inverts_the_cdf_at_the_rows_uniform():
