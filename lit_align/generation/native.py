@@ -1,8 +1,8 @@
 """The native engine: lit_align's own batched decode loop over the model's forward.
 
 ``NativeSampler`` returns what ``HFSampler`` does, faster: one prefill per prompt shared by its samples (a
-preallocated ``SlotCache``), sampling on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, a
-Gumbel-max draw), rows that ended dropped from the batch, and Llama-like models decoded by ``LlamaDecodeStep``.
+preallocated ``SlotCache``), sampling on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, an
+inverse-CDF draw in blocks), rows that ended dropped from the batch, and Llama-like models decoded by ``LlamaDecodeStep``.
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ class NativeSampler:
     - the KV cache is preallocated (``SlotLayer``): a decode step writes one slot, no cache grows by concatenation;
     - the left-padding mask is built once as a 4D mask and sliced per step, positions follow the prompt mask (as
       ``completion_token_logps`` computes them), so transformers builds no mask in the loop;
-    - sampling stays on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, a Gumbel-max
-      draw), its log-probs are those of the temperature-scaled, unfiltered distribution (HFSampler's definition);
+    - sampling stays on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, ``inverse_cdf``
+      draws), its log-probs are those of the temperature-scaled, unfiltered distribution (HFSampler's definition);
     - finished rows are tracked on tensors; the loop looks at the host only every ``eos_check_every`` tokens, to stop
       once every row has ended, and to drop the rows that ended from the batch (their KV cache rows too) once they
       are ``drop_finished`` of it: completion lengths have a long tail, and a batch decoding only its slowest rows
