@@ -30,6 +30,7 @@ from lit_align.capabilities import is_sharded
 from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
 
+
 def import_vllm():
     try:
         import vllm
