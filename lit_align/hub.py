@@ -18,14 +18,20 @@ def is_hub_id(name: str | None) -> bool:
             and not Path(name).expanduser().exists())
 
 
-def non_default_settings(module) -> dict:
-    """The module's hyper-parameters that differ from its class's defaults, plus the ones that define a recipe."""
+def recipe_defaults(cls: type) -> dict:
+    """Every ``__init__`` default of a module class, its bases' included: the options a config may leave out."""
     defaults = {}
-    for cls in reversed(type(module).__mro__):
-        init = cls.__dict__.get("__init__")
+    for klass in reversed(cls.__mro__):
+        init = klass.__dict__.get("__init__")
         if init is not None:
             defaults.update({k: p.default for k, p in inspect.signature(init).parameters.items()
                              if p.default is not inspect.Parameter.empty})
+    return defaults
+
+
+def non_default_settings(module) -> dict:
+    """The module's hyper-parameters that differ from its class's defaults, plus the ones that define a recipe."""
+    defaults = recipe_defaults(type(module))
     always = ("learning_rate", "loss_type", "beta")
     return {k: v for k, v in module.hparams.items()
             if k != "model" and not k.startswith("_") and (k in always or k not in defaults or defaults[k] != v)}

@@ -121,9 +121,7 @@ class RewardModel:
         return self
 
     def to(self, device) -> RewardModel:
-        if self.network is None:
-            self.load()
-        self.network.to(device)
+        self.load().network.to(device)
         return self
 
     def texts(self, prompts: list, completions: list) -> list[str]:
@@ -136,8 +134,7 @@ class RewardModel:
 
     @torch.no_grad()
     def __call__(self, prompts: list, completions: list, **_: Any) -> list[float]:
-        if self.network is None:
-            self.load()
+        self.load()
         texts, device, scores = self.texts(prompts, completions), self.network.device, []
         for i in range(0, len(texts), self.batch_size):
             inputs = self.tokenizer(texts[i : i + self.batch_size], return_tensors="pt", padding=True,

@@ -429,18 +429,6 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
                                torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), packed=True)
 
 
-def recipe_defaults(cls) -> dict:
-    """Every ``__init__`` default of a module class, its bases' included (the options a config may leave out)."""
-    import inspect
-
-    defaults = {}
-    for klass in reversed(cls.__mro__):
-        if "__init__" in klass.__dict__:
-            defaults.update({k: p.default for k, p in inspect.signature(klass.__init__).parameters.items()
-                             if p.default is not inspect.Parameter.empty})
-    return defaults
-
-
 @pytest.mark.parametrize("recipe", ["grpo", "dpo", "sft"])
 def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     """Every option named as in TRL defaults as in TRL, but the differences the README gives reasons for."""
@@ -448,6 +436,7 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
 
     import trl
 
+    from lit_align.hub import recipe_defaults
     from lit_align.modules import DPOModule, SFTModule
 
     module, config = {"grpo": (GRPOModule, trl.GRPOConfig), "dpo": (DPOModule, trl.DPOConfig),
