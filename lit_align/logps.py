@@ -3,9 +3,10 @@
 Plain: the model's forward returns ``[N, T, V]`` logits and ``losses.token_logps`` gathers the labels. For backward,
 autograd keeps those logits (and, in half precision, their fp32 copy): at a 128k vocabulary that is the largest tensor
 of the step by far. Chunked (``chunk_size``): the decoder runs to hidden states ``[N, T, H]`` and
-``chunked_token_logps`` applies the LM head ``chunk_size`` positions at a time, in fp32, keeping only the per-token
-log-probs; backward recomputes each chunk's logits. Same values and gradients (to float rounding), peak memory of one
-``[chunk_size, V]`` block instead of ``[N, T, V]`` (``bench/logps_memory.py``).
+``chunked_token_logps`` applies the LM head ``chunk_size`` positions and one vocabulary block at a time (a tile that
+stays in cache while an online logsumexp reads it), in fp32, keeping only the per-token log-probs; backward recomputes
+the tiles. Same values and gradients (to float rounding), peak memory of one tile instead of ``[N, T, V]``
+(``bench/logps_memory.py``), and fewer passes over memory than the full logits' ``logsumexp`` and ``softmax``.
 
 Precision: whatever the model's dtype or autocast, the logsumexp, the log-probs and the statistics are fp32 (fp64 for
 an fp64 model, so that tests can check formulas free of fp32 rounding).
@@ -28,7 +29,8 @@ from lit_align.capabilities import attention_implementation, is_fsdp_unit, takes
 from lit_align.errors import LitAlignError
 
 STATS = ("entropy", "argmax", "mean_logit", "log_sum_sq_probs")
-DEFAULT_CHUNK_LOGITS = 2**26  # logits per chunk where no chunk size is set: 256 MB in fp32 (441 positions at 152k)
+DEFAULT_CHUNK_ROWS = 512  # positions per chunk where no chunk size is set
+BLOCK_LOGITS = 2**21  # logits per [rows, vocabulary block] tile: 8 MB in fp32, in the last-level cache
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -54,78 +56,129 @@ def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return picked - fp32_logsumexp(logits)
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """fp32 (fp64) ``scale * (hidden @ weight.T + bias)``, the matmul in ``weight``'s dtype."""
-    logits = F.linear(hidden.to(weight.dtype), weight, bias).to(compute_dtype(weight.dtype))
-    return logits if scale == 1.0 else logits.mul_(scale)  # [chunk, V]: no extra pass over it when unscaled
-
-
-def _cast(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
-    return weight.to(dtype), None if bias is None else bias.to(dtype)
-
-
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
+class _Head:
+    """The LM head cut into vocabulary blocks: ``tiles(h)`` yields ``(start, logits)``, each ``[rows, block]`` tile
+    ``scale * (h @ weight[start:start + block].T + bias)`` in the compute dtype, the matmul in ``dtype``."""
+
+    def __init__(self, weight, bias, scale: float, dtype: torch.dtype, block: int):
+        self.weight, self.bias = weight.to(dtype), None if bias is None else bias.to(dtype)  # cast once
+        self.scale, self.acc, self.block = scale, compute_dtype(dtype), block
+
+    def tiles(self, h: torch.Tensor):
+        for v in range(0, self.weight.shape[0], self.block):
+            w = self.weight[v : v + self.block]
+            logits = F.linear(h, w, None if self.bias is None else self.bias[v : v + self.block]).to(self.acc)
+            yield v, w, logits if self.scale == 1.0 else logits.mul_(self.scale)
+
+
 class _ChunkedTokenLogps(torch.autograd.Function):
-    """``[M, H], [V, H], [V] | None, [M] -> [M]`` log-probs, plus no-grad ``[M]`` stats (``chunked_token_logps``)."""
+    """``[M, H], [V, H], [V] | None, [M] -> [M]`` log-probs, plus no-grad ``[M]`` stats (``chunked_token_logps``).
+
+    Each chunk of ``chunk_size`` positions meets the head one vocabulary block at a time (``_Head``): the tile stays in
+    cache while an online logsumexp (running max, rescaled sums) and the stats read it. Backward recomputes the tiles
+    and turns each into ``softmax`` with the saved logsumexp in one pass."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_size: int, scale: float, dtype: torch.dtype, stats: tuple):
-        acc = compute_dtype(dtype)
-        logps = hidden.new_empty(labels.shape, dtype=acc)
-        out = {name: hidden.new_empty(labels.shape, dtype=torch.long if name == "argmax" else acc)
-               for name in stats}
-        w, b = _cast(weight, bias, dtype)  # once, not per chunk
+    def forward(ctx, hidden, weight, bias, labels, chunk_size: int, block_size: int, scale: float, dtype: torch.dtype,
+                stats: tuple):
+        head = _Head(weight, bias, scale, dtype, block_size)
+        acc, vocab = head.acc, weight.shape[0]
+        lse = hidden.new_empty(labels.shape, dtype=acc)
+        logps = torch.empty_like(lse)
+        out = {name: torch.empty_like(lse, dtype=torch.long if name == "argmax" else acc) for name in stats}
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, labels.numel(), chunk_size):
-                logits = _logits(hidden[s : s + chunk_size], w, b, scale)
-                lse = torch.logsumexp(logits, -1)
-                logps[s : s + chunk_size] = logits.gather(-1, labels[s : s + chunk_size, None]).squeeze(-1) - lse
-                if "entropy" in out:  # lse - sum p * logits, the sum as a dot product (no [chunk, V] product)
-                    probs = (logits - lse[:, None]).exp_()
-                    out["entropy"][s : s + chunk_size] = lse - torch.linalg.vecdot(probs, logits)
+                rows, label = slice(s, s + chunk_size), labels[s : s + chunk_size]
+                zero = lse.new_zeros(len(label))
+                # running max, sum of exp(x - max), sum of exp(x - max) * (x - max), of exp(2 (x - max)), of x
+                top, total, moment, square, plain = zero - torch.inf, zero, zero, zero, zero
+                picked, argmax = zero, label
+                for v, _, x in head.tiles(hidden[rows].to(dtype)):
+                    inside = (label >= v) & (label < v + x.shape[1])
+                    picked = torch.where(inside, x.gather(1, (label - v).clamp(0, x.shape[1] - 1)[:, None])[:, 0],
+                                         picked)
+                    if "mean_logit" in out:
+                        plain = plain + x.sum(-1)
+                    tile_top, tile_arg = x.max(-1)
+                    if "argmax" in out:
+                        argmax = torch.where(tile_top > top, tile_arg + v, argmax)
+                    new_top = torch.maximum(top, tile_top)
+                    shift = torch.where(total > 0, top - new_top, 0)
+                    rescale = shift.exp()
+                    x.sub_(new_top[:, None])
+                    e = x.exp() if "entropy" in out or "log_sum_sq_probs" in out else x.exp_()
+                    if "entropy" in out:
+                        moment = rescale * (moment + total * shift) + torch.linalg.vecdot(e, x)
+                    if "log_sum_sq_probs" in out:
+                        square = rescale * rescale * square + torch.linalg.vecdot(e, e)
+                    total, top = rescale * total + e.sum(-1), new_top
+                log_total = total.log()
+                lse[rows] = top + log_total
+                logps[rows] = picked - lse[rows]
+                if "entropy" in out:  # -sum p log p, p = e / total
+                    out["entropy"][rows] = log_total - moment / total
                 if "argmax" in out:
-                    out["argmax"][s : s + chunk_size] = logits.argmax(-1)
+                    out["argmax"][rows] = argmax
                 if "mean_logit" in out:
-                    out["mean_logit"][s : s + chunk_size] = logits.mean(-1)
+                    out["mean_logit"][rows] = plain / vocab
                 if "log_sum_sq_probs" in out:
-                    out["log_sum_sq_probs"][s : s + chunk_size] = torch.logsumexp(2 * logits, -1) - 2 * lse
-        ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.chunk_size, ctx.scale, ctx.dtype = chunk_size, scale, dtype
+                    out["log_sum_sq_probs"][rows] = square.log() - 2 * log_total
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.chunk_size, ctx.block_size, ctx.scale, ctx.dtype = chunk_size, block_size, scale, dtype
         ctx.mark_non_differentiable(*out.values())
         return (logps, *out.values())
 
     @staticmethod
     def backward(ctx, grad_logps, *_):
-        hidden, weight, bias, labels = ctx.saved_tensors
-        chunk, scale, dtype = ctx.chunk_size, ctx.scale, ctx.dtype
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        chunk, dtype = ctx.chunk_size, ctx.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        acc = compute_dtype(dtype)
+        head = _Head(weight, bias, ctx.scale, dtype, ctx.block_size)
+        acc = head.acc
+        # d loss / d logits = coef * (softmax - onehot(label)), coef = -scale * d loss / d logp: the softmax part
+        # tile by tile, the one-hot part once at the end
+        coef = grad_logps.to(acc) * -ctx.scale
+        grad_h = torch.empty_like(hidden, dtype=acc) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-        w, b = _cast(weight, bias, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, labels.numel(), chunk):
-                h = hidden[s : s + chunk].to(dtype)
-                # d logp / d logits = scale * (onehot(label) - softmax(scale * logits))
-                probs = _logits(h, w, b, scale).softmax(-1)
-                probs.scatter_add_(-1, labels[s : s + chunk, None], probs.new_full((len(h), 1), -1.0))
-                grad_logits = probs.mul_(-scale * grad_logps[s : s + chunk, None].to(acc)).to(dtype)  # in place
+                rows = slice(s, s + chunk)
+                h = hidden[rows].to(dtype)
+                scaled_h = (h.to(acc) * coef[rows, None]).to(dtype)
+                part_h = torch.zeros(h.shape, dtype=acc, device=h.device) if need_h else None
+                for v, w, x in head.tiles(h):
+                    probs = x.sub_(lse[rows, None]).exp_()
+                    if need_b:
+                        grad_b[v : v + len(w)] += probs.T @ coef[rows]
+                    probs = probs.to(dtype)
+                    if need_h:
+                        _accumulate(part_h, probs, w)
+                    if need_w:
+                        _accumulate(grad_w[v : v + len(w)], probs.T, scaled_h)
                 if need_h:
-                    grad_h[s : s + chunk] = (grad_logits @ w).to(hidden.dtype)
-                if need_w:
-                    if dtype == acc:
-                        grad_w.addmm_(grad_logits.T, h)  # no [V, H] temporary per chunk
-                    else:
-                        grad_w += (grad_logits.T @ h).to(acc)
-                if need_b:
-                    grad_b += grad_logits.to(acc).sum(0)
-        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
-        grad_b = None if grad_b is None else grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+                    grad_h[rows] = part_h.mul_(coef[rows, None])
+        if need_h:
+            grad_h.sub_(head.weight[labels].to(acc) * coef[:, None])
+            grad_h = grad_h.to(hidden.dtype)
+        if need_w:
+            grad_w.index_add_(0, labels, hidden.to(acc) * -coef[:, None])
+            grad_w = grad_w.to(weight.dtype)
+        if need_b:
+            grad_b = grad_b.index_add_(0, labels, -coef).to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b``, ``out`` in the compute dtype, ``a`` and ``b`` in the matmul's."""
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)  # no temporary
+    else:
+        out += (a @ b).to(out.dtype)
 
 
 def chunked_token_logps(
@@ -133,15 +186,17 @@ def chunked_token_logps(
     weight: torch.Tensor,
     labels: torch.Tensor,
     bias: torch.Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK_ROWS,
     scale: float = 1.0,
     stats: tuple[str, ...] = (),
+    block_size: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Log-probs of ``labels`` under ``scale * (hidden @ weight.T + bias)``: ``[..., H], [V, H], [...] -> [...]`` fp32.
 
     Equals ``token_logps(lm_head(hidden) * scale, labels)`` in values and gradients (w.r.t. ``hidden``, ``weight``,
-    ``bias``), without ever holding more than ``chunk_size`` rows of logits: backward recomputes them. The matmul runs
-    in the autocast dtype if autocast is on, else in ``hidden``'s dtype; everything after it in fp32.
+    ``bias``), without ever holding the ``[..., V]`` logits: ``chunk_size`` positions meet the head one vocabulary
+    block of ``block_size`` tokens at a time (default: tiles of ``BLOCK_LOGITS``), and backward recomputes the tiles.
+    The matmul runs in the autocast dtype if autocast is on, else in ``hidden``'s dtype; everything after it in fp32.
     ``stats`` (no gradient, fp32, of the scaled logits): ``entropy``, ``argmax`` (ids), ``mean_logit`` (mean over the
     vocabulary), ``log_sum_sq_probs`` (``log sum_v p(v)^2``, WPO's normalizer). Labels must be valid ids everywhere.
     """
@@ -151,7 +206,8 @@ def chunked_token_logps(
     dtype = _autocast_dtype(hidden.device) or hidden.dtype
     shape = labels.shape
     logps, *values = _ChunkedTokenLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
-                                              int(chunk_size), float(scale), dtype, tuple(stats))
+                                              int(chunk_size), int(block_size or max(BLOCK_LOGITS // chunk_size, 128)),
+                                              float(scale), dtype, tuple(stats))
     return logps.view(shape), {name: v.view(shape) for name, v in zip(stats, values)}
 
 
@@ -243,14 +299,14 @@ def next_token_logps(
     forward_kwargs = {"use_cache": False, **forward_kwargs}
     # chunked, or rows laid out by lit_align (``source``): the head on the predicting positions only, through
     # ``chunked_token_logps``, which keeps no logits for backward and at a 152k vocabulary runs several times faster
-    # than autograd through the model's full logits (bench/profile_steps.py); unchunked, ``DEFAULT_CHUNK_LOGITS``
-    # logits at a time (every position at once at small vocabularies)
+    # than autograd through the model's full logits (bench/profile_steps.py); unchunked, ``DEFAULT_CHUNK_ROWS``
+    # positions at a time
     parts = chunkable_head(model) if chunk_size or source is not None else None
     if parts is not None:
         decoder, head, scale = parts
         hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
-        chunk_size = chunk_size or max(DEFAULT_CHUNK_LOGITS // head.weight.shape[0], 1)
-        return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size, scale / temperature, stats)
+        return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size or DEFAULT_CHUNK_ROWS,
+                                   scale / temperature, stats)
     if not takes_logits_to_keep(model):
         logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
     elif source is None:  # the logits of the last L - start + 1 positions

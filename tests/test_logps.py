@@ -38,24 +38,27 @@ def assert_grads_close(got_grads, want_grads, dtype=torch.float32, grad_dtype=No
         assert_rounding_close(got, want, terms=terms, dtype=dtype, msg=name)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 5, 21, 1000])  # 21 = N*T; 5 does not divide it
+@pytest.mark.parametrize("chunk_size,block_size", [(1, None), (5, None), (21, None), (1000, None), (5, 7), (21, 1),
+                                                   (4, 49)])  # 21 = N*T; 5 does not divide it; blocks of V=50
 @pytest.mark.parametrize("bias", [True, False])
-def test_chunked_equals_plain_fp32(chunk_size, bias):
+def test_chunked_equals_plain_fp32(chunk_size, block_size, bias):
     hidden, weight, b, labels, grad_out = inputs(bias=bias)
     scale = 1 / 0.7  # a temperature
     logits = F.linear(hidden, weight, b) * scale
     plain = token_logps(logits, labels)
-    chunked, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=chunk_size, scale=scale)
+    chunked, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=chunk_size, scale=scale,
+                                     block_size=block_size)
     assert chunked.dtype == torch.float32 and chunked.shape == (N, T)
     # the logits (a reduction over H) and their logsumexp (over V), each in the chunk's own kernel
     assert_rounding_close(chunked, plain, scale=logits.abs().max(), terms=max(H, V))
     assert_grads_close(grads(chunked, grad_out, hidden, weight, b), grads(plain, grad_out, hidden, weight, b))
 
 
-def test_chunked_equals_plain_bf16():
+@pytest.mark.parametrize("block_size", [None, 8])
+def test_chunked_equals_plain_bf16(block_size):
     hidden, weight, b, labels, grad_out = inputs(torch.bfloat16)
     plain = token_logps(F.linear(hidden, weight, b), labels)  # bf16 logits, upcast inside
-    chunked, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=4)
+    chunked, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=4, block_size=block_size)
     assert chunked.dtype == plain.dtype == torch.float32
     # the same bf16 logits (bf16 matmul rounding, possibly another kernel per chunk), then fp32 math
     logits = F.linear(hidden, weight, b).float()
@@ -68,7 +71,7 @@ def test_chunked_under_autocast_matches_plain_and_returns_fp32():
     hidden, weight, b, labels, grad_out = inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain = token_logps(F.linear(hidden, weight, b), labels)
-        chunked, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=8)
+        chunked, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=8, block_size=16)
     assert chunked.dtype == torch.float32
     logits = F.linear(hidden, weight, b)
     assert_rounding_close(chunked, plain, scale=logits.abs().max(), dtype=torch.bfloat16)
@@ -77,14 +80,21 @@ def test_chunked_under_autocast_matches_plain_and_returns_fp32():
                        dtype=torch.bfloat16, grad_dtype=torch.float32)
 
 
-def test_chunked_stats_equal_plain_stats():
+@pytest.mark.parametrize("block_size", [None, 1, 6])
+def test_chunked_stats_equal_plain_stats(block_size):
+    """Every statistic, also when the vocabulary is cut into blocks (the online logsumexp rescales its sums as the
+    running maximum moves), with the maximum tied across blocks (argmax: the first)."""
     hidden, weight, b, labels, _ = inputs()
-    names = ("entropy", "argmax", "mean_logit")
-    _, chunked = chunked_token_logps(hidden, weight, labels, b, chunk_size=4, scale=2.0, stats=names)
+    with torch.no_grad():  # tokens 3 and 40 (other blocks) share one exact logit: the largest at half the positions
+        weight[3], weight[40] = 0, 0
+        b[3] = b[40] = F.linear(hidden, weight, b).amax(-1).median() + 1e-3
+    names = ("entropy", "argmax", "mean_logit", "log_sum_sq_probs")
+    _, chunked = chunked_token_logps(hidden, weight, labels, b, chunk_size=4, scale=2.0, stats=names,
+                                     block_size=block_size)
     logits = F.linear(hidden, weight, b) * 2.0
     plain = plain_token_stats(logits, names)
     assert torch.equal(chunked["argmax"], plain["argmax"])
-    for name in ("entropy", "mean_logit"):
+    for name in ("entropy", "mean_logit", "log_sum_sq_probs"):
         assert not chunked[name].requires_grad
         assert_rounding_close(chunked[name], plain[name], scale=logits.abs().max(), terms=max(H, V), msg=name)
     with pytest.raises(ValueError, match="unknown stats"):
