@@ -7,12 +7,12 @@ grid's ``mask`` of scored tokens. ``lit_align.logps.layout_logps`` runs any of t
 
 - ``padded``: right-padded rows (SFT rows, DPO's ``[chosen_1..B; rejected_1..B]``), scoring a masked subset;
 - ``prompt_completion``: left-padded prompts, right-padded completions (GRPO), positions following the mask;
-- ``packed``: the same prompts and completions packed into one row without padding, a block-causal mask keeping
-  the rows apart (GRPO's ``padding_free``);
+- ``right_aligned``: the same rows as ``[prompt, completion, padding]``, for ``packed_rows`` (GRPO's ``padding_free``);
 - ``shared_prompt_pairs``: each DPO pair as one row ``[prompt, chosen, rejected]``, the prompt computed once;
 - ``segments``: packed SFT rows, several sequences per row with a block-causal mask;
-- ``packed_rows``: any of DPO's two pair layouts without padding (DPO's ``padding_free``), its rows packed into as
-  few rows as hold them, the LM head on the scored tokens only (``targets``).
+- ``packed_rows``: a right-padded layout (DPO's two pair layouts, GRPO's ``right_aligned``) without padding (their
+  ``padding_free``), its rows packed into as few rows as hold them, the LM head on the scored tokens only
+  (``targets``).
 
 The 4D layouts need a model that takes a custom mask (``lit_align.capabilities``); ``pairs`` picks the shared-prompt
 layout only for a model that does.
@@ -95,33 +95,24 @@ def prompt_completion(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, compl
                   position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0))
 
 
-def packed(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-           completion_mask: torch.Tensor) -> Layout:
-    """``prompt_completion`` without padding: every prompt's real tokens, then every completion's, in one row::
-
-        [ p_1 | p_2 | ... | p_N | c_1 | c_2 | ... | c_N ]      positions restart in each prompt and go on in its
-                                                               completion; a block-causal mask keeps the rows apart
-
-    so the layers compute real tokens only, where a padded batch computes ``N * (P + C)`` positions however short
-    most rows are (completion lengths have a long tail). The mask is ``[T, T]`` for ``T`` real tokens (sdpa and
-    eager attention), at batch sizes where that fits. Same grid as ``prompt_completion``.
-    """
-    prompt_real, completion_real = prompt_mask.bool(), completion_mask.bool()
-    prompt_lengths, rows = prompt_real.sum(1), torch.arange(len(prompt_ids), device=prompt_ids.device)
-    input_ids = torch.cat([prompt_ids[prompt_real], completion_ids[completion_real]])[None]
-    segment = torch.cat([rows.repeat_interleave(prompt_lengths), rows.repeat_interleave(completion_real.sum(1))])
-    position = torch.cat([(prompt_real.cumsum(1) - 1)[prompt_real],
-                          (completion_real.cumsum(1) - 1 + prompt_lengths[:, None])[completion_real]])
-    allowed = (segment[:, None] == segment[None, :]) & (position[None, :] <= position[:, None])
-    # each completion token is predicted by the token before it: its row's last prompt token for the first one
-    start = int(prompt_lengths.sum())
-    source = torch.arange(start - 1, input_ids.shape[1] - 1, device=input_ids.device)
-    first_token = (completion_real.cumsum(1) == 1) & completion_real
-    source[first_token[completion_real]] = prompt_lengths.cumsum(0)[first_token.any(1)] - 1
-    index = torch.zeros(completion_ids.shape, dtype=torch.long, device=completion_ids.device)
-    index[completion_real] = torch.arange(int(completion_real.sum()), device=completion_ids.device)
-    return Layout("padding_free", input_ids, start, completion_real, allowed=allowed[None, None], position_ids=position[None],
-                  source=source[None], index=index)
+def right_aligned(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                  completion_mask: torch.Tensor) -> Layout:
+    """``prompt_completion``'s rows with their padding moved to the end, ``[prompt | completion | padding]``,
+    positions from 0: the same values, in the right-padded form ``packed_rows`` packs (GRPO's ``padding_free``).
+    The grid is the completions' ``[N, C]``."""
+    real = torch.cat([prompt_mask, completion_mask], 1).bool()
+    lengths, prompt_lengths = real.sum(1), prompt_mask.bool().sum(1)
+    width = int(lengths.max())
+    order = torch.sort((~real).int(), dim=1, stable=True).indices[:, :width]  # each row's real tokens first, in order
+    input_ids = torch.cat([prompt_ids, completion_ids], 1).gather(1, order)
+    columns = torch.arange(width, device=input_ids.device)
+    attention_mask = (columns < lengths[:, None]).long()
+    # completion token j of row i is label column P_i + j - 1 (labels start at column 1)
+    label_columns = prompt_lengths[:, None] + torch.arange(completion_ids.shape[1], device=input_ids.device) - 1
+    rows = torch.arange(len(input_ids), device=input_ids.device)[:, None]
+    index = rows * (width - 1) + label_columns.clamp(0, max(width - 2, 0))
+    return Layout("right_aligned", input_ids.masked_fill(attention_mask == 0, 0), 1, completion_mask.bool(),
+                  attention_mask=attention_mask, index=index, window=width)
 
 
 def shared_prompt_pairs(batch: dict[str, torch.Tensor]) -> Layout | None:
@@ -180,7 +171,7 @@ def shared_prompt_pairs(batch: dict[str, torch.Tensor]) -> Layout | None:
 
 
 def packed_rows(layout: Layout) -> Layout:
-    """``layout``'s right-padded rows (``padded`` or ``shared_prompt_pairs``) without padding::
+    """``layout``'s right-padded rows (``padded``, ``shared_prompt_pairs``, ``right_aligned``) without padding::
 
         [ pair_3 row | pair_1 row ]        each row whole, best-fit decreasing into rows as wide as the longest one
         [ pair_2 row | pair_4 row | pad ]  (``lit_align.data.packing.bfd_bins``); each sees only itself, as before

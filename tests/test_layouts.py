@@ -11,7 +11,7 @@ from torch.overrides import TorchFunctionMode
 
 from lit_align.capabilities import supports_shared_prompt
 from lit_align.data.preference import collate_pairs
-from lit_align.layouts import packed_rows, padded, shared_prompt_pairs
+from lit_align.layouts import packed_rows, padded, right_aligned, shared_prompt_pairs
 from lit_align.logps import layout_logps
 from lit_align.models import load_model
 from lit_align.modules.grpo import completion_token_logps
@@ -60,8 +60,9 @@ def test_completion_logps_do_not_depend_on_left_padding(tokenizer, tiny_path):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("arch,chunk_size", [("llama", None), ("llama", 3), ("qwen2", None)])
 def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, attn, tokenizer):
-    """Packed (one row, block-causal mask), ``completion_token_logps`` gives the padded log-probs, entropy
-    and gradients: left-padded prompts and completions of different lengths, one completion a single token."""
+    """Packed (``right_aligned`` rows packed as wide as the longest, two sequences sharing a row),
+    ``completion_token_logps`` gives the padded log-probs, entropy and gradients: left-padded prompts and completions
+    of different lengths, one completion a single token."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if arch == "llama":
@@ -76,6 +77,8 @@ def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size,
     prompt_ids, completion_ids = torch.randint(10, 90, (4, 6)), torch.randint(10, 90, (4, 5))
     prompt_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]])
     completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    layout = packed_rows(right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
+    assert layout.input_ids.shape == (3, 11)  # real lengths 7, 11, 3, 7: [11], [7 + 3], [7]
     results = []
     for packed in (False, True):
         model.zero_grad()
@@ -85,7 +88,7 @@ def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size,
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         results.append((logps * completion_mask, entropy * completion_mask, grads))
     (padded, padded_entropy, padded_grads), (packed, packed_entropy, packed_grads) = results
-    # one packed sequence against padded rows: other attention shapes, the same formula (rule 3)
+    # packed rows against padded ones: other attention shapes, the same formula (rule 3)
     assert_rounding_close(packed, padded, terms=TINY_TERMS)
     assert_rounding_close(packed_entropy, padded_entropy, terms=TINY_TERMS)
     assert len(packed_grads) == len(padded_grads) > 0

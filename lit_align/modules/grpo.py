@@ -37,10 +37,12 @@ def _repeat(values: list, times: int) -> list:
 def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
                            with_entropy: bool = False, chunk_size: int | None = None, packed: bool = False):
     """Per-token log-probs ``[N, C]`` of completions after left-padded prompts, logits divided by ``temperature``
-    (and, ``with_entropy``, the tempered distribution's entropy, without gradient); 0 at padding. Padded rows, or
-    ``packed`` into one (``lit_align.layouts``)."""
-    layout = (layouts.packed if packed else layouts.prompt_completion)(
-        prompt_ids, prompt_mask, completion_ids, completion_mask)
+    (and, ``with_entropy``, the tempered distribution's entropy, without gradient); 0 at padding. Padded rows,
+    or ``packed`` without padding (``lit_align.layouts.packed_rows``)."""
+    if packed:
+        layout = layouts.packed_rows(layouts.right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
+    else:
+        layout = layouts.prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask)
     out = layout_logps(model, layout, ("entropy",) if with_entropy else (), chunk_size, temperature)
     return out.tokens, out.stats.get("entropy")
 
@@ -72,11 +74,10 @@ class GRPOModule(AlignModule):
         engine: sampler: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or
             ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with ``vllm_mode: colocate``; its own
             environment, see the README).
-        padding_free: compute each step's training log-probs with its rows packed into one sequence
-            (``lit_align.layouts.packed``): the same values, without the cost of padding. Pays with long-tailed
-            lengths and few rows per step; with many short rows the packed row's attention (quadratic in its ``T``
-            tokens) costs more than the padding saved. sdpa or eager attention; the mask is ``T * T`` bytes. The
-            round-level no-grad passes (old and reference log-probs) stay padded.
+        padding_free: compute each step's training log-probs with its rows packed without padding, several per row,
+            rows as wide as the longest (``lit_align.layouts.packed_rows``), the LM head on completion tokens only:
+            the same values, without the cost of completions that ended early and of prompt padding. sdpa or eager
+            attention. The round-level no-grad passes (old and reference log-probs) stay padded.
         vllm_mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported).
         vllm_gpu_memory_utilization: with ``engine: vllm``, the fraction of GPU memory vLLM takes (weights and KV
             cache; on CPU of the RAM, unless ``VLLM_CPU_KVCACHE_SPACE`` sets the KV cache in GiB).
