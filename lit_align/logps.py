@@ -31,6 +31,7 @@ from lit_align.errors import LitAlignError
 STATS = ("entropy", "argmax", "mean_logit", "log_sum_sq_probs")
 DEFAULT_CHUNK_ROWS = 512  # positions per chunk where no chunk size is set
 BLOCK_LOGITS = 2**21  # logits per [rows, vocabulary block] tile: 8 MB in fp32, in the last-level cache
+KEEP_LOGITS_BYTES = 2**28  # with ``keep_logits``, backward reuses the forward's logits when they take at most this
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -79,17 +80,19 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     """``[M, H], [V, H], [V] | None, [M] -> [M]`` log-probs, plus no-grad ``[M]`` stats (``chunked_token_logps``).
 
     Each chunk of ``chunk_size`` positions meets the head one vocabulary block at a time (``_Head``): the tile stays in
-    cache while an online logsumexp (running max, rescaled sums) and the stats read it. Backward recomputes the tiles
-    and turns each into ``softmax`` with the saved logsumexp in one pass."""
+    cache while an online logsumexp (running max, rescaled sums) and the stats read it. Backward turns each tile into
+    ``softmax`` with the saved logsumexp in one pass: the forward's tiles where ``keep`` (a matmul saved, their memory
+    held), else recomputed."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_size: int, block_size: int, scale: float, dtype: torch.dtype,
-                stats: tuple):
+                stats: tuple, keep: bool):
         head = _Head(weight, bias, scale, dtype, block_size)
         acc, vocab = head.acc, weight.shape[0]
         lse = hidden.new_empty(labels.shape, dtype=acc)
         logps = torch.empty_like(lse)
         out = {name: torch.empty_like(lse, dtype=torch.long if name == "argmax" else acc) for name in stats}
+        kept = []  # with ``keep``: each tile as (its logits minus its running max, that max), in place later
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, labels.numel(), chunk_size):
                 rows, label = slice(s, s + chunk_size), labels[s : s + chunk_size]
@@ -110,7 +113,9 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                     shift = torch.where(total > 0, top - new_top, 0)
                     rescale = shift.exp()
                     x.sub_(new_top[:, None])
-                    e = x.exp() if "entropy" in out or "log_sum_sq_probs" in out else x.exp_()
+                    e = x.exp() if keep or "entropy" in out or "log_sum_sq_probs" in out else x.exp_()
+                    if keep:
+                        kept.append((x, new_top))
                     if "entropy" in out:
                         moment = rescale * (moment + total * shift) + torch.linalg.vecdot(e, x)
                     if "log_sum_sq_probs" in out:
@@ -129,6 +134,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                     out["log_sum_sq_probs"][rows] = square.log() - 2 * log_total
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.chunk_size, ctx.block_size, ctx.scale, ctx.dtype = chunk_size, block_size, scale, dtype
+        ctx.kept = iter(kept) if keep else None
         ctx.mark_non_differentiable(*out.values())
         return (logps, *out.values())
 
@@ -145,14 +151,24 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         grad_h = torch.empty_like(hidden, dtype=acc) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        kept, ctx.kept = ctx.kept, None  # the kept tiles serve one backward (a second one recomputes)
+
+        def softmax_tiles(h, rows):  # (start, weight block, softmax tile) of each vocabulary block
+            if kept is None:
+                for v, w, x in head.tiles(h):
+                    yield v, w, x.sub_(lse[rows, None]).exp_()
+            else:
+                for v in range(0, len(head.weight), head.block):
+                    x, top = next(kept)
+                    yield v, head.weight[v : v + head.block], x.add_((top - lse[rows])[:, None]).exp_()
+
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, labels.numel(), chunk):
                 rows = slice(s, s + chunk)
                 h = hidden[rows].to(dtype)
                 scaled_h = (h.to(acc) * coef[rows, None]).to(dtype)
                 part_h = torch.zeros(h.shape, dtype=acc, device=h.device) if need_h else None
-                for v, w, x in head.tiles(h):
-                    probs = x.sub_(lse[rows, None]).exp_()
+                for v, w, probs in softmax_tiles(h, rows):
                     if need_b:
                         grad_b[v : v + len(w)] += probs.T @ coef[rows]
                     probs = probs.to(dtype)
@@ -170,7 +186,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if need_b:
             grad_b = grad_b.index_add_(0, labels, -coef).to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -190,13 +206,16 @@ def chunked_token_logps(
     scale: float = 1.0,
     stats: tuple[str, ...] = (),
     block_size: int | None = None,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Log-probs of ``labels`` under ``scale * (hidden @ weight.T + bias)``: ``[..., H], [V, H], [...] -> [...]`` fp32.
 
     Equals ``token_logps(lm_head(hidden) * scale, labels)`` in values and gradients (w.r.t. ``hidden``, ``weight``,
     ``bias``), without ever holding the ``[..., V]`` logits: ``chunk_size`` positions meet the head one vocabulary
     block of ``block_size`` tokens at a time (default: tiles of ``BLOCK_LOGITS``), and backward recomputes the tiles.
-    The matmul runs in the autocast dtype if autocast is on, else in ``hidden``'s dtype; everything after it in fp32.
+    ``keep_logits``: backward reuses the forward's logits instead of recomputing them (a third of the head's matmuls
+    saved) when they take at most ``KEEP_LOGITS_BYTES``. The matmul runs in the autocast dtype if autocast is on, else
+    in ``hidden``'s dtype; everything after it in fp32.
     ``stats`` (no gradient, fp32, of the scaled logits): ``entropy``, ``argmax`` (ids), ``mean_logit`` (mean over the
     vocabulary), ``log_sum_sq_probs`` (``log sum_v p(v)^2``, WPO's normalizer). Labels must be valid ids everywhere.
     """
@@ -205,9 +224,12 @@ def chunked_token_logps(
         raise ValueError(f"unknown stats {sorted(unknown)}: expected some of {STATS}")
     dtype = _autocast_dtype(hidden.device) or hidden.dtype
     shape = labels.shape
+    trained = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    keep = (keep_logits and trained
+            and labels.numel() * weight.shape[0] * compute_dtype(dtype).itemsize <= KEEP_LOGITS_BYTES)
     logps, *values = _ChunkedTokenLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
                                               int(chunk_size), int(block_size or max(BLOCK_LOGITS // chunk_size, 128)),
-                                              float(scale), dtype, tuple(stats))
+                                              float(scale), dtype, tuple(stats), keep)
     return logps.view(shape), {name: v.view(shape) for name, v in zip(stats, values)}
 
 
@@ -298,15 +320,15 @@ def next_token_logps(
 
     forward_kwargs = {"use_cache": False, **forward_kwargs}
     # chunked, or rows laid out by lit_align (``source``): the head on the predicting positions only, through
-    # ``chunked_token_logps``, which keeps no logits for backward and at a 152k vocabulary runs several times faster
-    # than autograd through the model's full logits (bench/profile_steps.py); unchunked, ``DEFAULT_CHUNK_ROWS``
-    # positions at a time
+    # ``chunked_token_logps``, at a 152k vocabulary several times faster than autograd through the model's full
+    # logits (bench/profile_steps.py); unchunked, ``DEFAULT_CHUNK_ROWS`` positions at a time, the logits kept for
+    # backward where they are small (``KEEP_LOGITS_BYTES``), an explicit ``chunk_size`` never keeping them
     parts = chunkable_head(model) if chunk_size or source is not None else None
     if parts is not None:
         decoder, head, scale = parts
         hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
         return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size or DEFAULT_CHUNK_ROWS,
-                                   scale / temperature, stats)
+                                   scale / temperature, stats, keep_logits=chunk_size is None)
     if not takes_logits_to_keep(model):
         logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
     elif source is None:  # the logits of the last L - start + 1 positions

@@ -54,6 +54,36 @@ def test_chunked_equals_plain_fp32(chunk_size, block_size, bias):
     assert_grads_close(grads(chunked, grad_out, hidden, weight, b), grads(plain, grad_out, hidden, weight, b))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_recomputed_gradients_without_the_backward_matmul(dtype, monkeypatch):
+    """``keep_logits``: backward reuses the forward's tiles (the head's matmul runs in forward only), with the
+    gradients of the recomputing backward; a second backward (``retain_graph``) recomputes; over the byte budget, or
+    without gradient, nothing is kept."""
+    import lit_align.logps as logps_module
+
+    hidden, weight, b, labels, grad_out = inputs(dtype)
+    calls = []
+    tiles = logps_module._Head.tiles
+    monkeypatch.setattr(logps_module._Head, "tiles", lambda self, h: calls.append(len(h)) or tiles(self, h))
+    want = grads(chunked_token_logps(hidden, weight, labels, b, chunk_size=5, block_size=7, scale=1.3)[0], grad_out,
+                 hidden, weight, b)
+    assert len(calls) == 2 * 5  # 5 chunks of 21 positions, forward and backward
+    calls.clear()
+    logps, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=5, block_size=7, scale=1.3, keep_logits=True)
+    first = torch.autograd.grad((logps * grad_out).sum(), [hidden, weight, b], retain_graph=True)
+    assert len(calls) == 5  # the forward's only
+    for got, expected, name in zip(first, want, ("hidden", "weight", "bias")):
+        assert_rounding_close(got, expected, terms=1, dtype=dtype, msg=name)  # the same tiles, the same order
+    again = torch.autograd.grad((logps * grad_out).sum(), [hidden, weight, b])
+    assert len(calls) == 2 * 5
+    for got, expected in zip(again, want):
+        assert torch.equal(got, expected)
+    calls.clear()
+    monkeypatch.setattr(logps_module, "KEEP_LOGITS_BYTES", N * T * V * 4 - 1)
+    grads(chunked_token_logps(hidden, weight, labels, b, chunk_size=5, keep_logits=True)[0], grad_out, hidden, weight, b)
+    assert len(calls) == 2 * 5
+
+
 @pytest.mark.parametrize("block_size", [None, 8])
 def test_chunked_equals_plain_bf16(block_size):
     hidden, weight, b, labels, grad_out = inputs(torch.bfloat16)
