@@ -80,7 +80,8 @@ def test_kept_logits_give_the_recomputed_gradients_without_the_backward_matmul(d
         assert torch.equal(got, expected)
     calls.clear()
     monkeypatch.setattr(logps_module, "KEEP_LOGITS_BYTES", N * T * V * 4 - 1)
-    grads(chunked_token_logps(hidden, weight, labels, b, chunk_size=5, keep_logits=True)[0], grad_out, hidden, weight, b)
+    logps, _ = chunked_token_logps(hidden, weight, labels, b, chunk_size=5, keep_logits=True)
+    grads(logps, grad_out, hidden, weight, b)
     assert len(calls) == 2 * 5
 
 

@@ -46,11 +46,16 @@ class LlamaDecodeStep:
         linears += [getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         return (all(type(m) is torch.nn.Linear for m in linears)  # plain weights: no LoRA or quantized layers
                 and set(layer.self_attn._modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
-                and model.get_output_embeddings() is not None)
+                and type(model.get_output_embeddings()) is torch.nn.Linear)
 
     def __init__(self, model, cache: SlotCache, positions: torch.Tensor, valid: torch.Tensor):
         base, config = model.model, model.config
-        self.embed, self.head = base.embed_tokens.weight, model.get_output_embeddings()
+        self.embed, head = base.embed_tokens.weight, model.get_output_embeddings()
+        # on CPU the LM head, the one weight too large for the caches, streams from memory at every step: a [H, V]
+        # copy reads in order (at a 152k vocabulary 1.4x faster than the [V, H] weight; GPUs need no copy)
+        weight = head.weight.detach()
+        self.head_weight = weight.T.contiguous() if weight.device.type == "cpu" else weight.T
+        self.head_bias = head.bias
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         attn = base.layers[0].self_attn
@@ -96,4 +101,5 @@ class LlamaDecodeStep:
             h = h + o_proj(out.view(rows, -1))
             gate, up = F.linear(_rms_norm(h, *norm2), w_gate_up, b_gate_up).chunk(2, dim=-1)
             h = h + down_proj(act(gate) * up)
-        return self.head(_rms_norm(h, *self.norm))
+        logits = _rms_norm(h, *self.norm) @ self.head_weight
+        return logits if self.head_bias is None else logits.add_(self.head_bias)
