@@ -11,13 +11,19 @@ writes, under ``$LIT_ALIGN_CACHE/lab`` (once; later calls read it back):
   hidden 256, intermediate 1,024, 4 layers, 4 heads / 2 KV heads (head dim 64): 3.7M decoder + 38.9M embedding=head.
 - Random weights (speed does not depend on them), fp32, sdpa attention.
 - A word-level tokenizer of exactly that vocabulary (``tokenizers`` ``WordLevel`` over generated words, one token per
-  whitespace-separated word, so a row's token count is its word count), with BOS/EOS/pad and a ChatML chat template.
+  whitespace-separated word), with BOS/EOS/pad and a ChatML chat template. transformers 5 loads a ``qwen2`` model
+  directory's tokenizer as its own ``Qwen2Tokenizer`` (byte-level pre-tokenization; with no merges in the lab's
+  vocabulary, about one token per letter), so ``qwen2-152k``'s rows come out ~2.3x as many tokens as ``llama-32k``'s:
+  both are kept as they load, as every bench (and TRL) sees them.
 - ``preference.jsonl``: prompt / chosen / rejected strings with UltraFeedback-like length spreads: log-normal
-  lengths (prompt median 60 tokens, completions median 110), so the ``[prompt, chosen, rejected]`` rows span ~50 to
-  ~700 tokens (``python bench/lab.py`` prints the percentiles).
-- ``prompts.jsonl``: GSM8K-like prompts (median 55 tokens, 25-200) with an ``answer`` column.
+  word counts (prompt median 60, completions median 110), so the ``[prompt, chosen, rejected]`` rows span 156 / 332 /
+  618 tokens at p5 / p50 / p95 for ``llama-32k``, 359 / 772 / 1437 for ``qwen2-152k`` (``python bench/lab.py``
+  prints the percentiles, each model's tokenizer as loaded).
+- ``prompts.jsonl``: GSM8K-like prompts (``llama-32k``: median 55 tokens, 25-200; ``qwen2-152k``: median 127) with an
+  ``answer`` column.
 
-The words are drawn Zipf-like from the vocabulary, so rows use the whole of it, as real text does.
+The words are drawn Zipf-like from the vocabulary, so rows use the whole of it (through the word-level tokenizer), as
+real text does.
 
     python bench/lab.py              # build (if needed) and print the shapes and row lengths
 """
@@ -161,18 +167,23 @@ def prompt_rows() -> str:
 
 def main() -> None:
     import numpy as np
+    from transformers import AutoTokenizer
 
     root = build()
     print(f"lab: {root}")
-    for name, shape in LAB_MODELS.items():
-        print(f"  {name}: {shape}")
     rows = [json.loads(line) for line in open(root / "preference.jsonl")]
-    n = {k: np.array([len(r[k].split()) for r in rows]) for k in ("prompt", "chosen", "rejected")}
-    shared = n["prompt"] + n["chosen"] + n["rejected"]
-    for what, values in [*n.items(), ("[prompt, chosen, rejected]", shared)]:
-        print(f"  {what:<28} tokens p5/p50/p95/max: {np.percentile(values, [5, 50, 95]).astype(int)} {values.max()}")
-    q = np.array([len(json.loads(line)["prompt"].split()) for line in open(root / "prompts.jsonl")])
-    print(f"  {'GSM8K-like prompt':<28} tokens p5/p50/p95/max: {np.percentile(q, [5, 50, 95]).astype(int)} {q.max()}")
+    prompts = [json.loads(line)["prompt"] for line in open(root / "prompts.jsonl")]
+    for name, shape in LAB_MODELS.items():
+        tokenizer = AutoTokenizer.from_pretrained(model(name))  # as every bench loads it
+        print(f"  {name}: {shape}; tokenizer {type(tokenizer).__name__}")
+        n = {k: np.array([len(ids) for ids in tokenizer([r[k] for r in rows], add_special_tokens=False)["input_ids"]])
+             for k in ("prompt", "chosen", "rejected")}
+        n["[prompt, chosen, rejected]"] = n["prompt"] + n["chosen"] + n["rejected"]
+        question_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        n["GSM8K-like prompt"] = np.array([len(ids) for ids in question_ids])
+        for what, values in n.items():
+            print(f"    {what:<28} tokens p5/p50/p95/max: {np.percentile(values, [5, 50, 95]).astype(int)} "
+                  f"{values.max()}")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,9 @@
 
 DPO: ``bench/dpo_vs_trl.py``'s lit_align run (``padding_free``, 4 pairs/step, UltraFeedback-like rows), the steps
 after the first profiled. GRPO: ``bench/grpo_vs_trl.py``'s lit_align run (native sampler, ``padding_free`` training,
-16 completions of 128 tokens per round), the second round profiled. Each table: the ops with the most self CPU time,
-and the share of the profiled time in the LM head's matmuls (``[*, H] x [V, H]``), the decoder's other matmuls,
-attention and the rest.
+16 completions of 128 tokens per round), both rounds profiled (the first included). Each table: the ops with the
+most self CPU time, and the share of the profiled time in the LM head's matmuls (``[*, H] x [V, H]`` or one
+vocabulary block of it), the decoder's other matmuls, attention and the rest.
 """
 
 from __future__ import annotations
@@ -22,15 +22,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def head_widths(vocab: int) -> set[int]:
+    """The LM head's output widths in matmul shapes: the vocabulary (the sampler's head, the plain path) and
+    ``lit_align.logps``'s vocabulary blocks (the full one and the last)."""
+    from lit_align.logps import BLOCK_LOGITS, DEFAULT_CHUNK_ROWS
+
+    block = BLOCK_LOGITS // DEFAULT_CHUNK_ROWS
+    return {vocab, block, vocab % block} - {0}
+
+
 def table(prof, title: str, vocab: int) -> None:
     events = prof.key_averages(group_by_input_shape=True)
+    widths = head_widths(vocab)
     total = sum(e.self_cpu_time_total for e in events)
     groups = {"LM head matmuls": 0.0, "other matmuls": 0.0, "attention (sdpa)": 0.0, "log-softmax/logsumexp": 0.0,
               "optimizer": 0.0, "rest": 0.0}
     for e in events:
         shapes = str(e.input_shapes)
         if e.key in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::matmul", "aten::linear"):
-            groups["LM head matmuls" if str(vocab) in shapes else "other matmuls"] += e.self_cpu_time_total
+            dims = {int(d) for d in shapes.replace("[", " ").replace("]", " ").replace(",", " ").split()}
+            groups["LM head matmuls" if dims & widths else "other matmuls"] += e.self_cpu_time_total
         elif "attention" in e.key:
             groups["attention (sdpa)"] += e.self_cpu_time_total
         elif any(k in e.key for k in ("logsumexp", "softmax", "exp", "log_softmax")):
