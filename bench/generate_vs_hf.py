@@ -22,7 +22,8 @@ completion masks), and the native engine's dropping of finished rows shows (``ge
 last one ends). The matmul bound is left out there.
 
 tokens/s = generated tokens (``rows * max_new_tokens``) / wall time of one ``generate`` call, prefill included.
-The matmul bound (``matmul_bound``) is the rate if a decode step cost only its ``nn.Linear`` matmuls: a ceiling.
+The matmul bound (``matmul_bound``) is the rate if a decode step cost only its ``nn.Linear`` matmuls, each in the
+faster of its weight's two layouts: a ceiling.
 Each cell is the median over ``--repeats`` calls after one warm-up call; the engines alternate call by call, so that
 a change in the machine's load hits both alike. The ratio is native / HF. On a machine shared with other jobs, use
 ``--threads 1``: with more torch threads than free cores every op waits on OpenMP barriers and the figures mean
@@ -40,21 +41,26 @@ import time
 
 def matmul_bound(model, rows: int, steps: int = 50) -> float:
     """tok/s if a decode step of ``rows`` rows cost its matrix multiplies alone: every ``nn.Linear`` of the model
-    (attention and MLP projections, the LM head) run on a ``[rows, in_features]`` input, timed. A ceiling for any
-    engine: attention, norms, rotary and sampling come on top."""
+    (attention and MLP projections, the LM head) on a ``[rows, in_features]`` input, each timed with its weight as
+    stored (``[out, in]``) and as an ``[in, out]`` copy, the faster counted. A ceiling for any engine: attention,
+    norms, rotary and sampling come on top."""
     import torch
+    import torch.nn.functional as F
 
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = [torch.randn(rows, m.in_features) for m in linears]
-    with torch.inference_mode():
+    def seconds(fn, x, w) -> float:
         for _ in range(5):
-            for m, x in zip(linears, inputs):
-                m(x)
+            fn(x, w)
         start = time.perf_counter()
         for _ in range(steps):
-            for m, x in zip(linears, inputs):
-                m(x)
-    return rows * steps / (time.perf_counter() - start)
+            fn(x, w)
+        return time.perf_counter() - start
+
+    total = 0.0
+    with torch.inference_mode():
+        for m in (m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+            x = torch.randn(rows, m.in_features)
+            total += min(seconds(F.linear, x, m.weight), seconds(torch.matmul, x, m.weight.T.contiguous()))
+    return rows * steps / total
 
 
 def main() -> None:
@@ -156,8 +162,8 @@ def main() -> None:
         line += "".join(f"{cell[k]:>14.0f}{cell[k] / cell['hf']:>10.2f}x" for k in others)
         print(line if args.eos else line + f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
     if not args.eos:
-        print("\nmatmul bound: tok/s if a decode step cost only its nn.Linear matmuls (same rows, same threads): no engine "
-              "can pass it; bound/HF is the most any engine could gain over HF here.")
+        print("\nmatmul bound: tok/s if a decode step cost only its nn.Linear matmuls (each in its faster layout; same "
+              "rows, same threads): no engine can pass it; bound/HF is the most any engine could gain over HF here.")
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ def _autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 
 class _Head:
-    """The LM head cut into vocabulary blocks: ``tiles(h)`` yields ``(start, logits)``, each ``[rows, block]`` tile
-    ``scale * (h @ weight[start:start + block].T + bias)`` in the compute dtype, the matmul in ``dtype``."""
+    """The LM head cut into vocabulary blocks: ``tiles(h)`` yields ``(start, weight block, logits)``, each logits tile
+    ``[rows, block]``: ``scale * (h @ weight[start:start + block].T + bias)`` in the compute dtype, the matmul in
+    ``dtype``."""
 
     def __init__(self, weight, bias, scale: float, dtype: torch.dtype, block: int):
         self.weight, self.bias = weight.to(dtype), None if bias is None else bias.to(dtype)  # cast once
