@@ -69,8 +69,10 @@ bench-realistic: setup  ## the benchmarks at realistic shapes, with each one's m
 	  $(PY) bench/dpo_vs_trl.py --lab realistic --padding-free --threads $$t && \
 	  $(PY) bench/grpo_vs_trl.py --lab realistic --lit-engine native+padfree --threads $$t || exit 1; \
 	done
-	$(PY) bench/dpo_vs_trl.py --lab realistic --lab-model qwen2-152k --padding-free --threads 1 --steps 5 --warmup 1
-	$(PY) bench/grpo_vs_trl.py --lab realistic --lab-model qwen2-152k --lit-engine native+padfree --threads 1
+	for t in 1 2; do \
+	  $(PY) bench/dpo_vs_trl.py --lab realistic --lab-model qwen2-152k --padding-free --threads $$t --steps 5 --warmup 1 && \
+	  $(PY) bench/grpo_vs_trl.py --lab realistic --lab-model qwen2-152k --lit-engine native+padfree --threads $$t || exit 1; \
+	done
 	$(PY) bench/generate_vs_hf.py --lab realistic --threads 1
 	$(PY) bench/generate_vs_hf.py --lab realistic --threads 2
 	$(PY) bench/logps_memory.py --lab realistic
