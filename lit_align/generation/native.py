@@ -146,6 +146,7 @@ class _LiveRows:
                  fast_decode: bool):
         rows, device = len(prompt_mask) * num_samples, prompt_mask.device
         self.model, self.cache, self.prompt_len = model, cache, prompt_mask.shape[1]
+        self.cache_kwargs = {cache_keyword(model): cache}  # looked up once, not at every step
         # every row attends to its prompt's real tokens and to everything generated
         valid = torch.cat([prompt_mask.repeat_interleave(num_samples, 0),
                            torch.ones(rows, steps, dtype=torch.bool, device=device)], 1)
@@ -170,8 +171,7 @@ class _LiveRows:
         if self.fast is not None:
             return self.fast(tokens, t, self.prompt_len + t)
         return self.model(input_ids=tokens.unsqueeze(1), attention_mask=self.step_mask[..., : self.prompt_len + t + 1],
-                          position_ids=self.next_position + t, use_cache=True,
-                          **{cache_keyword(self.model): self.cache}).logits[:, -1]
+                          position_ids=self.next_position + t, use_cache=True, **self.cache_kwargs).logits[:, -1]
 
 
 def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
