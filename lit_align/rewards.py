@@ -18,6 +18,7 @@ import importlib
 import inspect
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -113,10 +114,18 @@ class RewardModel:
         if self.network is not None:
             return self
         self.tokenizer = load_tokenizer(self.model_name, trust_remote_code=trust_remote_code)
-        self.network = load_model(self.model_name, dtype=dtype, attn_implementation=None,
-                                  trust_remote_code=trust_remote_code,
-                                  model_init_kwargs={**(model_init_kwargs or {}), "num_labels": 1},
-                                  auto_class=AutoModelForSequenceClassification).eval().requires_grad_(False)
+        network, info = load_model(self.model_name, dtype=dtype, attn_implementation=None,
+                                   trust_remote_code=trust_remote_code,
+                                   model_init_kwargs={**(model_init_kwargs or {}), "num_labels": 1,
+                                                      "output_loading_info": True},
+                                   auto_class=AutoModelForSequenceClassification)
+        # a causal LM loads too: transformers starts the head it lacks from random weights and only logs "MISSING"
+        if info["missing_keys"]:
+            raise LitAlignError(f"reward model {self.model_name!r}: its checkpoint has no weights for "
+                                f"{sorted(info['missing_keys'])}, which would start from random values: not a reward "
+                                "model (expected a sequence classifier trained with one label, e.g. by TRL's "
+                                "RewardTrainer)")
+        self.network = network.eval().requires_grad_(False)
         self.network.config.pad_token_id = self.tokenizer.pad_token_id  # the score is read at the last real token
         return self
 
@@ -182,8 +191,23 @@ def score_all(fns: list[Callable], prompts: list, completions: list, completion_
             return await asyncio.gather(*(fn(**kwargs) for fn in waiting.values()), return_exceptions=True)
 
         results = dict(zip(waiting, asyncio.run(gather())))
-    return [score(fn, prompts, completions, completion_ids, columns, extra, returned=results.get(i, _NOT_RUN))
-            for i, fn in enumerate(fns)]
+    values = [score(fn, prompts, completions, completion_ids, columns, extra, returned=results.get(i, _NOT_RUN))
+              for i, fn in enumerate(fns)]
+    warn_unscorable(values, prompts, completions, columns)
+    return values
+
+
+def warn_unscorable(values: list[list[float]], prompts: list, completions: list, columns: dict[str, list]) -> None:
+    """TRL's warning when every reward function returned None for a completion (its reward is then NaN and its
+    advantage 0: it teaches nothing): the first such completion's arguments. Every rank warns of its own rows."""
+    unscorable = [i for i in range(len(completions)) if all(math.isnan(v[i]) for v in values)]
+    if not unscorable:
+        return
+    i = unscorable[0]
+    row = {**{k: v[i] for k, v in columns.items()}, "prompt": prompts[i], "completion": completions[i]}
+    warnings.warn(f"All reward functions returned None for the following kwargs: {row}; please ensure that at least "
+                  f"one reward function returns a valid reward ({len(unscorable)} of {len(completions)} completions "
+                  "unscored)")
 
 
 _NOT_RUN = object()

@@ -364,6 +364,6 @@ def test_a_module_whose_round_disagrees_with_its_datamodule_is_refused(tmp_path,
 
     from helpers import fit
 
-    module = GRPOModule(model="builtin:tiny", num_generations=4)
+    module = GRPOModule(model="builtin:tiny", reward_funcs=["lit_align.rewards.sort_accuracy"], num_generations=4)
     with pytest.raises(LitAlignError, match=r"model.num_generations 4 differs from data.num_generations 2"):
         fit(module, PromptDataModule(batch_size=4, num_generations=2, val_split=None), tmp_path)

@@ -3,13 +3,17 @@ how ``reward_weights`` combine several functions into GRPO's reward (on a hand e
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
+from helpers import assert_one_line_error, read_metrics, run_main, write_sort_rows
 from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
 from lit_align.modules.grpo import GRPOModule
@@ -336,3 +340,75 @@ def test_grpo_loads_reward_models_with_the_policys_settings_and_logs_them(reward
 def test_a_missing_reward_model_is_named_before_the_run(tmp_path):
     with pytest.raises(LitAlignError, match=r"reward model '.*/no-rm': no such directory"):
         GRPOModule(reward_funcs=[str(tmp_path / "no-rm")])
+
+
+# -- what a GRPO run through ``lit-align fit`` refuses or warns about ------------------------------------------------------
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def reward_always_none(completions, **_):
+    """Applies to no completion at all."""
+    return [None] * len(completions)
+
+
+@pytest.fixture(scope="module")
+def prompt_rows(tmp_path_factory) -> str:
+    return write_sort_rows(tmp_path_factory.mktemp("reward_prompts") / "prompts.jsonl", 8, "prompts")
+
+
+def grpo_fit(root: Path, prompts: str, *extra: str) -> list[str]:
+    """One short GRPO step of ``configs/grpo.yaml`` on the tiny model, writing only under ``root``."""
+    return ["fit", "-c", str(CONFIGS / "grpo.yaml"), "--model.init_args.model", "builtin:tiny",
+            "--model.init_args.max_completion_length", "4", "--data.init_args.path", prompts,
+            "--data.init_args.val_split", "null", "--data.init_args.batch_size", "4",
+            "--data.init_args.num_generations", "2", "--data.init_args.steps_per_generation", "1",
+            "--trainer.max_steps", "1", "--trainer.val_check_interval", "1.0", "--trainer.log_every_n_steps", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root),
+            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root),
+            "--export.enabled", "false", *extra]
+
+
+def test_grpo_without_reward_functions_is_refused(tmp_path, prompt_rows, capfd):
+    """TRL requires reward_funcs: no reward function never means the built-in task's, which does not fit other data."""
+    code, _, err = run_main(grpo_fit(tmp_path, prompt_rows, "--model.init_args.reward_funcs", "[]"), capfd)
+    assert_one_line_error(code, err, "model.reward_funcs: none given; GRPO scores completions only with the reward "
+                                     "functions you name")
+    config = tmp_path / "mine.yaml"  # a user's own config that leaves reward_funcs out
+    config.write_text(yaml.safe_dump({
+        "model": {"class_path": "lit_align.modules.GRPOModule", "init_args": {"model": "builtin:tiny"}},
+        "data": {"class_path": "lit_align.data.PromptDataModule",
+                 "init_args": {"path": prompt_rows, "val_split": None, "batch_size": 4, "num_generations": 2}},
+        "trainer": {"max_steps": 1, "logger": False, "default_root_dir": str(tmp_path)},
+        "export": {"enabled": False}}))
+    code, _, err = run_main(["fit", "-c", str(config)], capfd)
+    assert_one_line_error(code, err, "model.reward_funcs: none given", "lit_align.rewards.sort_accuracy")
+    assert not list(tmp_path.rglob("*.ckpt"))  # refused before anything ran
+
+
+def test_a_causal_lm_given_as_a_reward_model_is_refused(tmp_path, prompt_rows, tiny_path, capfd):
+    """transformers would give it a randomly initialised ``score`` head and only log the missing weights."""
+    code, _, err = run_main(grpo_fit(tmp_path, prompt_rows, "--model.init_args.reward_funcs",
+                                     json.dumps(["lit_align.rewards.sort_accuracy", tiny_path])), capfd)
+    assert_one_line_error(code, err, f"reward model {tiny_path!r}: its checkpoint has no weights for "
+                                     "['score.weight']", "not a reward model")
+
+
+def test_completions_no_reward_function_applies_to_are_warned_about(tmp_path, prompt_rows, capfd):
+    """As TRL: the completion is unscorable (reward NaN, advantage 0: the loss is 0), and the user is told."""
+    with pytest.warns(UserWarning, match=r"All reward functions returned None for the following kwargs: "
+                                         r"\{'answer': '\d+', 'prompt': 'sort \d+:', 'completion': .*\}; please "
+                                         r"ensure that at least one reward function returns a valid reward"):
+        code, _, err = run_main(grpo_fit(tmp_path, prompt_rows, "--model.init_args.reward_funcs",
+                                         "[test_rewards.reward_always_none]"), capfd)
+    assert code == 0, err
+    step = [r for r in read_metrics(next(tmp_path.rglob("metrics.csv"))) if "train/loss" in r]
+    assert len(step) == 1 and step[0]["train/loss"] == 0.0 and math.isnan(step[0]["train/reward"])
+
+
+def test_max_completion_length_below_one_names_the_setting(tmp_path, prompt_rows, capfd):
+    code, _, err = run_main(grpo_fit(tmp_path, prompt_rows, "--model.init_args.reward_funcs",
+                                     "[lit_align.rewards.sort_accuracy]", "--model.init_args.max_completion_length",
+                                     "0"), capfd)
+    line = assert_one_line_error(code, err, "model.max_completion_length must be >= 1 (tokens sampled per "
+                                            "completion), got 0")
+    assert "max_new_tokens" not in line

@@ -54,6 +54,7 @@ class GRPOModule(AlignModule):
         reward_funcs: reward functions: dotted paths (``lit_align.rewards.sort_accuracy``, ``my_pkg.mod.fn``),
             ``{class_path, init_args}`` objects, plain or ``async``, with TRL's calling convention
             (``lit_align.rewards``); or reward models by hub name or directory (``lit_align.rewards.RewardModel``).
+            Required, as in TRL: none is an error (no reward fits every dataset).
         reward_weights: one weight per reward function (default: all 1.0); rewards are summed with these weights.
         num_generations: completions sampled per prompt (G; TRL's default 8). With ``lit-align`` it is set once,
             under ``data:`` (linked here); in Python pass the DataModule's values.
@@ -137,7 +138,14 @@ class GRPOModule(AlignModule):
             raise LitAlignError(f"model.temperature must be > 0 (GRPO samples distinct completions), got {temperature}")
         if engine not in ENGINES:
             raise LitAlignError(f"model.engine {engine!r}: expected one of {sorted(ENGINES)}")
-        reward_funcs = reward_funcs or ["lit_align.rewards.sort_accuracy"]
+        if max_completion_length < 1:
+            raise LitAlignError(f"model.max_completion_length must be >= 1 (tokens sampled per completion), "
+                                f"got {max_completion_length}")
+        if not reward_funcs:  # TRL requires them: a default reward would fit one dataset and silently score others
+            raise LitAlignError("model.reward_funcs: none given; GRPO scores completions only with the reward "
+                                "functions you name (TRL's reward_funcs): e.g. [lit_align.rewards.sort_accuracy] for "
+                                "the built-in sort task, [my_pkg.rewards.fn] for your own data, or a reward model's "
+                                "directory")
         self.reward_funcs = [load_reward(spec) for spec in reward_funcs]
         self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
         weights = reward_weights or [1.0] * len(self.reward_funcs)

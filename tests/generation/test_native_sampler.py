@@ -180,8 +180,8 @@ def test_grpo_trains_and_validates_with_the_native_engine(tmp_path, tiny_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"sort {d}:", "answer": "".join(sorted(d))}) + "\n" for d in digits))
     torch.manual_seed(0)
-    module = GRPOModule(model="builtin:tiny", max_completion_length=4, learning_rate=1e-3, engine="native",
-                        num_generations=2, steps_per_generation=2)
+    module = GRPOModule(model="builtin:tiny", reward_funcs=["lit_align.rewards.sort_accuracy"], max_completion_length=4,
+                        learning_rate=1e-3, engine="native", num_generations=2, steps_per_generation=2)
     assert isinstance(module.sampler, NativeSampler) and isinstance(module.greedy, NativeSampler)
     data = PromptDataModule(path=str(path), val_path=str(path), val_split="train", batch_size=4, num_generations=2,
                             steps_per_generation=2, val_batch_size=8)

@@ -300,14 +300,14 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path, prompts_file, ti
 ])
 def test_bad_settings_raise(kwargs, match):
     with pytest.raises(LitAlignError, match=match):
-        GRPOModule(**kwargs)
+        GRPOModule(reward_funcs=REWARDS, **kwargs)
 
 
 def test_engine_vllm_without_vllm_says_how_to_install(monkeypatch):
     """The main environment has no vLLM (it lives in ``make test-vllm``'s): choosing it names the install."""
     monkeypatch.setitem(sys.modules, "vllm", None)  # what an environment without vLLM imports
     with pytest.raises(LitAlignError, match=r"model.engine 'vllm' needs vLLM: pip install -e '.\[vllm\]'"):
-        GRPOModule(engine="vllm")
+        GRPOModule(reward_funcs=REWARDS, engine="vllm")
 
 
 # -- DDP through the CLI ---------------------------------------------------------------------------------------------------
