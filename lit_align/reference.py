@@ -58,7 +58,11 @@ def frozen(model: torch.nn.Module) -> torch.nn.Module:
 
 class Reference(torch.nn.Module):
     """The interface. ``setup(module)`` runs in ``configure_model`` once the policy is loaded; ``logps(batch,
-    compute)`` gives the reference's values for a batch."""
+    compute)`` gives the reference's values for a batch. ``identity``: the digest of the files the reference is read
+    from, which checkpoints record so that a resume refuses a reference whose files changed (None: nothing to check,
+    as under LoRA, whose reference is the base weights the checkpoint holds)."""
+
+    identity: str | None = None
 
     def setup(self, module) -> None:
         """Get ready against ``module`` (an ``AlignModule`` whose policy is loaded)."""
@@ -82,7 +86,6 @@ class FrozenReference(Reference):
         super().__init__()
         self.name = name
         self.model: torch.nn.Module | None = None
-        self.identity: str | None = None  # digest of the files it was loaded from (checkpoints record it)
 
     def setup(self, module) -> None:
         if self.model is not None:
@@ -160,7 +163,7 @@ class PrecomputedReference(Reference):
         name = self.name or module.model_name
         if name not in self._files_hash:  # one rank reads the weight files (every rank reading them is slow)
             self._files_hash[name] = strategy.broadcast(model_files_hash(name) if trainer.is_global_zero else None)
-        reference_hash = self._files_hash[name]
+        reference_hash = self.identity = self._files_hash[name]  # what a resume checks, as for a frozen reference
         hp = module.hparams
         path = cache_path(cache_key(rows, reference=reference_hash, dtype=hp.dtype,
                                     attn_implementation=hp.attn_implementation, precision=str(trainer.precision),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from collections.abc import Iterator
 from typing import Any
 
 import datasets
 import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -24,32 +26,24 @@ class ResumableLoader(DataLoader):
     ``load_state_dict`` before iterating again; a plain DataLoader would restart the interrupted epoch from its first
     batch (Lightning only warns). The state is the epoch and how many batches of it were trained on (the trainer's
     own count, so prefetched batches do not count); on resume the sampler skips those rows without loading them.
-    The sampler must replay the same order: a ``DistributedSampler`` (seeded per epoch) or a subclass of it.
+    The sampler must replay the same order: a ``DistributedSampler`` (seeded per epoch) or a subclass of it. That
+    the batches are the checkpoint run's is ``AlignDataModule.load_state_dict``'s check.
     """
 
-    def __init__(self, *args, trainer: L.Trainer | None = None, shape: dict[str, int] | None = None, **kwargs):
+    def __init__(self, *args, trainer: L.Trainer | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.trainer = trainer
-        self.shape = dict(shape or {})  # the data settings a batch's rows follow from (``data.batch_size``, ...)
         self._resume: dict[str, int] | None = None
 
     def state_dict(self) -> dict:
         if self.trainer is None:
-            return {"epoch": 0, "batches": 0, "shape": self.shape}
+            return {"epoch": 0, "batches": 0}
         done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         if done >= self.trainer.num_training_batches:  # the epoch is over (``limit_train_batches`` counts too)
-            return {"epoch": self.trainer.current_epoch + 1, "batches": 0, "shape": self.shape}
-        return {"epoch": self.trainer.current_epoch, "batches": done, "shape": self.shape}
+            return {"epoch": self.trainer.current_epoch + 1, "batches": 0}
+        return {"epoch": self.trainer.current_epoch, "batches": done}
 
     def load_state_dict(self, state: dict) -> None:
-        """The position is counted in batches: a resume whose batches hold other rows would retrain or skip rows,
-        so a change of the settings that shape them is refused."""
-        for name, saved in state.get("shape", {}).items():
-            if name in self.shape and self.shape[name] != saved:
-                raise LitAlignError(
-                    f"data.{name} is {self.shape[name]} in this run but {saved} in the checkpoint: the resumed epoch "
-                    f"goes on from a position counted in the checkpoint's batches (keep data.{name}, or start a new "
-                    "run from the checkpoint's exported model)")
         self._resume = dict(state)
 
     def __iter__(self) -> Iterator:
@@ -78,6 +72,22 @@ class SkippingSampler(DistributedSampler):
 
 
 MIXTURE_STRATEGIES = ("concatenate", "interleave")
+
+# Data settings a resume may change: how rows are loaded or validated, not which rows train in which batches.
+RESUME_MAY_CHANGE = ("num_workers", "num_proc", "val_split", "val_path", "val_batch_size")
+SETTING_ATTRIBUTES = {"tokenizer": "tokenizer_name"}  # settings kept under another attribute name
+
+
+def first_difference(name: str, now: Any, saved: Any) -> tuple[str, Any, Any] | None:
+    """Where two setting values first differ, as ``(name, value, saved value)``, descending into lists of the same
+    length and mappings of the same keys (``data.mixture[1].weight``); None where they agree."""
+    if isinstance(now, dict) and isinstance(saved, dict) and now.keys() == saved.keys():
+        parts = [(f"{name}.{key}", now[key], saved[key]) for key in now]
+    elif isinstance(now, list) and isinstance(saved, list) and len(now) == len(saved):
+        parts = [(f"{name}[{i}]", a, b) for i, (a, b) in enumerate(zip(now, saved))]
+    else:
+        return None if now == saved else (name, now, saved)
+    return next(filter(None, (first_difference(*part) for part in parts)), None)
 
 
 @dataclass
@@ -271,6 +281,38 @@ class AlignDataModule(L.LightningDataModule):
             raise LitAlignError("data.tokenizer is not set and the model does not name one")
         return name
 
+    # -- a resume continues the checkpoint run's batches ----------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        """Every constructor setting of this class and its bases, by its ``data.`` name, as plain values."""
+        names = [name for cls in type(self).__mro__ if issubclass(cls, AlignDataModule)
+                 for name, p in inspect.signature(cls.__init__).parameters.items()
+                 if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        values = {name: getattr(self, SETTING_ATTRIBUTES.get(name, name), None) for name in dict.fromkeys(names)}
+        values["mixture"] = [asdict(source) for source in self.mixture]
+        return values
+
+    def state_dict(self) -> dict[str, Any]:
+        """What Lightning saves of the DataModule in each checkpoint: its settings."""
+        return {"settings": self.settings()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resume goes on from the loader's position counted in the checkpoint run's batches: a setting that makes
+        other batches (their order, rows, cut or size) would retrain, skip or change rows, so it is refused."""
+        if self.trainer is None or self.trainer.state.fn != TrainerFn.FITTING:
+            return
+        saved, ckpt = state.get("settings", {}), self.trainer.ckpt_path
+        for name, value in self.settings().items():
+            if name in RESUME_MAY_CHANGE or name not in saved:
+                continue
+            differs = first_difference(f"data.{name}", value, saved[name])
+            if differs is not None:
+                where, now, then = differs
+                raise LitAlignError(
+                    f"--ckpt_path {ckpt}: {where} is {now!r} in this run but {then!r} in the checkpoint; a resume goes "
+                    "on from that run's position in its batches, so only these data settings may change: "
+                    f"{', '.join(RESUME_MAY_CHANGE)} (keep {where}, or start a new run from the checkpoint's exported "
+                    "model)")
+
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
@@ -278,8 +320,7 @@ class AlignDataModule(L.LightningDataModule):
         # DistributedSampler under DDP, but honouring ``shuffle: false`` there too)
         sampler = SkippingSampler(self.train_data, num_replicas=world, rank=rank, shuffle=self.shuffle, seed=self.seed)
         return ResumableLoader(self.train_data, batch_size=self.batch_size, sampler=sampler, collate_fn=self.collate,
-                               num_workers=self.num_workers, drop_last=False, trainer=trainer,
-                               shape={"batch_size": self.batch_size})
+                               num_workers=self.num_workers, drop_last=False, trainer=trainer)
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_data is None:

@@ -151,7 +151,4 @@ class PromptDataModule(AlignDataModule):
                 f"{self.prompts_per_round * world} (batch_size * steps_per_generation / num_generations * devices)"
             )
         return ResumableLoader(_RoundItems(self.train_data), batch_size=self.prompts_per_round, sampler=sampler,
-                               collate_fn=self.collate, num_workers=self.num_workers, trainer=trainer,
-                               shape={"batch_size": self.batch_size, "num_generations": self.num_generations,
-                                      "steps_per_generation": self.steps_per_generation,
-                                      "num_iterations": self.num_iterations})
+                               collate_fn=self.collate, num_workers=self.num_workers, trainer=trainer)

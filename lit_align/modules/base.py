@@ -296,6 +296,10 @@ class AlignModule(L.LightningModule):
         differs from the checkpoint's except those in ``RESUME_MAY_CHANGE`` (trainer settings, e.g. ``max_steps``,
         logging and callbacks, are not model settings and may change)."""
         where = f"--ckpt_path {self._trainer.ckpt_path}" if self._trainer is not None else "the checkpoint"
+        if "hyper_parameters" not in checkpoint:  # every rule below reads them: without them none could be checked
+            raise LitAlignError(f"{where}: not a lit_align checkpoint: it has no hyper_parameters (the settings it "
+                                "was written with), so a resume could not check that it continues the same run; "
+                                "resume a checkpoint a lit-align run wrote")
         recipe = checkpoint.get("lit_align_recipe")
         if recipe is not None and recipe != type(self).__name__:
             raise LitAlignError(f"{where} is a {recipe} checkpoint; this run is {type(self).__name__} (resume a "
@@ -305,7 +309,7 @@ class AlignModule(L.LightningModule):
             raise LitAlignError(f"{where}: the reference model's files ({self.reference.name or self.model_name}) "
                                 "changed since the checkpoint was written (their digest differs), so the resumed run "
                                 "would train against another reference; restore those files or start a new run")
-        saved = checkpoint.get("hyper_parameters") or {}
+        saved = checkpoint["hyper_parameters"]
         for key, value in self.hparams.items():
             if key.startswith("_") or key in RESUME_MAY_CHANGE or key not in saved or saved[key] == value:
                 continue

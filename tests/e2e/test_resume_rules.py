@@ -4,6 +4,7 @@ another batch size, another reference: each is one ``error:`` line and exit stat
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,11 +60,13 @@ def test_a_resume_keeps_the_users_settings_and_refuses_a_model_setting_it_cannot
                              "--model.init_args.beta", "0.5"], capfd)
     assert_one_line_error(code, err, f"--ckpt_path {dpo_run}: model.beta is 0.5 in this run but 0.1 in the checkpoint",
                           "only these model settings may change: logps_chunk_size")
-    # what a resume may change: trainer settings (max_steps, logging) and how numbers are computed (chunking)
+    # what a resume may change: trainer settings (max_steps, logging), how numbers are computed (chunking) and how
+    # the rows are validated (val_batch_size)
     with pytest.warns(UserWarning, match=r"learning-rate schedule \(linear\) now spans 5 optimizer steps instead of "
                                          r"the checkpoint's 4"):  # said, not silent
         code, _, err = run_main([*args("dpo", tmp_path, pairs, 5), "--ckpt_path", str(dpo_run),
-                                 "--model.init_args.logps_chunk_size", "8"], capfd)
+                                 "--model.init_args.logps_chunk_size", "8", "--data.init_args.val_batch_size", "2"],
+                                capfd)
     assert code == 0, err
     saved = yaml.safe_load((tmp_path / "dpo" / "run" / "config.yaml").read_text())
     assert saved["model"]["init_args"]["logps_chunk_size"] == 8  # the user's value, not the checkpoint's
@@ -106,9 +109,11 @@ def test_another_batch_size_is_refused_instead_of_retraining_or_skipping_rows(tm
     assert_one_line_error(code, err, "data.batch_size is 8 in this run but 4 in the checkpoint")
 
 
-def test_a_reference_whose_files_changed_is_refused(tmp_path, pairs, tiny_path, capfd):
-    """The frozen reference is re-read from its files on resume; rewritten meanwhile (as ``configs/sft.yaml``
-    rewrites ``runs/sft/hf_model`` on every run), the resumed run would train against another reference."""
+@pytest.mark.parametrize("strategy", ["frozen", "precomputed"])
+def test_a_reference_whose_files_changed_is_refused(tmp_path, pairs, tiny_path, strategy, capfd):
+    """The reference is re-read from its files on resume (frozen: loaded again; precomputed: its log-probs computed
+    again, as the cache key follows the files); rewritten meanwhile (as ``configs/sft.yaml`` rewrites
+    ``runs/sft/hf_model`` on every run), the resumed run would train against another reference."""
     import shutil
 
     import torch
@@ -116,12 +121,73 @@ def test_a_reference_whose_files_changed_is_refused(tmp_path, pairs, tiny_path, 
 
     model_dir = tmp_path / "sft_model"
     shutil.copytree(tiny_path, model_dir)
-    assert _run(args("dpo", tmp_path / "run", pairs, 2, "--model.init_args.model", str(model_dir))) == 0
+    precompute = ["--model.init_args.precompute_ref_log_probs", "true"] if strategy == "precomputed" else []
+    assert _run(args("dpo", tmp_path / "run", pairs, 2, "--model.init_args.model", str(model_dir), *precompute)) == 0
     ckpt = tmp_path / "run" / "dpo" / "run" / "checkpoints" / "step=2.ckpt"
     rewritten = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():
         next(rewritten.parameters()).add_(0.01)
     rewritten.save_pretrained(model_dir)
-    code, _, err = run_main([*args("dpo", tmp_path / "again", pairs, 4, "--model.init_args.model", str(model_dir)),
-                             "--ckpt_path", str(ckpt)], capfd)
+    code, _, err = run_main([*args("dpo", tmp_path / "again", pairs, 4, "--model.init_args.model", str(model_dir),
+                                   *precompute), "--ckpt_path", str(ckpt)], capfd)
     assert_one_line_error(code, err, f"the reference model's files ({model_dir}) changed since the checkpoint")
+
+
+def test_a_checkpoint_without_hyper_parameters_is_refused(tmp_path, pairs, dpo_run, capfd):
+    """Without the settings it was written with, no resume rule could be checked: not taken on trust."""
+    import torch
+
+    checkpoint = torch.load(dpo_run, map_location="cpu", weights_only=False)
+    del checkpoint["hyper_parameters"]
+    bare = tmp_path / "bare.ckpt"
+    torch.save(checkpoint, bare)
+    code, _, err = run_main([*args("dpo", tmp_path, pairs, 4), "--ckpt_path", str(bare)], capfd)
+    assert_one_line_error(code, err, f"--ckpt_path {bare}: not a lit_align checkpoint: it has no hyper_parameters "
+                                     "(the settings it was written with)")
+
+
+@pytest.mark.parametrize("setting,value,shown", [
+    ("seed", "1", (1, 0)), ("shuffle", "false", (False, True)), ("max_length", "16", (16, 32)), ("path", None, None)])
+def test_a_data_setting_that_shapes_the_batches_is_refused(tmp_path, pairs, dpo_run, setting, value, shown, capfd):
+    """The batches a resume trains on must be the checkpoint run's: another order (seed, shuffle), other rows (path)
+    or other truncation (max_length) would give other losses from the same position, as another batch size would."""
+    if setting == "path":
+        value = write_sort_rows(tmp_path / "other.jsonl", 40, "pairs")
+        shown = (value, pairs)
+    code, _, err = run_main([*args("dpo", tmp_path, pairs, 4), "--ckpt_path", str(dpo_run),
+                             f"--data.init_args.{setting}", value], capfd)
+    assert_one_line_error(code, err, f"--ckpt_path {dpo_run}: data.{setting} is {shown[0]!r} in this run but "
+                                     f"{shown[1]!r} in the checkpoint", "only these data settings may change: "
+                                     "num_workers")
+
+
+def mixture(weight: float, rows: list[str]) -> str:
+    return json.dumps([{"path": rows[0], "rename_columns": {"answer": "completion"}},
+                       {"path": rows[1], "rename_columns": {"answer": "completion"}, "weight": weight}])
+
+
+@pytest.fixture(scope="module")
+def sft_mixture_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """A 2-step SFT run on a packed, interleaved mixture of two sources; returns its step-2 checkpoint and sources."""
+    root = tmp_path_factory.mktemp("sft")
+    rows = [write_sort_rows(root / f"{name}.jsonl", 40, "prompts") for name in ("a", "b")]
+    code = _run(args("sft", root, rows[0], 2, "--data.init_args.mixture", mixture(1.0, rows),
+                     "--data.init_args.mixture_strategy", "interleave", "--data.init_args.packing", "true",
+                     "--data.init_args.max_length", "32"))
+    assert code == 0
+    return root / "sft" / "run" / "checkpoints" / "step=2.ckpt", rows
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"packing": "false"}, "data.packing is False in this run but True in the checkpoint"),
+    ({"packing_strategy": "wrapped"}, "data.packing_strategy is 'wrapped' in this run but 'bfd' in the checkpoint"),
+    ({"weight": 3.0}, "data.mixture[1].weight is 3.0 in this run but 1.0 in the checkpoint"),
+])
+def test_packing_and_mixture_weights_are_refused_on_resume(tmp_path, sft_mixture_run, change, expected, capfd):
+    ckpt, rows = sft_mixture_run
+    settings = {"mixture_strategy": "interleave", "packing": "true", "max_length": "32", **change}
+    weight = settings.pop("weight", 1.0)
+    extra = [a for name, value in settings.items() for a in (f"--data.init_args.{name}", value)]
+    code, _, err = run_main([*args("sft", tmp_path, rows[0], 4, "--data.init_args.mixture", mixture(weight, rows),
+                                   *extra), "--ckpt_path", str(ckpt)], capfd)
+    assert_one_line_error(code, err, expected)
