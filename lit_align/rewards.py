@@ -92,7 +92,7 @@ class RewardModel:
 
     Args:
         model: a hub name (``org/name``) or a local Hugging Face directory of a model with a sequence-classification
-            head and one label.
+            head and one label, the head's weights in its checkpoint (a causal LM is refused, not given a random head).
         batch_size: rows per forward.
     """
 
