@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lit_align.errors import LitAlignError
+from lit_align.errors import LitAlignError, one_line
 from lit_align.pretrained import (
     PRETRAINED, PRETRAINED_PREFIX, build_once, cache_dir, gguf_path, gguf_to_hf, is_gguf, named_gguf, save_hf,
 )
@@ -107,13 +107,6 @@ def check_loadable(name_or_path: str, what: str) -> str:
     return path
 
 
-def _one_line(exc: Exception, limit: int = 400) -> str:
-    """The exception's message on one line (transformers' messages run over several; the first can end mid-sentence,
-    e.g. "... from one of:"), cut at ``limit`` characters."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def read_chat_template(chat_template: str) -> str:
     """A chat template given as a file (``.jinja``, ``.j2``, ``.txt``, or any existing file) or as the template."""
     path = Path(chat_template).expanduser()
@@ -132,7 +125,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types; the user needs one line
-        raise LitAlignError(f"could not load tokenizer {name_or_path!r}: {_one_line(exc)}") from exc
+        raise LitAlignError(f"could not load tokenizer {name_or_path!r}: {one_line(exc)}") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise LitAlignError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
@@ -157,7 +150,7 @@ def from_pretrained_kwargs(model_init_kwargs: dict | None) -> dict:
         try:
             kwargs["quantization_config"] = BitsAndBytesConfig(**kwargs["quantization_config"])
         except (TypeError, ValueError) as exc:
-            raise LitAlignError(f"model.model_init_kwargs.quantization_config: {_one_line(exc)}") from exc
+            raise LitAlignError(f"model.model_init_kwargs.quantization_config: {one_line(exc)}") from exc
     return kwargs
 
 
@@ -193,4 +186,4 @@ def load_model(
             **from_pretrained_kwargs(model_init_kwargs),
         )
     except Exception as exc:  # noqa: BLE001
-        raise LitAlignError(f"could not load model {name_or_path!r}: {_one_line(exc)}") from exc
+        raise LitAlignError(f"could not load model {name_or_path!r}: {one_line(exc)}") from exc

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from lit_align.errors import LitAlignError
+from lit_align.errors import LitAlignError, one_line
 
 PRETRAINED_PREFIX = "pretrained:"
 GGUF_SUFFIX = ".gguf"
@@ -135,8 +135,7 @@ def convert_gguf(file: Path, path: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
         quantized = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types (an unsupported architecture: ValueError)
-        text = " ".join(str(exc).split())[:400] or type(exc).__name__
-        raise LitAlignError(f"model {str(file)!r}: transformers cannot load this GGUF file: {text}") from exc
+        raise LitAlignError(f"model {str(file)!r}: transformers cannot load this GGUF file: {one_line(exc)}") from exc
     config = quantized.config
     del config.quantization_config  # what makes transformers refuse to save it
     with torch.device("meta"):
