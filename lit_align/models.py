@@ -3,22 +3,22 @@
 Anything ``from_pretrained`` accepts works: a hub name (``Qwen/Qwen2.5-0.5B-Instruct``) or a local directory. The
 built-in models are spelled ``builtin:tiny`` (about 0.8M parameters) and ``builtin:small`` (about 10M): a Llama-style
 network and a character-level tokenizer, built by code from a seed and written in Hugging Face format into a cache
-directory, so that the very same ``from_pretrained`` path is exercised offline.
+directory, so that the very same ``from_pretrained`` path is exercised offline. A ``.gguf`` file and a named
+pretrained model (``pretrained:smollm2-135m-instruct``) resolve to a plain directory too (``lit_align.pretrained``).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import string
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lit_align.errors import LitAlignError
+from lit_align.errors import LitAlignError, one_line
+from lit_align.pretrained import (
+    PRETRAINED, PRETRAINED_PREFIX, build_once, cache_dir, gguf_path, gguf_to_hf, is_gguf, named_gguf, save_hf,
+)
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -40,11 +40,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
-
-
-def cache_dir() -> Path:
-    """Where built-in models are written: ``$LIT_ALIGN_CACHE`` or ``~/.cache/lit_align``."""
-    return Path(os.environ.get("LIT_ALIGN_CACHE", Path.home() / ".cache" / "lit_align"))
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -80,37 +75,21 @@ def build_builtin(name: str, path: str | Path, seed: int = 0) -> Path:
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     path = Path(path)
-    # not model.save_pretrained: once torch.distributed is up it writes weights on rank 0 only, and every rank may
-    # build (each into its own staging directory). lm_head.weight is tied to the embedding: not stored, as HF does.
-    model.config.architectures, model.config.dtype = [type(model).__name__], model.dtype  # as save_pretrained records
-    model.config.save_pretrained(path)
-    model.generation_config.save_pretrained(path)
-    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    tokenizer.save_pretrained(path)
+    save_hf(model, tokenizer, path)
     return path
 
 
 def resolve(name_or_path: str) -> str:
-    """Map ``builtin:<name>`` to its directory (building it once, atomically); leave anything else untouched."""
-    if not name_or_path.startswith(BUILTIN_PREFIX):
-        return name_or_path
-    name = name_or_path[len(BUILTIN_PREFIX) :]
-    target = cache_dir() / "builtin" / name
-    if (target / "config.json").exists():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        build_builtin(name, tmp)
-        try:
-            os.rename(tmp, target)  # atomic: a concurrent builder (another DDP rank) may win, which is fine
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    """Map ``builtin:<name>`` to its directory (building it once), a ``.gguf`` file or ``pretrained:<name>`` to the
+    plain directory converted from it (once); leave anything else untouched."""
+    if name_or_path.startswith(BUILTIN_PREFIX):
+        name = name_or_path[len(BUILTIN_PREFIX):]
+        return str(build_once(cache_dir() / "builtin" / name, lambda tmp: build_builtin(name, tmp)))
+    if name_or_path.startswith(PRETRAINED_PREFIX):
+        return str(gguf_to_hf(named_gguf(name_or_path[len(PRETRAINED_PREFIX):])))
+    if is_gguf(name_or_path):
+        return str(gguf_to_hf(name_or_path))
+    return name_or_path
 
 
 def check_loadable(name_or_path: str, what: str) -> str:
@@ -121,17 +100,11 @@ def check_loadable(name_or_path: str, what: str) -> str:
         return str(local)
     if path.startswith((".", "/", "~")) or path.count("/") > 1 or local.exists():
         raise LitAlignError(
-            f"{what} {name_or_path!r}: no such directory (expected a Hugging Face model directory, a hub name "
-            f"like 'org/name', or one of {[BUILTIN_PREFIX + n for n in BUILTIN_MODELS]})"
+            f"{what} {name_or_path!r}: no such directory (expected a Hugging Face model directory, a .gguf file, a "
+            f"hub name like 'org/name', or one of {[BUILTIN_PREFIX + n for n in BUILTIN_MODELS]} "
+            f"{[PRETRAINED_PREFIX + n for n in PRETRAINED]})"
         )
     return path
-
-
-def _one_line(exc: Exception, limit: int = 400) -> str:
-    """The exception's message on one line (transformers' messages run over several; the first can end mid-sentence,
-    e.g. "... from one of:"), cut at ``limit`` characters."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_chat_template(chat_template: str) -> str:
@@ -152,7 +125,7 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types; the user needs one line
-        raise LitAlignError(f"could not load tokenizer {name_or_path!r}: {_one_line(exc)}") from exc
+        raise LitAlignError(f"could not load tokenizer {name_or_path!r}: {one_line(exc)}") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise LitAlignError(f"tokenizer {name_or_path!r} has neither a pad token nor an EOS token")
@@ -166,6 +139,7 @@ def from_pretrained_kwargs(model_init_kwargs: dict | None) -> dict:
     """``model_init_kwargs`` as ``from_pretrained`` takes them: a ``quantization_config`` mapping becomes a
     ``BitsAndBytesConfig``; the settings lit_align has its own option for are refused (one place for each)."""
     kwargs = dict(model_init_kwargs or {})
+    kwargs.pop("gguf_file", None)  # folded into the model's path (gguf_path)
     clash = sorted({"dtype", "torch_dtype", "attn_implementation", "trust_remote_code"} & set(kwargs))
     if clash:
         raise LitAlignError(f"model.model_init_kwargs: {clash} have their own options (model.dtype, "
@@ -176,7 +150,7 @@ def from_pretrained_kwargs(model_init_kwargs: dict | None) -> dict:
         try:
             kwargs["quantization_config"] = BitsAndBytesConfig(**kwargs["quantization_config"])
         except (TypeError, ValueError) as exc:
-            raise LitAlignError(f"model.model_init_kwargs.quantization_config: {_one_line(exc)}") from exc
+            raise LitAlignError(f"model.model_init_kwargs.quantization_config: {one_line(exc)}") from exc
     return kwargs
 
 
@@ -192,13 +166,15 @@ def load_model(
     local directory or ``builtin:<name>``.
 
     Args:
-        name_or_path: what ``AutoModelForCausalLM.from_pretrained`` takes, or ``builtin:tiny`` / ``builtin:small``.
+        name_or_path: what ``AutoModelForCausalLM.from_pretrained`` takes, ``builtin:tiny`` / ``builtin:small``, a
+            ``.gguf`` file or ``pretrained:<name>`` (loaded from a plain directory converted once; float weights).
         dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
         attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ... (None: transformers' default).
         model_init_kwargs: more ``from_pretrained`` arguments (TRL's name), e.g. ``device_map``, ``revision``, config
-            overrides, or ``quantization_config`` (a mapping of ``BitsAndBytesConfig`` arguments, for QLoRA).
+            overrides, ``quantization_config`` (a mapping of ``BitsAndBytesConfig`` arguments, for QLoRA), or
+            ``gguf_file`` (a ``.gguf`` file inside the directory ``name_or_path``, the transformers way).
     """
-    path = check_loadable(name_or_path, "model")
+    path = check_loadable(gguf_path(name_or_path, model_init_kwargs), "model")
     if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise LitAlignError(f"model dtype {dtype!r}: expected float32, bfloat16, float16 or auto")
     try:
@@ -210,4 +186,4 @@ def load_model(
             **from_pretrained_kwargs(model_init_kwargs),
         )
     except Exception as exc:  # noqa: BLE001
-        raise LitAlignError(f"could not load model {name_or_path!r}: {_one_line(exc)}") from exc
+        raise LitAlignError(f"could not load model {name_or_path!r}: {one_line(exc)}") from exc

@@ -20,6 +20,7 @@ from transformers import get_scheduler
 from lit_align.errors import LitAlignError
 from lit_align.capabilities import sharded_strategy
 from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
+from lit_align.pretrained import gguf_path
 from lit_align.reference import Reference
 
 
@@ -74,7 +75,8 @@ class AlignModule(L.LightningModule):
     """Base LightningModule: loads the policy in ``configure_model``, builds AdamW + a warmup schedule, exports.
 
     Args:
-        model: the policy: a hub name, a local Hugging Face directory, or ``builtin:tiny`` / ``builtin:small``.
+        model: the policy: a hub name, a local Hugging Face directory, ``builtin:tiny`` / ``builtin:small``, a
+            ``.gguf`` file, or ``pretrained:smollm2-135m-instruct`` (``python -m lit_align.pretrained`` fetches it).
         dtype: parameter dtype of the loaded models (``float32``, ``bfloat16``, ``float16``, ``auto``). For mixed
             precision keep float32 here and set ``trainer.precision``.
         attn_implementation: ``sdpa`` (default), ``eager``, ``flash_attention_2``, ...
@@ -113,7 +115,8 @@ class AlignModule(L.LightningModule):
             ``chat_template_path``); None: the tokenizer's. ``lit-align`` passes it on to the data.
         model_init_kwargs: more ``from_pretrained`` arguments for the policy and the reference (TRL's name):
             ``device_map``, ``revision``, config overrides, ``quantization_config`` (``BitsAndBytesConfig``
-            arguments, e.g. ``{load_in_4bit: true}`` with ``peft_config`` for QLoRA; bitsandbytes needs a GPU).
+            arguments, e.g. ``{load_in_4bit: true}`` with ``peft_config`` for QLoRA; bitsandbytes needs a GPU),
+            ``gguf_file`` (a ``.gguf`` file inside the directory ``model``).
     """
 
     def __init__(
@@ -155,7 +158,7 @@ class AlignModule(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         self.lora_config = lora_config(peft_config) if peft_config is not None else None
         from_pretrained_kwargs(model_init_kwargs)  # refuse a bad mapping now, not at configure_model
-        self.model_name = model
+        self.model_name = gguf_path(model, model_init_kwargs)  # the tokenizer and the reference load it too
         if logps_chunk_size is not None and logps_chunk_size < 1:
             raise LitAlignError(f"model.logps_chunk_size must be a positive number of positions or null, "
                                 f"got {logps_chunk_size}")
