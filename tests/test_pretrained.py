@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gguf_files import CHATML, bpe_tokenizer, tiny_llama, write_gguf
 from helpers import assert_one_line_error, read_metrics, run_main, write_sort_rows
+from lit_align.errors import LitAlignError
 from lit_align.models import load_model, load_tokenizer, resolve
 from lit_align.pretrained import PRETRAINED, cache_dir, fetch_command
 
@@ -100,15 +101,13 @@ def test_fit_from_a_gguf_file_exports_a_plain_hf_model_and_resumes(source, gguf_
     assert saved["model"]["init_args"]["model"] == str(gguf_file)
 
 
-def test_a_reward_model_loads_from_a_gguf_file_with_its_tokenizer(source, gguf_file):
+def test_a_gguf_file_given_as_a_reward_model_is_refused(gguf_file):
+    """GGUF files carry causal LMs: as a reward model it would score with a random head, so it is refused (the file
+    still loads: the refusal names the missing head)."""
     from lit_align.rewards import load_reward
 
-    _, tokenizer = source
-    reward = load_reward(str(gguf_file)).load()
-    assert type(reward.network).__name__ == "LlamaForSequenceClassification"
-    assert reward.tokenizer("What is 7 plus 5?")["input_ids"] == tokenizer("What is 7 plus 5?")["input_ids"]
-    scores = reward(prompts=["What is 7 plus 5?", "hi"], completions=[" 12", " there"])
-    assert len(scores) == 2 and all(torch.isfinite(torch.tensor(scores)))
+    with pytest.raises(LitAlignError, match=r"no weights for \['score.weight'\].*not a reward model"):
+        load_reward(str(gguf_file)).load()
 
 
 def test_fit_takes_gguf_file_in_model_init_kwargs_the_transformers_way(gguf_file, tmp_path, capfd):
