@@ -116,10 +116,10 @@ class HubStandIn:
         self.created.append((repo_id, private, repo_type, exist_ok))
         return RepoUrl(f"https://huggingface.co/{repo_id}")
 
-    def upload_folder(self, api, repo_id, folder_path, commit_message=None, repo_type=None, **_):
+    def upload_folder(self, api, repo_id, folder_path, commit_message=None, repo_type=None, ignore_patterns=None, **_):
         if self.fail:
             raise OSError("connection refused")
-        shutil.copytree(folder_path, self.root / repo_id)
+        shutil.copytree(folder_path, self.root / repo_id, ignore=shutil.ignore_patterns(*ignore_patterns or []))
         self.message = commit_message
 
 
@@ -147,7 +147,8 @@ def test_push_to_hub_uploads_the_export_with_its_card(tmp_path, capfd, hub):
     assert code == 0, err
     assert hub.created == [("me/tiny-dpo", True, "model", True)]
     pushed = tmp_path / "hub" / "me" / "tiny-dpo"
-    assert sorted(p.name for p in pushed.iterdir()) == sorted(p.name for p in (tmp_path / "model").iterdir())
+    local = sorted(p.name for p in (tmp_path / "model").iterdir())
+    assert sorted(p.name for p in pushed.iterdir()) == [n for n in local if n != "lit_align_export.json"]
     assert "\n# me/tiny-dpo\n" in (pushed / "README.md").read_text()  # titled by its repo
     assert hub.message == "lit_align: DPOModule after 1 steps"
 
@@ -170,19 +171,121 @@ def test_push_to_hub_mistakes_are_one_line_and_a_failed_upload_keeps_the_export(
     assert (tmp_path / "model" / "config.json").exists() and (tmp_path / "model" / "README.md").exists()
 
 
-def test_export_never_replaces_a_directory_that_is_not_a_model(tmp_path, capfd):
-    target = tmp_path / "precious"
-    target.mkdir()
-    (target / "notes.txt").write_text("keep me")
-    code, _, err = run_main([
-        "fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
-        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.enable_checkpointing",
-        "false", "--trainer.default_root_dir", str(tmp_path), "--export.path", str(target),
-        "--trainer.callbacks+=helpers.RecordBatches", f"--trainer.callbacks.out_dir={tmp_path / 'seen'}",
-    ], capfd)
-    assert_one_line_error(code, err, str(target), "not a Hugging Face model directory")
-    assert (target / "notes.txt").read_text() == "keep me"
+def export_run(tmp_path, capfd, target, *extra):
+    """configs/dpo.yaml for one step (or ``extra``'s) exporting to ``target``; its training batches are recorded under
+    ``tmp_path / "seen"`` at the end of training, so a refusal before training leaves no such directory."""
+    return run_main(["fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
+                     "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+                     "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path),
+                     "--export.path", str(target), "--trainer.callbacks+=helpers.RecordBatches",
+                     f"--trainer.callbacks.out_dir={tmp_path / 'seen'}", *extra], capfd)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder``, by relative path, with its bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def user_project(root: Path, tiny_path: str) -> Path:
+    """A directory holding a ``config.json`` that is not a model (``mkdir -p proj/src; echo '{"app":1}' > ...``)."""
+    (root / "src").mkdir(parents=True)
+    (root / "config.json").write_text('{"app":1}\n')
+    (root / "src" / "main.py").write_text("keep\n")
+    return root
+
+
+def downloaded_model(root: Path, tiny_path: str) -> Path:
+    """A Hugging Face model directory lit_align did not write (the user's downloaded model)."""
+    shutil.copytree(tiny_path, root)
+    return root
+
+
+def notes_dir(root: Path, tiny_path: str) -> Path:
+    root.mkdir()
+    (root / "notes.txt").write_text("keep me")
+    return root
+
+
+@pytest.mark.parametrize("make", [user_project, downloaded_model, notes_dir])
+def test_export_never_replaces_a_directory_lit_align_did_not_write(tmp_path, capfd, tiny_path, make):
+    target = make(tmp_path / "target", tiny_path)
+    before = snapshot(target)
+    code, _, err = export_run(tmp_path, capfd, target)
+    assert_one_line_error(code, err, f"export path {target} holds files lit_align did not write",
+                          "choose another export.path")
+    assert snapshot(target) == before  # byte for byte, src/main.py included
     assert not (tmp_path / "seen").exists()  # refused before training, not after it
+
+
+def test_a_lit_align_export_is_replaced_but_not_once_the_user_added_to_it(tmp_path, capfd):
+    target = tmp_path / "model"
+    code, _, err = export_run(tmp_path, capfd, target)
+    assert code == 0, err
+    assert (target / "lit_align_export.json").exists()
+    first = snapshot(target)
+
+    code, _, err = export_run(tmp_path, capfd, target, "--trainer.max_steps", "2")  # replaced by the newer export
+    assert code == 0, err
+    second = snapshot(target)
+    assert second.keys() == first.keys() and second["model.safetensors"] != first["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "model", "seen"]  # no staging, no old one
+
+    (target / "notes.txt").write_text("mine")  # the user's file inside the export: refused, nothing deleted
+    shutil.rmtree(tmp_path / "seen")
+    code, _, err = export_run(tmp_path, capfd, target)
+    assert_one_line_error(code, err, f"export path {target} is a lit_align export, but notes.txt in it were added "
+                                     "or changed since it was written")
+    assert snapshot(target) == {**second, "notes.txt": b"mine"}
+    assert not (tmp_path / "seen").exists()
+
+    (target / "notes.txt").unlink()
+    (target / "README.md").write_text("my edited card")  # one of its own files, edited: the user's now
+    code, _, err = export_run(tmp_path, capfd, target)
+    assert_one_line_error(code, err, "but README.md in it were added or changed")
+
+
+def test_an_export_path_that_cannot_be_created_is_refused_before_training_and_an_empty_one_is_taken(tmp_path, capfd):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine")
+    for target, needle in [(blocker / "model", f"cannot be created: {blocker} is not a directory"),
+                           (Path("/proc/lit_align_test/model"), "cannot be created: /proc takes no new directory"),
+                           (blocker, "exists and is not a directory")]:
+        code, _, err = export_run(tmp_path, capfd, target)
+        assert_one_line_error(code, err, f"export path {target} ", needle)
+        assert not (tmp_path / "seen").exists()
+    assert blocker.read_text() == "mine"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = export_run(tmp_path, capfd, empty)
+    assert code == 0, err
+    assert (empty / "config.json").exists() and (empty / "lit_align_export.json").exists()
+
+
+def test_a_full_disk_during_the_export_leaves_the_previous_export_whole(tmp_path, capfd, monkeypatch):
+    """safetensors fails as on a full disk, half the weights written: one line, no staging directory left, and the
+    previous export exactly as it was."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+    from safetensors.torch import save as to_bytes
+
+    target = tmp_path / "model"
+    code, _, err = export_run(tmp_path, capfd, target)
+    assert code == 0, err
+    before = snapshot(target)
+
+    def disk_fills_up(tensors, filename, metadata=None):
+        data = to_bytes(tensors, metadata=metadata)
+        Path(filename).write_bytes(data[: len(data) // 2])
+        raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", disk_fills_up)
+    code, _, err = export_run(tmp_path, capfd, target, "--trainer.max_steps", "2")
+    assert_one_line_error(code, err, f"the export to {target} failed (Error while serializing: I/O error: No space "
+                                     f"left on device (os error 28)); nothing was left half-written and {target} is "
+                                     "as it was")
+    assert snapshot(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "model", "seen"]
 
 
 # -- mistakes: exit status 2, one `error:` line naming the culprit, no traceback -------------------------------------
