@@ -10,8 +10,10 @@ import json
 import math
 import shutil
 import random
+import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -289,6 +291,75 @@ def test_a_full_disk_during_the_export_leaves_the_previous_export_whole(tmp_path
 
 
 # -- mistakes: exit status 2, one `error:` line naming the culprit, no traceback -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_path) -> Path:
+    """A Lightning checkpoint of one DPO step (configs/dpo.yaml)."""
+    root = tmp_path_factory.mktemp("checkpoint")
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        from lit_align.cli import run
+
+        run(["fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
+             "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--export.enabled", "false",
+             "--trainer.default_root_dir", str(root)])
+    finally:
+        sys.argv = argv
+    (path,) = (root / "checkpoints").glob("*.ckpt")
+    return path
+
+
+def resume_args(tmp_path, ckpt) -> list[str]:
+    return ["fit", "-c", DPO, "--trainer.max_steps", "2", "--data.init_args.val_split", "null",
+            "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--export.enabled", "false",
+            "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", str(ckpt)]
+
+
+def test_a_plain_state_dict_as_ckpt_path_is_one_error_line(tmp_path, capfd, checkpoint):
+    weights = tmp_path / "weights.pt"
+    torch.save(torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"], weights)
+    code, _, err = run_main(resume_args(tmp_path, weights), capfd)
+    assert_one_line_error(code, err, f"--ckpt_path {weights}: not a Lightning checkpoint")
+
+
+def tensor_data_offset(path: Path) -> tuple[str, int, int]:
+    """The largest member of a ``torch.save`` zip (a tensor's bytes): its name, where its data starts, its size."""
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+    return info.filename, info.header_offset + 30 + name_length + extra_length, info.file_size
+
+
+def test_a_bit_flipped_checkpoint_is_refused_naming_the_file(tmp_path, capfd, checkpoint):
+    """One flipped bit in a tensor's bytes: torch.load would read it as it is; the zip's CRC-32 catches it."""
+    member, start, size = tensor_data_offset(checkpoint)
+    data = bytearray(checkpoint.read_bytes())
+    data[start + size // 2] ^= 0x10
+    flipped = tmp_path / "flipped.ckpt"
+    flipped.write_bytes(bytes(data))
+    torch.load(flipped, map_location="cpu", weights_only=False)  # loads without a word
+    code, _, err = run_main(resume_args(tmp_path, flipped), capfd)
+    assert_one_line_error(code, err, f"--ckpt_path {flipped}: the file is corrupt: {member} inside it fails its "
+                                     "CRC-32 check")
+
+
+def test_a_checkpoint_saved_without_crcs_is_not_taken_for_corrupt(tmp_path):
+    """torch.save can skip the CRC-32s (``torch.utils.serialization.config.save.compute_crc32``): nothing to check."""
+    from torch.utils.serialization import config
+
+    from lit_align.cli import check_checkpoint_file
+
+    path = tmp_path / "no_crc.ckpt"
+    config.save.compute_crc32 = False
+    try:
+        torch.save({"pytorch-lightning_version": "2.6.0", "state_dict": {"w": torch.ones(4)}}, path)
+    finally:
+        config.save.compute_crc32 = True
+    check_checkpoint_file(str(path))
+
 
 
 def test_bad_data_file(tmp_path, capfd):
