@@ -17,7 +17,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -30,7 +30,30 @@ from lit_align.generation_round import ROUND_SETTINGS
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process the signal ended: the run is not finished
 
 
+class AlignParser(LightningArgumentParser):
+    def error(self, message: str, ex: Exception | None = None):
+        """A ``LitAlignError`` raised while parsing (a link refusing a setting) is one ``error:`` line, as anywhere."""
+        cause = ex
+        while cause is not None and not isinstance(cause, LitAlignError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause
+        super().error(message, ex)
+
+
+def chat_template_of_model(model_template: str | None, data_template: str | None) -> str | None:
+    """``data.chat_template`` is ``model.chat_template``: one owner, the model (the export carries its template); the
+    data renders its rows with it. A different one set under ``data:`` is refused rather than silently replaced."""
+    if data_template is not None and data_template != model_template:
+        raise LitAlignError("data.chat_template is set by model.chat_template (the model owns the chat template: the "
+                            "data renders its rows with it and the export carries it); set model.chat_template instead")
+    return model_template
+
+
 class AlignCLI(LightningCLI):
+    def __init__(self, *args, parser_class: type[LightningArgumentParser] = AlignParser, **kwargs):
+        super().__init__(*args, parser_class=parser_class, **kwargs)
+
     def _parse_ckpt_path(self) -> None:
         """Check ``--ckpt_path`` before anything is built, and keep the user's config as it is.
 
@@ -50,7 +73,8 @@ class AlignCLI(LightningCLI):
         for name in ROUND_SETTINGS:
             parser.link_arguments(f"data.init_args.{name}", f"model.init_args.{name}", apply_on="parse")
         # a chat template belongs to the model (the export carries it); the data renders its rows with it
-        parser.link_arguments("model.init_args.chat_template", "data.init_args.chat_template", apply_on="parse")
+        parser.link_arguments(("model.init_args.chat_template", "data.init_args.chat_template"),
+                              "data.init_args.chat_template", compute_fn=chat_template_of_model, apply_on="parse")
 
     def parse_arguments(self, parser, args) -> None:
         argv = sys.argv[1:] if args is None else args

@@ -541,3 +541,47 @@ def test_a_module_whose_round_disagrees_with_its_datamodule_is_refused(tmp_path,
     module = GRPOModule(model="builtin:tiny", num_generations=4)
     with pytest.raises(LitAlignError, match=r"model.num_generations 4 differs from data.num_generations 2"):
         fit(module, PromptDataModule(batch_size=4, num_generations=2, val_split=None), tmp_path)
+
+
+# -- the chat template's one owner: model.chat_template ---------------------------------------------------------------
+REWRITING_TEMPLATE = "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['content'] }}{% endfor %}"
+
+
+def parse(*args: str):
+    """The CLI's objects for configs/sft.yaml plus ``args``, built but not run."""
+    from lit_align.cli import AlignCLI
+    from lit_align.data import AlignDataModule
+    from lit_align.modules import AlignModule
+
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        return AlignCLI(AlignModule, AlignDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                        auto_configure_optimizers=False, args=["-c", str(REPO / "configs" / "sft.yaml"), *args])
+    finally:
+        sys.argv = argv
+
+
+def test_the_chat_template_is_set_on_the_model_and_a_different_data_chat_template_is_refused(tmp_path, capfd,
+                                                                                                tiny_path):
+    cli = parse("--model.init_args.chat_template", REWRITING_TEMPLATE)
+    assert cli.datamodule.chat_template == cli.model.hparams.chat_template == REWRITING_TEMPLATE
+    cli = parse("--model.init_args.chat_template", REWRITING_TEMPLATE,  # the same on both: a saved config rerun
+                "--data.init_args.chat_template", REWRITING_TEMPLATE)
+    assert cli.datamodule.chat_template == REWRITING_TEMPLATE
+
+    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "sft.yaml"), "--data.init_args.chat_template",
+                             REWRITING_TEMPLATE, "--trainer.max_steps", "1", "--export.enabled", "false",
+                             "--trainer.default_root_dir", str(tmp_path)], capfd)
+    assert assert_one_line_error(code, err) == (
+        "error: data.chat_template is set by model.chat_template (the model owns the chat template: the data renders "
+        "its rows with it and the export carries it); set model.chat_template instead")
+
+
+def test_a_template_that_rewrites_earlier_turns_names_model_chat_template(tmp_path, capfd):
+    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "sft.yaml"), "--data.init_args.path",
+                             str(REPO / "tests" / "fixtures" / "formats" / "ultrachat_200k.jsonl"),
+                             "--data.init_args.val_split", "null", "--model.init_args.assistant_only_loss", "true",
+                             "--model.init_args.chat_template", REWRITING_TEMPLATE,
+                             "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"], capfd)
+    line = assert_one_line_error(code, err, "the chat template renders messages[:2] differently")
+    assert line.endswith("(use a template that leaves earlier turns as they were: model.chat_template)")
