@@ -11,8 +11,8 @@ power loss can leave a renamed but empty file.
 it onto the final name and fsyncs the directory: at every instant the final path holds either the previous
 checkpoint or the complete new one. A write the file system refuses (a full disk: torch's writer then raises a
 ``RuntimeError`` whose context is the ``OSError``) removes the temp file and is one ``LitAlignError`` naming the
-checkpoint. Remote paths (``s3://``, ...) keep Lightning's own handling. ``lit-align``
-installs it whenever the strategy would use the plain ``TorchCheckpointIO``.
+checkpoint. Remote paths (``s3://``, ...) keep Lightning's own handling. ``lit-align`` installs it whenever the
+strategy would use the plain ``TorchCheckpointIO``.
 """
 
 from __future__ import annotations
