@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import shutil
 from pathlib import Path
 
 import lightning as L
@@ -14,6 +13,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_align.capabilities import sharded_strategy
 from lit_align.errors import LitAlignError
+from lit_align.export_dir import check_target, write_export
 from lit_align.hub import CONFIG_NAME, check_hub_token, model_card, push_to_hub
 from lit_align.reference import FrozenReference
 from lit_align.strategies import full_policy_state_dict
@@ -35,15 +35,16 @@ def run_dir(trainer: L.Trainer) -> Path:
 class HFExport(L.Callback):
     """At the end of fit, write the policy and tokenizer as a Hugging Face model directory, with a model card.
 
-    The directory is ``<run dir>/<dirname>`` (e.g. ``runs/dpo/version_0/hf_model``) unless ``path`` is given. It is
-    written beside its final place and renamed in, so an interrupted export never leaves a half-written model where a
-    complete one stood. Its ``README.md`` is a model card (``lit_align.hub.model_card``: base model, recipe and its
-    settings, data, final metrics, the command and config that reproduce the run, which ``lit-align`` sets as
-    ``command`` and ``config``). With ``push_to_hub`` the directory is then uploaded (TRL's names).
+    The directory is ``<run dir>/<dirname>`` (e.g. ``runs/dpo/version_0/hf_model``) unless ``path`` is given. It may
+    replace only an empty directory or an earlier lit_align export the user has not added to; anything else, and a
+    path that cannot be created, is refused before training (``lit_align.export_dir``). It is written beside its final
+    place and renamed in, so an interrupted export or a full disk never leaves a half-written model. Its
+    ``README.md`` is a model card (``lit_align.hub.model_card``: base model, recipe and its settings, data, final
+    metrics, the command and config that reproduce the run, which ``lit-align`` sets as ``command`` and ``config``). With ``push_to_hub`` the directory is then uploaded (TRL's names).
 
     Args:
         dirname: directory name inside the run directory.
-        path: an explicit output directory instead (overwritten if it exists).
+        path: an explicit output directory instead: new, empty, or an earlier lit_align export (then replaced).
         enabled: set false to skip the export.
         push_to_hub: upload the export to the Hugging Face Hub at the end (needs a token: ``hf auth login``).
         hub_model_id: the repo, ``org/name`` or ``name`` (under your account); required with ``push_to_hub``.
@@ -62,12 +63,10 @@ class HFExport(L.Callback):
         self.pushed_to: str | None = None
 
     def target(self, trainer: L.Trainer) -> Path:
-        """Where the export goes; refuses (before training, and again at the end) a path that holds anything but a
-        Hugging Face model directory, which the export would replace."""
+        """Where the export goes; refuses (before training, and again at the end) a path the export would destroy or
+        cannot create (``lit_align.export_dir.check_target``)."""
         target = Path(self.path) if self.path else run_dir(trainer) / self.dirname  # every rank: log_dir broadcasts
-        if target.exists() and not any((target / name).exists() for name in ("config.json", "adapter_config.json")):
-            raise LitAlignError(f"export path {target} exists and is not a Hugging Face model directory; "
-                                "refusing to replace it (choose another export.path)")
+        check_target(target)
         return target
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -83,19 +82,12 @@ class HFExport(L.Callback):
         state_dict = full_policy_state_dict(trainer, pl_module.policy)  # every rank: gathers sharded weights
         if not trainer.is_global_zero:
             return
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.with_name(f".{target.name}.partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        pl_module.export(staging, state_dict=state_dict)
-        self.write_card(staging, trainer, pl_module, title=self.hub_model_id or target.name)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-            staging.rename(target)
-            shutil.rmtree(old)
-        else:
-            staging.rename(target)
+
+        def write(folder: Path) -> None:
+            pl_module.export(folder, state_dict=state_dict)
+            self.write_card(folder, trainer, pl_module, title=self.hub_model_id or target.name)
+
+        write_export(target, write)
         self.exported_to = target
         rank_zero_info(f"lit_align: exported the Hugging Face model to {target}")
         if self.push_to_hub:

@@ -9,8 +9,10 @@ power loss can leave a renamed but empty file.
 
 ``AtomicCheckpointIO`` writes straight to ``<dir>/.<name>.<random>.tmp`` (same filesystem), fsyncs it, ``os.replace``s
 it onto the final name and fsyncs the directory: at every instant the final path holds either the previous
-checkpoint or the complete new one. Remote paths (``s3://``, ...) keep Lightning's own handling. ``lit-align``
-installs it whenever the strategy would use the plain ``TorchCheckpointIO``.
+checkpoint or the complete new one. A write the file system refuses (a full disk: torch's writer then raises a
+``RuntimeError`` whose context is the ``OSError``) removes the temp file and is one ``LitAlignError`` naming the
+checkpoint. Remote paths (``s3://``, ...) keep Lightning's own handling. ``lit-align`` installs it whenever the
+strategy would use the plain ``TorchCheckpointIO``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 from fsspec.utils import get_protocol
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from lit_align.errors import LitAlignError
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -42,11 +46,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as exc:
             with suppress(OSError):
                 os.unlink(tmp)
-            raise
+            refused = _os_error(exc)
+            if refused is None:
+                raise
+            raise LitAlignError(f"checkpoint {path} could not be written ({refused.strerror or refused}); the previous "
+                                "checkpoint there, if any, is whole") from exc
         _fsync_dir(path.parent)
+
+
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """The ``OSError`` behind a failed write: ``exc`` itself, or what it was raised from or while handling (torch's
+    writer turns a failed ``write`` into a ``RuntimeError`` raised during the ``OSError``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _umask() -> int:

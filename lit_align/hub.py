@@ -8,6 +8,7 @@ import inspect
 from pathlib import Path
 
 from lit_align.errors import LitAlignError
+from lit_align.export_dir import MANIFEST
 
 CONFIG_NAME = "lit_align_config.yaml"  # the run's resolved config, beside the weights
 
@@ -91,13 +92,15 @@ def check_hub_token() -> None:
 
 def push_to_hub(folder: Path, repo_id: str, private: bool | None, message: str) -> str:
     """Upload ``folder`` to the model repo ``repo_id`` (created if needed); returns the repo's URL. The folder stays
-    as it is: a failed upload loses nothing."""
+    as it is: a failed upload loses nothing. The export's manifest stays local: it describes these files on this
+    disk."""
     from huggingface_hub import HfApi
 
     api = HfApi()
     try:
         url = api.create_repo(repo_id, private=private, repo_type="model", exist_ok=True)
-        api.upload_folder(repo_id=url.repo_id, folder_path=str(folder), commit_message=message, repo_type="model")
+        api.upload_folder(repo_id=url.repo_id, folder_path=str(folder), commit_message=message, repo_type="model",
+                          ignore_patterns=[MANIFEST])
     except Exception as exc:  # network, permissions, names: the user needs one line and the local export
         raise LitAlignError(f"export.push_to_hub to {repo_id!r} failed ({' '.join(str(exc).split())[:300]}); "
                             f"the model is saved at {folder}") from exc

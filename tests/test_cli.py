@@ -10,8 +10,10 @@ import json
 import math
 import shutil
 import random
+import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -116,10 +118,10 @@ class HubStandIn:
         self.created.append((repo_id, private, repo_type, exist_ok))
         return RepoUrl(f"https://huggingface.co/{repo_id}")
 
-    def upload_folder(self, api, repo_id, folder_path, commit_message=None, repo_type=None, **_):
+    def upload_folder(self, api, repo_id, folder_path, commit_message=None, repo_type=None, ignore_patterns=None, **_):
         if self.fail:
             raise OSError("connection refused")
-        shutil.copytree(folder_path, self.root / repo_id)
+        shutil.copytree(folder_path, self.root / repo_id, ignore=shutil.ignore_patterns(*ignore_patterns or []))
         self.message = commit_message
 
 
@@ -147,7 +149,8 @@ def test_push_to_hub_uploads_the_export_with_its_card(tmp_path, capfd, hub):
     assert code == 0, err
     assert hub.created == [("me/tiny-dpo", True, "model", True)]
     pushed = tmp_path / "hub" / "me" / "tiny-dpo"
-    assert sorted(p.name for p in pushed.iterdir()) == sorted(p.name for p in (tmp_path / "model").iterdir())
+    local = sorted(p.name for p in (tmp_path / "model").iterdir())
+    assert sorted(p.name for p in pushed.iterdir()) == [n for n in local if n != "lit_align_export.json"]
     assert "\n# me/tiny-dpo\n" in (pushed / "README.md").read_text()  # titled by its repo
     assert hub.message == "lit_align: DPOModule after 1 steps"
 
@@ -170,22 +173,193 @@ def test_push_to_hub_mistakes_are_one_line_and_a_failed_upload_keeps_the_export(
     assert (tmp_path / "model" / "config.json").exists() and (tmp_path / "model" / "README.md").exists()
 
 
-def test_export_never_replaces_a_directory_that_is_not_a_model(tmp_path, capfd):
-    target = tmp_path / "precious"
-    target.mkdir()
-    (target / "notes.txt").write_text("keep me")
-    code, _, err = run_main([
-        "fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
-        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--trainer.enable_checkpointing",
-        "false", "--trainer.default_root_dir", str(tmp_path), "--export.path", str(target),
-        "--trainer.callbacks+=helpers.RecordBatches", f"--trainer.callbacks.out_dir={tmp_path / 'seen'}",
-    ], capfd)
-    assert_one_line_error(code, err, str(target), "not a Hugging Face model directory")
-    assert (target / "notes.txt").read_text() == "keep me"
+def export_run(tmp_path, capfd, target, *extra):
+    """configs/dpo.yaml for one step (or ``extra``'s) exporting to ``target``; its training batches are recorded under
+    ``tmp_path / "seen"`` at the end of training, so a refusal before training leaves no such directory."""
+    return run_main(["fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
+                     "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+                     "--trainer.enable_checkpointing", "false", "--trainer.default_root_dir", str(tmp_path),
+                     "--export.path", str(target), "--trainer.callbacks+=helpers.RecordBatches",
+                     f"--trainer.callbacks.out_dir={tmp_path / 'seen'}", *extra], capfd)
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder``, by relative path, with its bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def user_project(root: Path, tiny_path: str) -> Path:
+    """A directory holding a ``config.json`` that is not a model (``mkdir -p proj/src; echo '{"app":1}' > ...``)."""
+    (root / "src").mkdir(parents=True)
+    (root / "config.json").write_text('{"app":1}\n')
+    (root / "src" / "main.py").write_text("keep\n")
+    return root
+
+
+def downloaded_model(root: Path, tiny_path: str) -> Path:
+    """A Hugging Face model directory lit_align did not write (the user's downloaded model)."""
+    shutil.copytree(tiny_path, root)
+    return root
+
+
+def notes_dir(root: Path, tiny_path: str) -> Path:
+    root.mkdir()
+    (root / "notes.txt").write_text("keep me")
+    return root
+
+
+@pytest.mark.parametrize("make", [user_project, downloaded_model, notes_dir])
+def test_export_never_replaces_a_directory_lit_align_did_not_write(tmp_path, capfd, tiny_path, make):
+    target = make(tmp_path / "target", tiny_path)
+    before = snapshot(target)
+    code, _, err = export_run(tmp_path, capfd, target)
+    assert_one_line_error(code, err, f"export path {target} holds files lit_align did not write",
+                          "choose another export.path")
+    assert snapshot(target) == before  # byte for byte, src/main.py included
     assert not (tmp_path / "seen").exists()  # refused before training, not after it
 
 
+def test_a_lit_align_export_is_replaced_but_not_once_the_user_added_to_it(tmp_path, capfd):
+    target = tmp_path / "model"
+    code, _, err = export_run(tmp_path, capfd, target)
+    assert code == 0, err
+    assert (target / "lit_align_export.json").exists()
+    first = snapshot(target)
+
+    code, _, err = export_run(tmp_path, capfd, target, "--trainer.max_steps", "2")  # replaced by the newer export
+    assert code == 0, err
+    second = snapshot(target)
+    assert second.keys() == first.keys() and second["model.safetensors"] != first["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "model", "seen"]  # no staging, no old one
+
+    (target / "notes.txt").write_text("mine")  # the user's file inside the export: refused, nothing deleted
+    shutil.rmtree(tmp_path / "seen")
+    code, _, err = export_run(tmp_path, capfd, target)
+    assert_one_line_error(code, err, f"export path {target} is a lit_align export, but notes.txt in it were added "
+                                     "or changed since it was written")
+    assert snapshot(target) == {**second, "notes.txt": b"mine"}
+    assert not (tmp_path / "seen").exists()
+
+    (target / "notes.txt").unlink()
+    (target / "README.md").write_text("my edited card")  # one of its own files, edited: the user's now
+    code, _, err = export_run(tmp_path, capfd, target)
+    assert_one_line_error(code, err, "but README.md in it were added or changed")
+
+
+def test_an_export_path_that_cannot_be_created_is_refused_before_training_and_an_empty_one_is_taken(tmp_path, capfd):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine")
+    for target, needle in [(blocker / "model", f"cannot be created: {blocker} is not a directory"),
+                           (Path("/proc/lit_align_test/model"), "cannot be created: /proc takes no new directory"),
+                           (blocker, "exists and is not a directory")]:
+        code, _, err = export_run(tmp_path, capfd, target)
+        assert_one_line_error(code, err, f"export path {target} ", needle)
+        assert not (tmp_path / "seen").exists()
+    assert blocker.read_text() == "mine"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = export_run(tmp_path, capfd, empty)
+    assert code == 0, err
+    assert (empty / "config.json").exists() and (empty / "lit_align_export.json").exists()
+
+
+def test_a_full_disk_during_the_export_leaves_the_previous_export_whole(tmp_path, capfd, monkeypatch):
+    """safetensors fails as on a full disk, half the weights written: one line, no staging directory left, and the
+    previous export exactly as it was."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+    from safetensors.torch import save as to_bytes
+
+    target = tmp_path / "model"
+    code, _, err = export_run(tmp_path, capfd, target)
+    assert code == 0, err
+    before = snapshot(target)
+
+    def disk_fills_up(tensors, filename, metadata=None):
+        data = to_bytes(tensors, metadata=metadata)
+        Path(filename).write_bytes(data[: len(data) // 2])
+        raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", disk_fills_up)
+    code, _, err = export_run(tmp_path, capfd, target, "--trainer.max_steps", "2")
+    assert_one_line_error(code, err, f"the export to {target} failed (Error while serializing: I/O error: No space "
+                                     f"left on device (os error 28)); nothing was left half-written and {target} is "
+                                     "as it was")
+    assert snapshot(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "model", "seen"]
+
+
 # -- mistakes: exit status 2, one `error:` line naming the culprit, no traceback -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_path) -> Path:
+    """A Lightning checkpoint of one DPO step (configs/dpo.yaml)."""
+    root = tmp_path_factory.mktemp("checkpoint")
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        from lit_align.cli import run
+
+        run(["fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",
+             "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--export.enabled", "false",
+             "--trainer.default_root_dir", str(root)])
+    finally:
+        sys.argv = argv
+    (path,) = (root / "checkpoints").glob("*.ckpt")
+    return path
+
+
+def resume_args(tmp_path, ckpt) -> list[str]:
+    return ["fit", "-c", DPO, "--trainer.max_steps", "2", "--data.init_args.val_split", "null",
+            "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--export.enabled", "false",
+            "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", str(ckpt)]
+
+
+def test_a_plain_state_dict_as_ckpt_path_is_one_error_line(tmp_path, capfd, checkpoint):
+    weights = tmp_path / "weights.pt"
+    torch.save(torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"], weights)
+    code, _, err = run_main(resume_args(tmp_path, weights), capfd)
+    assert_one_line_error(code, err, f"--ckpt_path {weights}: not a Lightning checkpoint")
+
+
+def tensor_data_offset(path: Path) -> tuple[str, int, int]:
+    """The largest member of a ``torch.save`` zip (a tensor's bytes): its name, where its data starts, its size."""
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = struct.unpack("<HH", f.read(4))
+    return info.filename, info.header_offset + 30 + name_length + extra_length, info.file_size
+
+
+def test_a_bit_flipped_checkpoint_is_refused_naming_the_file(tmp_path, capfd, checkpoint):
+    """One flipped bit in a tensor's bytes: torch.load would read it as it is; the zip's CRC-32 catches it."""
+    member, start, size = tensor_data_offset(checkpoint)
+    data = bytearray(checkpoint.read_bytes())
+    data[start + size // 2] ^= 0x10
+    flipped = tmp_path / "flipped.ckpt"
+    flipped.write_bytes(bytes(data))
+    torch.load(flipped, map_location="cpu", weights_only=False)  # loads without a word
+    code, _, err = run_main(resume_args(tmp_path, flipped), capfd)
+    assert_one_line_error(code, err, f"--ckpt_path {flipped}: the file is corrupt: {member} inside it fails its "
+                                     "CRC-32 check")
+
+
+def test_a_checkpoint_saved_without_crcs_is_not_taken_for_corrupt(tmp_path):
+    """torch.save can skip the CRC-32s (``torch.utils.serialization.config.save.compute_crc32``): nothing to check."""
+    from torch.utils.serialization import config
+
+    from lit_align.cli import check_checkpoint_file
+
+    path = tmp_path / "no_crc.ckpt"
+    config.save.compute_crc32 = False
+    try:
+        torch.save({"pytorch-lightning_version": "2.6.0", "state_dict": {"w": torch.ones(4)}}, path)
+    finally:
+        config.save.compute_crc32 = True
+    check_checkpoint_file(str(path))
+
 
 
 def test_bad_data_file(tmp_path, capfd):
@@ -367,3 +541,47 @@ def test_a_module_whose_round_disagrees_with_its_datamodule_is_refused(tmp_path,
     module = GRPOModule(model="builtin:tiny", reward_funcs=["lit_align.rewards.sort_accuracy"], num_generations=4)
     with pytest.raises(LitAlignError, match=r"model.num_generations 4 differs from data.num_generations 2"):
         fit(module, PromptDataModule(batch_size=4, num_generations=2, val_split=None), tmp_path)
+
+
+# -- the chat template's one owner: model.chat_template ---------------------------------------------------------------
+REWRITING_TEMPLATE = "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['content'] }}{% endfor %}"
+
+
+def parse(*args: str):
+    """The CLI's objects for configs/sft.yaml plus ``args``, built but not run."""
+    from lit_align.cli import AlignCLI
+    from lit_align.data import AlignDataModule
+    from lit_align.modules import AlignModule
+
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        return AlignCLI(AlignModule, AlignDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                        auto_configure_optimizers=False, args=["-c", str(REPO / "configs" / "sft.yaml"), *args])
+    finally:
+        sys.argv = argv
+
+
+def test_the_chat_template_is_set_on_the_model_and_a_different_data_chat_template_is_refused(tmp_path, capfd,
+                                                                                                tiny_path):
+    cli = parse("--model.init_args.chat_template", REWRITING_TEMPLATE)
+    assert cli.datamodule.chat_template == cli.model.hparams.chat_template == REWRITING_TEMPLATE
+    cli = parse("--model.init_args.chat_template", REWRITING_TEMPLATE,  # the same on both: a saved config rerun
+                "--data.init_args.chat_template", REWRITING_TEMPLATE)
+    assert cli.datamodule.chat_template == REWRITING_TEMPLATE
+
+    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "sft.yaml"), "--data.init_args.chat_template",
+                             REWRITING_TEMPLATE, "--trainer.max_steps", "1", "--export.enabled", "false",
+                             "--trainer.default_root_dir", str(tmp_path)], capfd)
+    assert assert_one_line_error(code, err) == (
+        "error: data.chat_template is set by model.chat_template (the model owns the chat template: the data renders "
+        "its rows with it and the export carries it); set model.chat_template instead")
+
+
+def test_a_template_that_rewrites_earlier_turns_names_model_chat_template(tmp_path, capfd):
+    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "sft.yaml"), "--data.init_args.path",
+                             str(REPO / "tests" / "fixtures" / "formats" / "ultrachat_200k.jsonl"),
+                             "--data.init_args.val_split", "null", "--model.init_args.assistant_only_loss", "true",
+                             "--model.init_args.chat_template", REWRITING_TEMPLATE,
+                             "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"], capfd)
+    line = assert_one_line_error(code, err, "the chat template renders messages[:2] differently")
+    assert line.endswith("(use a template that leaves earlier turns as they were: model.chat_template)")

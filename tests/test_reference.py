@@ -268,7 +268,7 @@ def test_precompute_under_ddp_matches_one_process(tmp_path, rows_path, lit_align
 
 def test_cli_lora_run_exports_the_adapter_and_can_export_again(tmp_path, rows_path, tiny_path):
     """``--model.init_args.peft_config`` from the command line; the export holds the adapter, and a second run may
-    replace it (HFExport recognises an adapter directory as a model directory)."""
+    replace it (HFExport replaces only its own exports, which its manifest lists)."""
     from lit_align.cli import main
 
     export = tmp_path / "hf_model"

@@ -202,7 +202,7 @@ def encode_conversation(tokenizer, messages: list[dict], template: dict | None, 
         if full[: len(upto)] != upto:
             raise LitAlignError(f"{where}: the chat template renders messages[:{i + 1}] differently inside the whole "
                                 f"conversation, so assistant turn {i}'s tokens cannot be told apart (use a template "
-                                "that leaves earlier turns as they were: data.chat_template)")
+                                "that leaves earlier turns as they were: model.chat_template)")
         before = encode_messages(tokenizer, messages[:i], add_generation_prompt=True, template=template) if i else []
         for t in range(common_prefix_length(before, upto), len(upto)):
             mask[t] = 1

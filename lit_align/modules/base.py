@@ -20,38 +20,10 @@ from transformers import get_scheduler
 from lit_align.errors import LitAlignError
 from lit_align.capabilities import sharded_strategy
 from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
+from lit_align.optimizers import build_optimizer, check_optimizer_choice
 from lit_align.pretrained import gguf_path
 from lit_align.reference import Reference
 
-
-def _bitsandbytes(name: str):
-    def build(params, lr: float, weight_decay: float):
-        try:
-            import bitsandbytes
-        except ImportError:
-            raise LitAlignError(f"model.optim {name!r} needs bitsandbytes: pip install 'lit_align[bnb]'") from None
-        cls = {"adamw_8bit": bitsandbytes.optim.AdamW8bit, "paged_adamw_8bit": bitsandbytes.optim.PagedAdamW8bit}[name]
-        return cls(params, lr=lr, weight_decay=weight_decay)
-
-    return build
-
-
-def _adafactor(params, lr: float, weight_decay: float):
-    from transformers.optimization import Adafactor
-
-    return Adafactor(params, lr=lr, weight_decay=weight_decay, scale_parameter=False, relative_step=False)
-
-
-# ``model.optim``: TRL's (transformers') optimizer names -> ``(params, lr, weight_decay) -> optimizer``
-OPTIMIZERS = {
-    "adamw_torch": lambda params, lr, weight_decay: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay),
-    "adamw_torch_fused": lambda params, lr, weight_decay: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
-                                                                             fused=True),
-    "sgd": lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr, weight_decay=weight_decay),
-    "adafactor": _adafactor,
-    "adamw_8bit": _bitsandbytes("adamw_8bit"),
-    "paged_adamw_8bit": _bitsandbytes("paged_adamw_8bit"),
-}
 
 # Model settings a resume may change: how the same numbers are computed or exported, not which numbers.
 RESUME_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "on_nonfinite_loss", "export_merged", "engine",
@@ -86,8 +58,8 @@ class AlignModule(L.LightningModule):
             instead of from full ``[N, T, V]`` logits (``lit_align.logps``): same values and gradients, a fraction of
             the memory at large vocabularies. None: off. E.g. 1024 (a chunk holds ``chunk * V`` fp32 logits).
         disable_dropout: zero every dropout (TRL's default).
-        learning_rate: AdamW learning rate (TRL's DPO default: 1e-6).
-        weight_decay: AdamW weight decay.
+        learning_rate: the optimizer's learning rate, whichever optimizer (TRL's DPO default: 1e-6).
+        weight_decay: the optimizer's weight decay, whichever optimizer.
         lr_scheduler_type: any ``transformers.get_scheduler`` name: ``linear`` (TRL's default), ``cosine``,
             ``constant``, ``constant_with_warmup``, ``cosine_with_min_lr``, ...
         lr_scheduler_kwargs: that scheduler's own arguments (TRL's name), e.g. ``{num_cycles: 2}`` for
@@ -96,7 +68,9 @@ class AlignModule(L.LightningModule):
             ``adafactor``, ``adamw_8bit``, ``paged_adamw_8bit`` (the last two: ``pip install "lit_align[bnb]"``,
             bitsandbytes), with ``learning_rate`` and ``weight_decay``.
         optimizer: any optimizer the LightningCLI way instead, e.g. ``{class_path: torch.optim.SGD, init_args:
-            {lr: 0.1, momentum: 0.9}}`` (its own ``lr`` then; the schedule and warmup still apply).
+            {momentum: 0.9}}``, with ``learning_rate`` and ``weight_decay`` (an ``lr`` or ``weight_decay`` in
+            ``init_args`` that disagrees with them is refused; ``lit_align.optimizers``); the schedule and warmup
+            still apply.
         warmup_ratio: fraction of the run's optimizer steps spent warming up (used when ``warmup_steps`` is 0).
         warmup_steps: optimizer steps of linear warmup.
         on_nonfinite_loss: ``error`` (default): stop at a NaN/inf loss with the step and the batch's offending rows
@@ -151,9 +125,7 @@ class AlignModule(L.LightningModule):
                 raise LitAlignError(f"model.{name} must be >= 0, got {value}")
         if not 0 <= warmup_ratio <= 1:
             raise LitAlignError(f"model.warmup_ratio must be in [0, 1], got {warmup_ratio}")
-        if optim not in OPTIMIZERS:
-            raise LitAlignError(f"model.optim {optim!r}: expected one of {sorted(OPTIMIZERS)} (or model.optimizer: "
-                                "{class_path: ..., init_args: ...} for any torch optimizer)")
+        check_optimizer_choice(optim, optimizer)
         self.optimizer_factory = optimizer
         self.save_hyperparameters(ignore=["optimizer"])
         self.lora_config = lora_config(peft_config) if peft_config is not None else None
@@ -330,10 +302,7 @@ class AlignModule(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        if self.optimizer_factory is not None:
-            optimizer = self.optimizer_factory(params)
-        else:
-            optimizer = OPTIMIZERS[hp.optim](params, lr=hp.learning_rate, weight_decay=hp.weight_decay)
+        optimizer = build_optimizer(hp.optim, self.optimizer_factory, params, hp.learning_rate, hp.weight_decay)
         total = int(self.trainer.estimated_stepping_batches)
         if self._resumed_total is not None and self._resumed_total != total:
             rank_zero_warn(f"lit_align: resumed with another length: the learning-rate schedule ({hp.lr_scheduler_type}) "

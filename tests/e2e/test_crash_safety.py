@@ -3,12 +3,15 @@
 - ``kill -9`` in the middle of a checkpoint write leaves the previous ``last.ckpt`` whole, and the run resumes from it.
 - SIGTERM: the current step finishes, ``last.ckpt`` is saved, the process exits with status 143 and no traceback, and
   resuming from that checkpoint gives the uninterrupted run's losses.
+- A disk that fills up during a checkpoint write is one ``error:`` line; the previous checkpoint stays whole and no
+  temp file is left.
 - Why ``AtomicCheckpointIO`` exists: Lightning's own local save stages the file in the *system* temp directory and
   moves it into place (a copy, not a rename, whenever that is another filesystem).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics, write_sort_rows
+from helpers import assert_one_line_error, read_metrics, run_main, write_sort_rows
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lit_align.checkpoint_io import AtomicCheckpointIO
@@ -114,6 +117,40 @@ def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, pairs_file, tiny_
     reference = losses(full)
     assert sorted(reference) == list(range(6))
     assert losses(cut) == reference
+
+
+class FillsUp:
+    """A file that takes ``room`` more bytes, then fails each write as a full disk does (``OSError`` ENOSPC)."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_previous_checkpoint(
+        tmp_path, pairs_file, tiny_path, capfd, monkeypatch):
+    """From step 2 on the disk is full after 4 kB of a checkpoint: torch's writer then raises a RuntimeError whose
+    context is the ENOSPC."""
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        return real_save(obj, FillsUp(f, 4096) if obj["global_step"] >= 2 else f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    code, _, err = run_main(fit_args(pairs_file, tmp_path, 3), capfd)
+    line = assert_one_line_error(code, err, f"checkpoint {tmp_path / 'ckpt'}", "No space left on device",
+                                 "the previous checkpoint there, if any, is whole")
+    assert "step=2" in line
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=1.ckpt", "last.ckpt"]  # no .tmp
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 1
 
 
 def test_lightning_stages_local_checkpoints_in_the_system_temp_dir(tmp_path, monkeypatch):

@@ -303,12 +303,14 @@ def test_optimizers_by_trl_name_or_the_lightningcli_way(tmp_path, tiny_path):
         cli = run(["fit", "-c", str(REPO / "configs" / "dpo.yaml"), "--trainer.max_steps", "1",
                    "--trainer.val_check_interval", "1.0", "--data.init_args.val_split", "null",
                    "--trainer.logger", "false", "--trainer.enable_checkpointing", "false", "--export.enabled", "false",
-                   "--model.init_args.optimizer", "{class_path: torch.optim.SGD, init_args: {lr: 0.05, momentum: 0.9}}",
+                   "--model.init_args.learning_rate", "0.05",
+                   "--model.init_args.optimizer", "{class_path: torch.optim.SGD, init_args: {momentum: 0.9}}",
                    "--trainer.default_root_dir", str(tmp_path)])
     finally:
         sys.argv = argv
     (optimizer,) = cli.trainer.optimizers
     assert type(optimizer) is torch.optim.SGD and optimizer.defaults["momentum"] == 0.9
+    assert optimizer.defaults["lr"] == 0.05  # model.learning_rate (tests/test_optimizers.py: the rules)
 
     # lr_scheduler_kwargs reach the schedule: two cosine cycles restart at the half
     lrs = {}
