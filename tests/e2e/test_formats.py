@@ -194,3 +194,41 @@ def test_a_mixture_resumes_exactly_and_refuses_unlike_sources(tmp_path, capfd):
                                mixture=[{"path": str(with_answer)}, {"path": str(without)}])
     with pytest.raises(Exception, match=r"data.mixture: the sources' rows have different columns .*rename_columns"):
         prompts.setup("fit")
+
+
+def test_standard_and_conversational_sources_mix_in_either_order(tmp_path, capfd):
+    """Prompt/completion rows with conversations (SFT), string prompts with message prompts (GRPO): either order
+    trains, and each order's rows are its sources' rows, one after the other, as each source alone gives them."""
+    completions = tmp_path / "completions.jsonl"
+    completions.write_text("".join(json.dumps({"prompt": f"sort {d}:", "completion": "".join(sorted(d))}) + "\n"
+                                   for d in ("31", "520", "97")))
+    strings, messages = tmp_path / "strings.jsonl", tmp_path / "messages.jsonl"
+    strings.write_text("".join(json.dumps({"prompt": p, "answer": "".join(sorted(p))}) + "\n"
+                               for p in ("sort 31:", "42", "sort 520:")))  # "42": text, though it reads as JSON
+    messages.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"sort {d}:"}],
+                                            "answer": "".join(sorted(d))}) + "\n" for d in ("64", "802", "19")))
+    for recipe, module, sources in [("sft", CompletionDataModule, [completions, FORMATS / "capybara.jsonl"]),
+                                    ("grpo", PromptDataModule, [strings, messages])]:
+        extra = {"grpo": dict(batch_size=2, num_generations=2)}.get(recipe, {})
+        alone = [list(rows_of_source(module, source, **extra)) for source in sources]
+        for order in (sources, sources[::-1]):
+            mixture = json.dumps([{"path": str(source)} for source in order])
+            root = tmp_path / f"{recipe}-{order[0].stem}"
+            args = ["--data.init_args.mixture", mixture]
+            if recipe == "grpo":
+                args += ["--model.init_args.model", "builtin:tiny", "--data.init_args.num_generations", "2",
+                         "--model.init_args.max_completion_length", "4"]
+            code, _, err = run_main(fit(recipe, root, sources[0], *args), capfd)
+            assert code == 0, err
+            dm = module(tokenizer="builtin:tiny", val_split=None, mixture=[{"path": str(s)} for s in order], **extra)
+            dm.setup("fit")
+            expected = alone[0] + alone[1] if order == sources else alone[1] + alone[0]
+            assert list(dm.train_data) == expected
+    assert expected[0]["prompt"] == [{"role": "user", "content": "sort 64:"}] and expected[4]["prompt"] == "42"
+
+
+def rows_of_source(module, source: Path, **kw):
+    dm = module(str(source), tokenizer="builtin:tiny", val_split=None, **kw)
+    dm.setup("fit")
+    return dm.train_data
+
