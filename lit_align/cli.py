@@ -50,6 +50,9 @@ class AlignCLI(LightningCLI):
             parser.link_arguments(f"data.init_args.{name}", f"model.init_args.{name}", apply_on="parse")
         # a chat template belongs to the model (the export carries it); the data renders its rows with it
         parser.link_arguments("model.init_args.chat_template", "data.init_args.chat_template", apply_on="parse")
+        # SFT's assistant_only_loss: the data drops rows whose cut leaves no assistant token to train on
+        parser.link_arguments("model.init_args.assistant_only_loss", "data.init_args.assistant_only_loss",
+                              apply_on="parse")
 
     def parse_arguments(self, parser, args) -> None:
         argv = sys.argv[1:] if args is None else args

@@ -232,3 +232,29 @@ def rows_of_source(module, source: Path, **kw):
     dm.setup("fit")
     return dm.train_data
 
+
+def test_assistant_only_loss_drops_rows_cut_before_any_assistant_token(tokenizer, tmp_path, capfd, caplog):
+    """With ``assistant_only_loss``, a conversation cut before its first assistant token has nothing to train on:
+    it is dropped and counted (as a prompt/completion row cut before its completion), and the run trains on the
+    rest; with no row left it is refused."""
+    path = FORMATS / "ultrachat_200k.jsonl"
+    conversations = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+    starts = []  # where each conversation's first assistant turn starts, in tokens
+    for messages in conversations:
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        starts.append(len(tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True)["input_ids"]))
+    max_length = min(starts) + 1
+    kept = sum(start < max_length for start in starts)
+    assert 2 <= kept < len(conversations)
+    only = ["--model.init_args.assistant_only_loss", "true"]
+    code, _, err = run_main(fit("sft", tmp_path, path, *only, "--data.init_args.max_length", str(max_length)), capfd)
+    assert code == 0, err
+    assert f"{len(conversations) - kept} dropped (no assistant token left)" in caplog.text  # rank_zero_info
+    assert f"lit_align: {kept} training rows from {path}" in caplog.text
+    losses = [r["train/loss"] for r in read_metrics(tmp_path / "sft" / "run") if "train/loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
+
+    code, _, err = run_main(fit("sft", tmp_path / "none", path, *only, "--data.init_args.max_length",
+                                str(min(starts))), capfd)
+    assert_one_line_error(code, err, f"{path}: every row was dropped (no assistant token within "
+                                     f"max_length={min(starts)})")
