@@ -261,9 +261,10 @@ def encode_messages(tokenizer, messages: list[dict[str, str]], add_generation_pr
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             add_generation_prompt=add_generation_prompt, **(template or {}))
     except Exception as exc:  # noqa: BLE001 - the template runs the user's data through the user's Jinja code
+        message = " ".join(str(exc).split())  # one line
         if type(exc) is jinja2.TemplateError:  # the template's own ``raise_exception(...)``
-            raise ChatTemplateError(f"the chat template refused it: {exc}") from None
-        raise ChatTemplateError(f"the chat template could not render it ({type(exc).__name__}: {exc})") from None
+            raise ChatTemplateError(f"the chat template refused it: {message}") from None
+        raise ChatTemplateError(f"the chat template could not render it ({type(exc).__name__}: {message})") from None
     return list(out["input_ids"])
 
 
