@@ -15,7 +15,9 @@ import pickletools
 import shlex
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -41,13 +43,17 @@ class AlignParser(LightningArgumentParser):
         super().error(message, ex)
 
 
-def chat_template_of_model(model_template: str | None, data_template: str | None) -> str | None:
-    """``data.chat_template`` is ``model.chat_template``: one owner, the model (the export carries its template); the
-    data renders its rows with it. A different one set under ``data:`` is refused rather than silently replaced."""
-    if data_template is not None and data_template != model_template:
-        raise LitAlignError("data.chat_template is set by model.chat_template (the model owns the chat template: the "
-                            "data renders its rows with it and the export carries it); set model.chat_template instead")
-    return model_template
+def owned_by_model(name: str) -> Callable[[Any, Any], Any]:
+    """The link ``model.<name> -> data.<name>``: the model owns the setting (the export carries the chat template;
+    the loss reads ``assistant_only_loss``) and the data follows it. A different value set under ``data:`` is refused
+    rather than silently replaced (its default, None or False, is "not set")."""
+    def follow(model_value: Any, data_value: Any) -> Any:
+        if data_value not in (None, False) and data_value != model_value:
+            raise LitAlignError(f"data.{name} is set by model.{name} (the model owns it; the data follows it): set "
+                                f"model.{name} instead")
+        return model_value
+
+    return follow
 
 
 class AlignCLI(LightningCLI):
@@ -73,8 +79,10 @@ class AlignCLI(LightningCLI):
         for name in ROUND_SETTINGS:
             parser.link_arguments(f"data.init_args.{name}", f"model.init_args.{name}", apply_on="parse")
         # a chat template belongs to the model (the export carries it); the data renders its rows with it
-        parser.link_arguments(("model.init_args.chat_template", "data.init_args.chat_template"),
-                              "data.init_args.chat_template", compute_fn=chat_template_of_model, apply_on="parse")
+        for name in ("chat_template", "assistant_only_loss"):  # SFT's assistant_only_loss: rows cut before any
+            # assistant token are dropped by the data
+            parser.link_arguments((f"model.init_args.{name}", f"data.init_args.{name}"), f"data.init_args.{name}",
+                                  compute_fn=owned_by_model(name), apply_on="parse")
 
     def parse_arguments(self, parser, args) -> None:
         argv = sys.argv[1:] if args is None else args

@@ -573,8 +573,19 @@ def test_the_chat_template_is_set_on_the_model_and_a_different_data_chat_templat
                              REWRITING_TEMPLATE, "--trainer.max_steps", "1", "--export.enabled", "false",
                              "--trainer.default_root_dir", str(tmp_path)], capfd)
     assert assert_one_line_error(code, err) == (
-        "error: data.chat_template is set by model.chat_template (the model owns the chat template: the data renders "
-        "its rows with it and the export carries it); set model.chat_template instead")
+        "error: data.chat_template is set by model.chat_template (the model owns it; the data follows it): set "
+        "model.chat_template instead")
+
+
+def test_assistant_only_loss_is_set_on_the_model_and_the_data_follows_it(tmp_path, capfd):
+    cli = parse("--model.init_args.assistant_only_loss", "true")
+    assert cli.datamodule.assistant_only_loss is cli.model.hparams.assistant_only_loss is True
+    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "sft.yaml"), "--data.init_args.assistant_only_loss",
+                             "true", "--trainer.max_steps", "1", "--export.enabled", "false",
+                             "--trainer.default_root_dir", str(tmp_path)], capfd)
+    assert assert_one_line_error(code, err) == (
+        "error: data.assistant_only_loss is set by model.assistant_only_loss (the model owns it; the data follows "
+        "it): set model.assistant_only_loss instead")
 
 
 def test_a_template_that_rewrites_earlier_turns_names_model_chat_template(tmp_path, capfd):

@@ -14,7 +14,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lit_align.data.sources import load_rows
+from lit_align.data.rows import check_chat_template, check_template_kwargs
+from lit_align.data.sources import check_mixture, common_features, load_rows
 from lit_align.errors import LitAlignError
 from lit_align.models import load_tokenizer
 
@@ -183,12 +184,11 @@ class AlignDataModule(L.LightningDataModule):
         self.batch_size, self.val_batch_size = batch_size, val_batch_size or batch_size
         self.num_workers, self.seed, self.shuffle = num_workers, seed, shuffle
         self.rename_columns = rename_columns or {}
-        self.chat_template, self.chat_template_kwargs = chat_template, dict(chat_template_kwargs or {})
+        self.chat_template, self.chat_template_kwargs = chat_template, check_template_kwargs(chat_template_kwargs)
         self.mixture = [s if isinstance(s, DataSource) else DataSource(**s) for s in mixture or []]
         if mixture_strategy not in MIXTURE_STRATEGIES:
             raise LitAlignError(f"data.mixture_strategy {mixture_strategy!r}: expected one of {MIXTURE_STRATEGIES}")
-        if any(not source.weight > 0 for source in self.mixture):
-            raise LitAlignError(f"data.mixture: every weight must be > 0, got {[s.weight for s in self.mixture]}")
+        check_mixture(path, mixture, self.mixture)
         self.mixture_strategy = mixture_strategy
         self.tokenizer = None
         self.train_data = self.val_data = None
@@ -209,6 +209,7 @@ class AlignDataModule(L.LightningDataModule):
             return
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self._tokenizer_name(), chat_template=self.chat_template)
+            check_chat_template(self.tokenizer, self.chat_template)
         if self.mixture:
             self._setup_mixture(need_train, need_val)
             return
@@ -245,7 +246,7 @@ class AlignDataModule(L.LightningDataModule):
             described = ", ".join(f"{s.path}: {c}" for s, c in zip(self.mixture, columns))
             raise LitAlignError(f"data.mixture: the sources' rows have different columns ({described}); make them "
                                 "alike with each source's rename_columns")
-        parts = [part.cast(parts[0].features) for part in parts]  # e.g. one source's int columns, another's floats
+        parts = common_features(parts)  # one set of column types, whatever the sources' order
         if self.mixture_strategy == "concatenate":
             rows = datasets.concatenate_datasets(parts)
         else:

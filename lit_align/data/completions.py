@@ -25,8 +25,8 @@ from torch.nn.utils.rnn import pad_sequence
 from lit_align.data.base import AlignDataModule
 from lit_align.data.packing import PACKING_STRATEGIES, collate_packed, pack, present_keys
 from lit_align.data.rows import (
-    check_max_length, encode_conversation, encode_prompt_completion, encode_text, keep_start, normalize_completion,
-    sft_row_kind, template_kwargs, with_eos,
+    check_max_length, encode_conversation, encode_prompt_completion, encode_text, keep_start, naming_row,
+    normalize_completion, sft_row_kind, template_kwargs, with_eos,
 )
 from lit_align.errors import LitAlignError
 
@@ -80,7 +80,7 @@ class CompletionDataModule(AlignDataModule):
 
     Args:
         max_length: tokens of prompt + completion kept of each row, cut at tokenize time keeping the start (None: no
-            truncation).
+            truncation); with ``packing``, the length of a packed row (``wrapped`` packs rows whole).
         drop_long_prompts: drop rows whose prompt alone fills ``max_length`` (nothing of the completion would be
             left; TRL drops them silently) instead of stopping with an error that names the first such row.
         num_proc: processes for tokenization (``datasets.map``).
@@ -90,13 +90,15 @@ class CompletionDataModule(AlignDataModule):
             ``max_length`` tokens).
         padding_free: make each batch one row of its sequences back to back, no padding (TRL's
             ``padding_free``); with ``packing``, one row of the packed rows.
+        assistant_only_loss: rows are trained on their assistant tokens only, so a row whose cut leaves none is
+            dropped; ``lit-align`` sets it from ``model.assistant_only_loss``.
     """
 
     kind = "completion"
 
     def __init__(self, *args, max_length: int | None = 1024, drop_long_prompts: bool = False,
                  num_proc: int | None = None, packing: bool = False, packing_strategy: str = "bfd",
-                 padding_free: bool = False, **kwargs):
+                 padding_free: bool = False, assistant_only_loss: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_length = check_max_length(max_length)
         self.drop_long_prompts, self.num_proc = drop_long_prompts, num_proc
@@ -105,18 +107,22 @@ class CompletionDataModule(AlignDataModule):
         if packing and max_length is None:
             raise LitAlignError("data.packing needs data.max_length (the length of a packed row)")
         self.packing, self.packing_strategy, self.padding_free = packing, packing_strategy, padding_free
+        self.assistant_only_loss = assistant_only_loss
 
     def process(self, rows, source: str):
         columns = set(rows.column_names)
         if not {"messages", "text"} & columns and not {"prompt", "completion"} <= columns:
             raise LitAlignError(f"{source}: columns {sorted(columns)}: expected 'prompt' and 'completion', 'messages' "
                                 "or 'text'")
-        tokenizer, max_length, drop = self.tokenizer, self.max_length, self.drop_long_prompts
+        tokenizer, drop = self.tokenizer, self.drop_long_prompts
+        # wrapped packing cuts the stream of whole rows (TRL truncates nothing when packing); otherwise rows are cut
+        max_length = None if self.packing and self.packing_strategy == "wrapped" else self.max_length
         chat_template_kwargs = self.chat_template_kwargs
 
         def tokenize(row, index):
             where = f"{source} row {index}"
-            out = tokenize_sft_row(tokenizer, row, where, chat_template_kwargs)
+            with naming_row(where):
+                out = tokenize_sft_row(tokenizer, row, where, chat_template_kwargs)
             prompt_length = out.pop("prompt_length")
             out["truncated"] = max_length is not None and len(out["input_ids"]) > max_length
             if max_length is not None and prompt_length >= max_length and not drop:
@@ -130,14 +136,7 @@ class CompletionDataModule(AlignDataModule):
 
         tokenized = rows.map(tokenize, with_indices=True, remove_columns=rows.column_names, num_proc=self.num_proc,
                              desc=f"Tokenizing {source}")
-        before = len(tokenized)
-        tokenized = tokenized.filter(lambda r: 1 in r["completion_mask"])
-        truncated, dropped = sum(tokenized["truncated"]), before - len(tokenized)
-        if truncated or dropped:
-            rank_zero_info(f"lit_align: {source}: {truncated} rows truncated to max_length={max_length}, "
-                           f"{dropped} dropped (no completion token left)")
-        if len(tokenized) == 0:
-            raise LitAlignError(f"{source}: every row was dropped (prompt alone >= max_length={max_length})")
+        tokenized, truncated, dropped = self._drop_untrained(tokenized, source, max_length)
         self.truncation_report = {"truncated": truncated, "dropped": dropped}
         tokenized = tokenized.remove_columns("truncated")
         if not self.packing:
@@ -146,6 +145,22 @@ class CompletionDataModule(AlignDataModule):
         rank_zero_info(f"lit_align: {source}: {len(tokenized)} rows packed into {len(packed)} of up to "
                        f"{self.max_length} tokens ({self.packing_strategy})")
         return datasets.Dataset.from_list(packed)
+
+    def _drop_untrained(self, tokenized, source: str, max_length: int | None):
+        """Drop the rows left with no token to train on (``completion_mask``, or ``assistant_mask`` under
+        ``assistant_only_loss``: a cut can leave a conversation none of its assistant turns); say how many, refuse
+        when none is left. Returns the rows, how many were truncated and how many dropped."""
+        trained = "assistant" if self.assistant_only_loss else "completion"
+        # text rows have no assistant mask: kept, for the module to refuse them with assistant_only_loss
+        before = len(tokenized)
+        tokenized = tokenized.filter(lambda r: 1 in (r[f"{trained}_mask"] or r["completion_mask"]))
+        truncated, dropped = sum(tokenized["truncated"]), before - len(tokenized)
+        if truncated or dropped:
+            rank_zero_info(f"lit_align: {source}: {truncated} rows truncated to max_length={max_length}, "
+                           f"{dropped} dropped (no {trained} token left)")
+        if len(tokenized) == 0:
+            raise LitAlignError(f"{source}: every row was dropped (no {trained} token within max_length={max_length})")
+        return tokenized, truncated, dropped
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if self.padding_free or "seq_lengths" in rows[0]:

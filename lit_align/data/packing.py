@@ -7,8 +7,9 @@ the loss over the same sequences is the one an unpacked batch gives (to float ro
 
 - ``bfd`` (best-fit decreasing, TRL's default): sequences (each cut to ``max_length``) go, longest first, into the
   row whose free space fits them most tightly; a sequence is never split.
-- ``wrapped``: all sequences back to back, cut every ``max_length`` tokens; a sequence cut at a row's end goes on at
-  the next row's start (positions restart there), as classic language-model packing does.
+- ``wrapped``: all sequences, whole (nothing is cut before packing, as in TRL), back to back, cut every ``max_length``
+  tokens; a sequence cut at a row's end goes on at the next row's start (positions restart there), as classic
+  language-model packing does.
 - ``padding_free`` (no packing beforehand): each batch's rows become one row at collate time.
 """
 

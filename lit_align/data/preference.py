@@ -13,7 +13,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from lit_align.data.base import AlignDataModule
 from lit_align.data.rows import (
-    check_max_length, encode_prompt_completion, keep_start, normalize_pair, template_kwargs,
+    check_max_length, encode_prompt_completion, keep_start, naming_row, normalize_pair, template_kwargs,
 )
 from lit_align.errors import LitAlignError
 
@@ -97,8 +97,9 @@ class PreferenceDataModule(AlignDataModule):
         def tokenize(row, index):
             where = f"{source} row {index}"
             prompt, chosen, rejected, conversational = normalize_pair(row, where)
-            out = tokenize_pair(tokenizer, prompt, chosen, rejected, conversational,
-                                template_kwargs(row, chat_template_kwargs, where))
+            template = template_kwargs(row, chat_template_kwargs, where)
+            with naming_row(where):
+                out = tokenize_pair(tokenizer, prompt, chosen, rejected, conversational, template)
             if max_length is not None and len(out["prompt_ids"]) >= max_length and not self.drop_long_prompts:
                 raise LitAlignError(
                     f"{where}: the prompt alone is {len(out['prompt_ids'])} tokens, max_length is {max_length} "

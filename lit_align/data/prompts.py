@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lit_align.data.base import AlignDataModule, ResumableLoader, SkippingSampler
-from lit_align.data.rows import check_max_length, check_prompt, encode_prompt, keep_end, template_kwargs
+from lit_align.data.rows import check_max_length, check_prompt, encode_prompt, keep_end, naming_row, template_kwargs
 from lit_align.errors import LitAlignError
 from lit_align.generation_round import check_round_settings
 
@@ -118,8 +118,9 @@ class PromptDataModule(AlignDataModule):
             where = f"{source} row {index}"
             conversational = check_prompt(row["prompt"], where)
             template = template_kwargs(row, chat_template_kwargs, where)
-            return {"prompt_ids": keep_end(encode_prompt(tokenizer, row["prompt"], conversational, template),
-                                           max_length)}
+            with naming_row(where):
+                ids = encode_prompt(tokenizer, row["prompt"], conversational, template)
+            return {"prompt_ids": keep_end(ids, max_length)}
 
         return rows.map(tokenize, with_indices=True, desc=f"Tokenizing {source}")
 

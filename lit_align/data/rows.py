@@ -15,7 +15,9 @@ Row formats, as TRL accepts them:
 
 Messages may carry ``tool_calls`` (an assistant turn that calls tools, its ``content`` empty or null) and ``tool``
 turns (a tool's result); a ``tools`` column (function schemas, or their JSON text) and the data module's
-``chat_template_kwargs`` go to the chat template with every row.
+``chat_template_kwargs`` go to the chat template with every row (not the arguments lit_align passes itself). A
+template that does not compile is an error naming it; one that fails on a row (its ``raise_exception(...)``, a field
+it cannot read) an error naming the row.
 
 A completion starts where the tokenized prompt and the tokenized prompt + completion diverge (TRL's rule; a chat
 template or a merge across the boundary can make the two differ before the prompt's end). A pair applies it per side
@@ -29,18 +31,36 @@ Truncation, per kind of row (each data module declares ``max_length`` with its d
     prompt       PromptDataModule        512     the prompt                       the end    at tokenize
 
 A preference or completion row whose prompt alone fills ``max_length`` is an error (or dropped, with
-``drop_long_prompts``): nothing of its completion would be left. Prompts keep their end, as TRL's ``GRPOTrainer``
+``drop_long_prompts``): nothing of its completion would be left. A completion row left with nothing to train on
+(no completion token, or no assistant token under ``assistant_only_loss``) is dropped and counted. ``wrapped``
+packing cuts no row (``lit_align.data.packing``). Prompts keep their end, as TRL's ``GRPOTrainer``
 truncates them from the left: the question and the generation prompt are at the end.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+import jinja2
 
 from lit_align.errors import LitAlignError
 
 ROLES = ("system", "user", "assistant", "tool")
+# ``apply_chat_template``'s own arguments and what it names the conversation: lit_align sets them for each render
+RESERVED_TEMPLATE_KWARGS = {
+    "messages": "each row's messages are rendered",
+    "conversation": "each row's messages are rendered",
+    "tools": "a row's tools come from its 'tools' column",
+    "add_generation_prompt": "lit_align adds the generation prompt where a completion starts",
+    "continue_final_message": "lit_align decides how each row is rendered",
+    "chat_template": "set data.chat_template (or model.chat_template) instead",
+    **{name: "lit_align tokenizes each render itself" for name in (
+        "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
+        "max_length", "tokenizer_kwargs")},
+}
 
 
 # -- checks: each names the row (``where``) and the field ------------------------------------------------------------
@@ -116,7 +136,8 @@ def normalize_pair(row: dict[str, Any], where: str) -> tuple[Any, Any, Any, bool
         check_field(rejected, "rejected", where, conversational)
         prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
         if not prompt:
-            raise LitAlignError(f"{where}: no 'prompt' column and chosen/rejected share no prefix to use as prompt")
+            raise LitAlignError(f"{where}: 'chosen' and 'rejected' share no prefix to take as the prompt "
+                                f"({_why_implicit(row.get('prompt'), conversational)})")
     else:
         prompt = row["prompt"]
         check_field(prompt, "prompt", where, conversational)
@@ -125,6 +146,15 @@ def normalize_pair(row: dict[str, Any], where: str) -> tuple[Any, Any, Any, bool
     if chosen == rejected:
         raise LitAlignError(f"{where}: 'chosen' and 'rejected' are identical (a pair must differ)")
     return prompt, chosen, rejected, conversational
+
+
+def _why_implicit(prompt, conversational: bool) -> str:
+    """Why a pair's prompt is the prefix its two sides share (the message when they share none)."""
+    if prompt is None:
+        return "the row has no 'prompt'"
+    kind = {str: "a string", list: "a list of messages"}.get(type(prompt), f"a {type(prompt).__name__}")
+    sides = "conversations" if conversational else "strings"
+    return f"its 'prompt' is {kind} but they are {sides}, so both must begin with the prompt, as in H4's layout"
 
 
 def sft_row_kind(row: dict[str, Any], where: str) -> str:
@@ -148,6 +178,52 @@ def normalize_completion(row: dict[str, Any], where: str) -> tuple[Any, Any, boo
     conversational = check_prompt(row["prompt"], where)
     check_field(row["completion"], "completion", where, conversational)
     return row["prompt"], row["completion"], conversational
+
+
+# -- the chat template -----------------------------------------------------------------------------------------------
+
+
+class ChatTemplateError(LitAlignError):
+    """The chat template failed on a row's messages (raised by ``encode_messages``; ``naming_row`` says which row)."""
+
+
+def check_template_kwargs(chat_template_kwargs: dict | None) -> dict:
+    """``data.chat_template_kwargs``, refused when it sets what lit_align passes the template itself (a ``TypeError``
+    from ``apply_chat_template`` otherwise, or a silent change of what is rendered)."""
+    kwargs = dict(chat_template_kwargs or {})
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise LitAlignError(f"data.chat_template_kwargs: {key!r} is reserved ({RESERVED_TEMPLATE_KWARGS[key]}); "
+                                "give only the template's own variables, e.g. enable_thinking")
+    return kwargs
+
+
+def check_chat_template(tokenizer, given: str | None) -> None:
+    """Compile the tokenizer's chat template before any row is rendered, so that a Jinja syntax error is one line
+    naming the template (``given``: the file or text the user set; None: the tokenizer's own)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # what apply_chat_template compiles with
+
+    template = tokenizer.chat_template
+    if given is None:
+        name = f"of tokenizer {tokenizer.name_or_path!r}"
+    else:
+        name = "given as text" if "{" in given and not given.endswith((".jinja", ".j2")) else given
+    for text in template.values() if isinstance(template, dict) else [template]:
+        if not isinstance(text, str):
+            continue
+        try:
+            _compile_jinja_template(text)
+        except jinja2.TemplateSyntaxError as exc:
+            raise LitAlignError(f"chat template {name}: line {exc.lineno}: {exc.message} (a Jinja syntax error)") from None
+
+
+@contextmanager
+def naming_row(where: str) -> Iterator[None]:
+    """Chat template failures (``ChatTemplateError``) raised inside name the row ``where``."""
+    try:
+        yield
+    except ChatTemplateError as exc:
+        raise LitAlignError(f"{where}: {exc}") from None
 
 
 # -- encoding --------------------------------------------------------------------------------------------------------
@@ -181,8 +257,14 @@ def encode_messages(tokenizer, messages: list[dict[str, str]], add_generation_pr
                     template: dict | None = None) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template (``template``: more keyword arguments
     for it, e.g. ``tools`` or ``enable_thinking``)."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                        add_generation_prompt=add_generation_prompt, **(template or {}))
+    try:
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            add_generation_prompt=add_generation_prompt, **(template or {}))
+    except Exception as exc:  # noqa: BLE001 - the template runs the user's data through the user's Jinja code
+        message = " ".join(str(exc).split())  # one line
+        if type(exc) is jinja2.TemplateError:  # the template's own ``raise_exception(...)``
+            raise ChatTemplateError(f"the chat template refused it: {message}") from None
+        raise ChatTemplateError(f"the chat template could not render it ({type(exc).__name__}: {message})") from None
     return list(out["input_ids"])
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import codecs
 import csv
 import json
+import math
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 
 from lit_align.data.tasks import BUILTIN_TASKS
 from lit_align.errors import LitAlignError
@@ -49,6 +51,45 @@ def load_rows(source: str, split: str, kind: str, config_name: str | None = None
         raise LitAlignError(f"{source}: {str(exc).splitlines()[0]}") from exc
     except Exception as exc:  # noqa: BLE001 - hub and file errors come in many types
         raise LitAlignError(f"could not load dataset {source!r} (split {split!r}): {str(exc).splitlines()[0]}") from exc
+
+
+def check_mixture(path: str | None, mixture: list | None, sources: list) -> None:
+    """Rows come from ``data.path`` or from a ``data.mixture`` of at least one source (``sources``: its
+    ``DataSource`` objects), each with a finite weight > 0 (``interleave_datasets`` draws by them)."""
+    if mixture is not None and not sources:
+        raise LitAlignError("data.mixture is empty: list its sources ({path, split, weight, ...}), or leave it out "
+                            "(null) to read data.path")
+    if not sources and path is None:
+        raise LitAlignError("data.path is null and there is no data.mixture: expected builtin:<task>, a local file or "
+                            "a datasets hub name")
+    for i, source in enumerate(sources):
+        if not (math.isfinite(source.weight) and source.weight > 0):
+            raise LitAlignError(f"data.mixture[{i}] ({source.path}): weight is {source.weight}, expected a finite "
+                                "number > 0")
+
+
+def common_features(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
+    """The sources of a mixture cast to one set of features, whatever their order: each column's types unified as
+    Arrow promotes them (a column of nulls or of empty lists takes the other sources' type, ints and floats become
+    floats); a column whose types do not unify (string prompts in one source, message prompts in another) is kept
+    as JSON (``datasets.Json``), each row's value as it was."""
+    features = {}
+    for name in parts[0].column_names:
+        kinds = [part.features[name] for part in parts]
+        if all(kind == kinds[0] for kind in kinds):
+            features[name] = kinds[0]
+            continue
+        try:
+            schema = pa.unify_schemas([pa.schema([part.features.arrow_schema.field(name)]) for part in parts],
+                                      promote_options="permissive")
+            features[name] = datasets.Features.from_arrow_schema(schema)[name]
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            features[name] = datasets.Json()
+    as_json = [name for name, kind in features.items() if isinstance(kind, datasets.Json)]
+    # JSON text written here, not by datasets: it would take a string that parses as JSON ("13") for the number 13
+    parts = [part.map(lambda row: {name: json.dumps(row[name]) for name in as_json}) if as_json else part
+             for part in parts]
+    return [part.cast(datasets.Features(features)) for part in parts]
 
 
 def _load_file(path: Path, split: str) -> datasets.Dataset:

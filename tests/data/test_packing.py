@@ -3,6 +3,8 @@ gradients (rule 3 of tests/numerics.py: the same sums in another order)."""
 
 from __future__ import annotations
 
+import json
+import math
 import random
 from pathlib import Path
 
@@ -84,3 +86,28 @@ def test_sft_trains_packed_and_padding_free_through_the_cli(tmp_path, capfd):
             "false", "--trainer.enable_progress_bar", "false", "--export.enabled", "false",
             "--trainer.default_root_dir", str(tmp_path), *flags], capfd)
         assert code == 0, err
+
+
+def test_wrapped_packing_cuts_the_stream_of_whole_rows(tmp_path, capfd, caplog, tokenizer):
+    """``wrapped`` packs every row whole (TRL truncates nothing when packing) and cuts the stream every
+    ``max_length`` tokens: ceil(total tokens / max_length) rows, holding every token in file order."""
+    path = FORMATS / "text_corpus.jsonl"
+    rows = [tokenizer(json.loads(line)["text"] + tokenizer.eos_token)["input_ids"]
+            for line in path.read_text().splitlines()]
+    max_length = 16
+    assert min(map(len, rows)) > max_length  # each row is longer than a packed row
+    expected = math.ceil(sum(map(len, rows)) / max_length)
+    code, _, err = run_main([
+        "fit", "-c", str(REPO / "configs" / "sft.yaml"), "--data.init_args.path", str(path),
+        "--data.init_args.val_split", "null", "--data.init_args.batch_size", "2", "--trainer.max_steps", "2",
+        "--trainer.val_check_interval", "1.0", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+        "--trainer.enable_progress_bar", "false", "--export.enabled", "false", "--trainer.default_root_dir",
+        str(tmp_path), "--data.init_args.packing", "true", "--data.init_args.packing_strategy", "wrapped",
+        "--data.init_args.max_length", str(max_length)], capfd)
+    assert code == 0, err
+    assert f"{len(rows)} rows packed into {expected} of up to {max_length} tokens (wrapped)" in caplog.text
+    dm = CompletionDataModule(str(path), tokenizer="builtin:tiny", val_split=None, packing=True,
+                              packing_strategy="wrapped", max_length=max_length)
+    dm.setup("fit")
+    assert [t for row in dm.train_data for t in row["input_ids"]] == [t for row in rows for t in row]
+    assert [len(row["input_ids"]) for row in dm.train_data][:-1] == [max_length] * (expected - 1)

@@ -345,7 +345,8 @@ def test_message_without_content(write_jsonl):
 
 def test_implicit_prompt_without_shared_prefix(write_jsonl):
     path = write_jsonl([{"chosen": "yes", "rejected": "no"}])
-    assert error_of(path) == "FILE row 0: no 'prompt' column and chosen/rejected share no prefix to use as prompt"
+    assert error_of(path) == ("FILE row 0: 'chosen' and 'rejected' share no prefix to take as the prompt (the row "
+                              "has no 'prompt')")
 
 
 def test_validation_rows_are_checked_too(write_jsonl):

@@ -18,11 +18,19 @@ TESTS = Path(__file__).resolve().parents[1]  # tests/
 BAD = TESTS / "fixtures" / "bad"
 DPO = str(TESTS.parent / "configs" / "dpo.yaml")
 GRPO = str(TESTS.parent / "configs" / "grpo.yaml")
+SFT = str(TESTS.parent / "configs" / "sft.yaml")
+FORMATS = TESTS / "fixtures" / "formats"
 
 
 def dpo(path: str | Path, *extra: str) -> list[str]:
     return ["fit", "-c", DPO, "--data.init_args.path", str(path), "--data.init_args.val_split", "null",
             "--trainer.val_check_interval", "1.0", "--trainer.max_steps", "2", *extra]
+
+
+def sft(path: str | Path, *extra: str) -> list[str]:
+    return ["fit", "-c", SFT, "--data.init_args.path", str(path), "--data.init_args.val_split", "null",
+            "--trainer.val_check_interval", "1.0", "--trainer.max_steps", "2", "--data.init_args.batch_size", "2",
+            *extra]
 
 
 def grpo(reward: str, *extra: str) -> list[str]:
@@ -67,6 +75,45 @@ CASES = [
                                                      "--data.init_args.shuffle", "false"),
      "error: non-finite training loss (nan) at step 1, batch 1, rows [1] (dataset rows [5]); nothing was updated "
      "(set model.on_nonfinite_loss: skip to skip such batches)"),
+    ("chat template with a syntax error", sft(FORMATS / "capybara.jsonl", "--model.init_args.chat_template",
+                                               str(BAD / "broken_template.jinja")),
+     "error: chat template {bad}/broken_template.jinja: line 1: unexpected '}}' (a Jinja syntax error)"),
+    ("chat template text with a syntax error", sft(FORMATS / "capybara.jsonl", "--model.init_args.chat_template",
+                                                    "{% for m in messages %}{{ m['content'] }{% endfor %}"),
+     "error: chat template given as text: line 1: unexpected '}}' (a Jinja syntax error)"),
+    ("chat template raise_exception", sft(BAD / "system_turn.jsonl", "--model.init_args.chat_template",
+                                          str(BAD / "no_system_template.jinja")),
+     "error: {bad}/system_turn.jsonl row 1: the chat template refused it: System role not supported"),
+    ("tool call without function", sft(BAD / "tool_call_no_function.jsonl", "--model.init_args.chat_template",
+                                       str(FORMATS / "tool_template.jinja")),
+     "error: {bad}/tool_call_no_function.jsonl row 1: the chat template could not render it (UndefinedError: "
+     "'dict object' has no attribute 'function')"),
+    ("tool call arguments an object", sft(BAD / "tool_arguments_object.jsonl", "--model.init_args.chat_template",
+                                          str(FORMATS / "tool_template.jinja")),
+     "error: {bad}/tool_arguments_object.jsonl row 1: the chat template could not render it (TypeError: can only "
+     "concatenate str (not \"dict\") to str)"),
+    *[(f"reserved chat_template_kwargs {key}", dpo(FORMATS / "ultrafeedback_binarized.jsonl",
+                                                   "--data.init_args.chat_template_kwargs", f"{{{key}: true}}"),
+       f"error: data.chat_template_kwargs: '{key}' is reserved ({why}); give only the template's own variables, "
+       "e.g. enable_thinking")
+      for key, why in [("add_generation_prompt", "lit_align adds the generation prompt where a completion starts"),
+                       ("tokenize", "lit_align tokenizes each render itself"),
+                       ("return_dict", "lit_align tokenizes each render itself"),
+                       ("messages", "each row's messages are rendered"),
+                       ("tools", "a row's tools come from its 'tools' column")]],
+    ("mixture weight inf", dpo("builtin:sort", "--data.init_args.mixture", "[{path: builtin:sort, weight: .inf}]",
+                               "--data.init_args.mixture_strategy", "interleave"),
+     "error: data.mixture[0] (builtin:sort): weight is inf, expected a finite number > 0"),
+    ("empty mixture", dpo("builtin:sort", "--data.init_args.mixture", "[]"),
+     "error: data.mixture is empty: list its sources ({{path, split, weight, ...}}), or leave it out (null) to read "
+     "data.path"),
+    ("null path without a mixture", dpo("null"),
+     "error: data.path is null and there is no data.mixture: expected builtin:<task>, a local file or a datasets "
+     "hub name"),
+    ("H4 pair sharing no prefix", dpo(BAD / "h4_no_shared_prefix.jsonl"),
+     "error: {bad}/h4_no_shared_prefix.jsonl row 1: 'chosen' and 'rejected' share no prefix to take as the prompt "
+     "(its 'prompt' is a string but they are conversations, so both must begin with the prompt, as in H4's "
+     "layout)"),
     ("reward function raises", grpo("raises"), "error: reward function 'raises' raised ValueError: no answer key"),
     ("reward function returns NaN", grpo("returns_nan"),
      "error: reward function 'returns_nan' returned nan for completion 0 (use None to skip)"),

@@ -194,3 +194,67 @@ def test_a_mixture_resumes_exactly_and_refuses_unlike_sources(tmp_path, capfd):
                                mixture=[{"path": str(with_answer)}, {"path": str(without)}])
     with pytest.raises(Exception, match=r"data.mixture: the sources' rows have different columns .*rename_columns"):
         prompts.setup("fit")
+
+
+def test_standard_and_conversational_sources_mix_in_either_order(tmp_path, capfd):
+    """Prompt/completion rows with conversations (SFT), string prompts with message prompts (GRPO): either order
+    trains, and each order's rows are its sources' rows, one after the other, as each source alone gives them."""
+    completions = tmp_path / "completions.jsonl"
+    completions.write_text("".join(json.dumps({"prompt": f"sort {d}:", "completion": "".join(sorted(d))}) + "\n"
+                                   for d in ("31", "520", "97")))
+    strings, messages = tmp_path / "strings.jsonl", tmp_path / "messages.jsonl"
+    strings.write_text("".join(json.dumps({"prompt": p, "answer": "".join(sorted(p))}) + "\n"
+                               for p in ("sort 31:", "42", "sort 520:")))  # "42": text, though it reads as JSON
+    messages.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"sort {d}:"}],
+                                            "answer": "".join(sorted(d))}) + "\n" for d in ("64", "802", "19")))
+    for recipe, module, sources in [("sft", CompletionDataModule, [completions, FORMATS / "capybara.jsonl"]),
+                                    ("grpo", PromptDataModule, [strings, messages])]:
+        extra = {"grpo": dict(batch_size=2, num_generations=2)}.get(recipe, {})
+        alone = [list(rows_of_source(module, source, **extra)) for source in sources]
+        for order in (sources, sources[::-1]):
+            mixture = json.dumps([{"path": str(source)} for source in order])
+            root = tmp_path / f"{recipe}-{order[0].stem}"
+            args = ["--data.init_args.mixture", mixture]
+            if recipe == "grpo":
+                args += ["--model.init_args.model", "builtin:tiny", "--data.init_args.num_generations", "2",
+                         "--model.init_args.max_completion_length", "4"]
+            code, _, err = run_main(fit(recipe, root, sources[0], *args), capfd)
+            assert code == 0, err
+            dm = module(tokenizer="builtin:tiny", val_split=None, mixture=[{"path": str(s)} for s in order], **extra)
+            dm.setup("fit")
+            expected = alone[0] + alone[1] if order == sources else alone[1] + alone[0]
+            assert list(dm.train_data) == expected
+    assert expected[0]["prompt"] == [{"role": "user", "content": "sort 64:"}] and expected[4]["prompt"] == "42"
+
+
+def rows_of_source(module, source: Path, **kw):
+    dm = module(str(source), tokenizer="builtin:tiny", val_split=None, **kw)
+    dm.setup("fit")
+    return dm.train_data
+
+
+def test_assistant_only_loss_drops_rows_cut_before_any_assistant_token(tokenizer, tmp_path, capfd, caplog):
+    """With ``assistant_only_loss``, a conversation cut before its first assistant token has nothing to train on:
+    it is dropped and counted (as a prompt/completion row cut before its completion), and the run trains on the
+    rest; with no row left it is refused."""
+    path = FORMATS / "ultrachat_200k.jsonl"
+    conversations = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+    starts = []  # where each conversation's first assistant turn starts, in tokens
+    for messages in conversations:
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        starts.append(len(tokenizer.apply_chat_template(messages[:first], add_generation_prompt=True)["input_ids"]))
+    max_length = min(starts) + 1
+    kept = sum(start < max_length for start in starts)
+    assert 2 <= kept < len(conversations)
+    only = ["--model.init_args.assistant_only_loss", "true"]
+    code, _, err = run_main(fit("sft", tmp_path, path, *only, "--data.init_args.max_length", str(max_length)), capfd)
+    assert code == 0, err
+    assert f"{len(conversations) - kept} dropped (no assistant token left)" in caplog.text  # rank_zero_info
+    assert f"lit_align: {kept} training rows from {path}" in caplog.text
+    losses = [r["train/loss"] for r in read_metrics(tmp_path / "sft" / "run") if "train/loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
+
+    code, _, err = run_main(fit("sft", tmp_path / "none", path, *only, "--data.init_args.max_length",
+                                str(min(starts))), capfd)
+    assert_one_line_error(code, err, f"{path}: every row was dropped (no assistant token within "
+                                     f"max_length={min(starts)})")
