@@ -43,15 +43,15 @@ class AlignParser(LightningArgumentParser):
         super().error(message, ex)
 
 
-def owned_by_model(name: str) -> Callable[[Any, Any], Any]:
-    """The link ``model.<name> -> data.<name>``: the model owns the setting (the export carries the chat template;
-    the loss reads ``assistant_only_loss``) and the data follows it. A different value set under ``data:`` is refused
-    rather than silently replaced (its default, None or False, is "not set")."""
-    def follow(model_value: Any, data_value: Any) -> Any:
-        if data_value not in (None, False) and data_value != model_value:
-            raise LitAlignError(f"data.{name} is set by model.{name} (the model owns it; the data follows it): set "
-                                f"model.{name} instead")
-        return model_value
+def one_owner(owner: str, follower: str, name: str, unset: Any = None) -> Callable[[Any, Any], Any]:
+    """A link ``<owner>.<name> -> <follower>.<name>`` for a setting two sections read but one owns. A value set under
+    the follower that differs from the owner's is refused rather than silently replaced; ``unset`` (the follower's
+    default) counts as not set."""
+    def follow(owned: Any, followed: Any) -> Any:
+        if followed != unset and followed is not None and followed != owned:
+            raise LitAlignError(f"{follower}.{name} is set by {owner}.{name} ({owner}: owns it; {follower}: follows "
+                                f"it): set {owner}.{name} instead")
+        return owned
 
     return follow
 
@@ -75,14 +75,15 @@ class AlignCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # always on, configured under `export:` (like any callback, but no need to list it in every config)
         parser.add_lightning_class_args(HFExport, "export")
-        # a GRPO round's shape: set once under `data:` (the DataModule shapes the batches), read by the module too
-        for name in ROUND_SETTINGS:
-            parser.link_arguments(f"data.init_args.{name}", f"model.init_args.{name}", apply_on="parse")
-        # a chat template belongs to the model (the export carries it); the data renders its rows with it
-        for name in ("chat_template", "assistant_only_loss"):  # SFT's assistant_only_loss: rows cut before any
-            # assistant token are dropped by the data
+        # a GRPO round's shape: owned by `data:` (the DataModule shapes the batches), read by the module too
+        for name, default in ROUND_SETTINGS.items():
+            parser.link_arguments((f"data.init_args.{name}", f"model.init_args.{name}"), f"model.init_args.{name}",
+                                  compute_fn=one_owner("data", "model", name, default), apply_on="parse")
+        # owned by the model: the export carries the chat template; the loss reads assistant_only_loss (the data
+        # drops the rows whose cut leaves no assistant token)
+        for name in ("chat_template", "assistant_only_loss"):
             parser.link_arguments((f"model.init_args.{name}", f"data.init_args.{name}"), f"data.init_args.{name}",
-                                  compute_fn=owned_by_model(name), apply_on="parse")
+                                  compute_fn=one_owner("model", "data", name, unset=False), apply_on="parse")
 
     def parse_arguments(self, parser, args) -> None:
         argv = sys.argv[1:] if args is None else args

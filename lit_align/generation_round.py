@@ -17,7 +17,8 @@ import torch
 
 from lit_align.errors import LitAlignError
 
-ROUND_SETTINGS = ("num_generations", "steps_per_generation", "num_iterations")
+# the settings that shape a round, with their defaults (TRL's; GRPOModule's and PromptDataModule's)
+ROUND_SETTINGS = {"num_generations": 8, "steps_per_generation": 1, "num_iterations": 1}
 
 
 def check_round_settings(num_generations: int, steps_per_generation: int, num_iterations: int,

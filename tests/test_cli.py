@@ -547,8 +547,8 @@ def test_a_module_whose_round_disagrees_with_its_datamodule_is_refused(tmp_path,
 REWRITING_TEMPLATE = "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['content'] }}{% endfor %}"
 
 
-def parse(*args: str):
-    """The CLI's objects for configs/sft.yaml plus ``args``, built but not run."""
+def parse(*args: str, config: str = "sft.yaml"):
+    """The CLI's objects for ``configs/<config>`` plus ``args``, built but not run."""
     from lit_align.cli import AlignCLI
     from lit_align.data import AlignDataModule
     from lit_align.modules import AlignModule
@@ -556,7 +556,7 @@ def parse(*args: str):
     argv, sys.argv = sys.argv, ["lit-align"]
     try:
         return AlignCLI(AlignModule, AlignDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-                        auto_configure_optimizers=False, args=["-c", str(REPO / "configs" / "sft.yaml"), *args])
+                        auto_configure_optimizers=False, args=["-c", str(REPO / "configs" / config), *args])
     finally:
         sys.argv = argv
 
@@ -573,7 +573,7 @@ def test_the_chat_template_is_set_on_the_model_and_a_different_data_chat_templat
                              REWRITING_TEMPLATE, "--trainer.max_steps", "1", "--export.enabled", "false",
                              "--trainer.default_root_dir", str(tmp_path)], capfd)
     assert assert_one_line_error(code, err) == (
-        "error: data.chat_template is set by model.chat_template (the model owns it; the data follows it): set "
+        "error: data.chat_template is set by model.chat_template (model: owns it; data: follows it): set "
         "model.chat_template instead")
 
 
@@ -584,8 +584,8 @@ def test_assistant_only_loss_is_set_on_the_model_and_the_data_follows_it(tmp_pat
                              "true", "--trainer.max_steps", "1", "--export.enabled", "false",
                              "--trainer.default_root_dir", str(tmp_path)], capfd)
     assert assert_one_line_error(code, err) == (
-        "error: data.assistant_only_loss is set by model.assistant_only_loss (the model owns it; the data follows "
-        "it): set model.assistant_only_loss instead")
+        "error: data.assistant_only_loss is set by model.assistant_only_loss (model: owns it; data: follows it): "
+        "set model.assistant_only_loss instead")
 
 
 def test_a_template_that_rewrites_earlier_turns_names_model_chat_template(tmp_path, capfd):
@@ -596,3 +596,15 @@ def test_a_template_that_rewrites_earlier_turns_names_model_chat_template(tmp_pa
                              "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"], capfd)
     line = assert_one_line_error(code, err, "the chat template renders messages[:2] differently")
     assert line.endswith("(use a template that leaves earlier turns as they were: model.chat_template)")
+
+
+def test_a_round_setting_is_owned_by_the_data_and_a_different_model_value_is_refused(tmp_path, capfd):
+    grpo = ["--model.init_args.model", "builtin:tiny"]
+    cli = parse(*grpo, "--data.init_args.num_generations", "4", "--model.init_args.num_generations", "4",
+                config="grpo.yaml")
+    assert cli.model.num_generations == cli.datamodule.num_generations == 4  # the same on both: a saved config
+    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), *grpo, "--model.init_args.steps_per_generation", "2", "--trainer.max_steps", "1",
+                             "--export.enabled", "false", "--trainer.default_root_dir", str(tmp_path)], capfd)
+    assert assert_one_line_error(code, err) == (
+        "error: model.steps_per_generation is set by data.steps_per_generation (data: owns it; model: follows it): "
+        "set data.steps_per_generation instead")
