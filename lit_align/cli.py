@@ -75,10 +75,13 @@ class AlignCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # always on, configured under `export:` (like any callback, but no need to list it in every config)
         parser.add_lightning_class_args(HFExport, "export")
-        # a GRPO round's shape: owned by `data:` (the DataModule shapes the batches), read by the module too
+        # a GRPO round's shape: set under `data:` (the batches show it), linked to the module, which owns the
+        # `RoundShape` and hands it to the data; unset under `data:`: the default
         for name, default in ROUND_SETTINGS.items():
+            follow = one_owner("data", "model", name, default)
             parser.link_arguments((f"data.init_args.{name}", f"model.init_args.{name}"), f"model.init_args.{name}",
-                                  compute_fn=one_owner("data", "model", name, default), apply_on="parse")
+                                  compute_fn=lambda owned, followed, follow=follow, default=default: follow(
+                                      default if owned is None else owned, followed), apply_on="parse")
         # owned by the model: the export carries the chat template; the loss reads assistant_only_loss (the data
         # drops the rows whose cut leaves no assistant token)
         for name in ("chat_template", "assistant_only_loss"):

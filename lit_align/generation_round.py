@@ -4,9 +4,8 @@
 ``round.step_rows(k)``, its share of the completions in a shuffled order. The round also goes into checkpoints, so a
 run resumed mid-round trains on the completions the interrupted run sampled.
 
-The round's shape is set by three settings that the prompts' DataModule and the module both need, and that the
-console script links (``lit_align.cli``): ``num_generations`` (completions per prompt), ``steps_per_generation``
-(steps fed by one round) and ``num_iterations`` (passes over each round's completions).
+Its shape (``num_generations`` completions per prompt, ``steps_per_generation`` steps fed by one round,
+``num_iterations`` passes over its completions) is one ``RoundShape``: the module owns it and hands it to the data.
 """
 
 from __future__ import annotations
@@ -17,18 +16,60 @@ import torch
 
 from lit_align.errors import LitAlignError
 
-# the settings that shape a round, with their defaults (TRL's; GRPOModule's and PromptDataModule's)
+# the settings that shape a round, with their defaults (TRL's)
 ROUND_SETTINGS = {"num_generations": 8, "steps_per_generation": 1, "num_iterations": 1}
 
 
-def check_round_settings(num_generations: int, steps_per_generation: int, num_iterations: int,
-                         owner: str = "data") -> None:
-    """Raise for a round that cannot be formed (``owner``: the config section that set them)."""
-    if num_generations < 2:
-        raise LitAlignError(f"{owner}.num_generations must be >= 2 (group statistics need a group), "
-                            f"got {num_generations}")
-    if steps_per_generation < 1 or num_iterations < 1:
-        raise LitAlignError(f"{owner}.steps_per_generation and {owner}.num_iterations must be >= 1")
+@dataclass(frozen=True)
+class RoundShape:
+    """A generation round's shape, checked once here, and every number derived from it.
+
+    ``GRPOModule`` builds it from its settings and hands it to the prompts' DataModule (``PromptDataModule.connect``);
+    with ``lit-align`` the settings are written under ``data:`` and linked to the module (``lit_align.cli``).
+
+    Args:
+        num_generations: completions sampled per prompt (G).
+        steps_per_generation: training steps fed by one round, each on its own slice of the completions.
+        num_iterations: passes over each round's completions (TRL's mu).
+        owner: the config section that set them, for error messages.
+    """
+
+    num_generations: int = ROUND_SETTINGS["num_generations"]
+    steps_per_generation: int = ROUND_SETTINGS["steps_per_generation"]
+    num_iterations: int = ROUND_SETTINGS["num_iterations"]
+    owner: str = field(default="data", compare=False)
+
+    def __post_init__(self):
+        owner = self.owner
+        if self.num_generations < 2:
+            raise LitAlignError(f"{owner}.num_generations must be >= 2 (group statistics need a group), "
+                                f"got {self.num_generations}")
+        if self.steps_per_generation < 1 or self.num_iterations < 1:
+            raise LitAlignError(f"{owner}.steps_per_generation and {owner}.num_iterations must be >= 1")
+
+    @property
+    def steps(self) -> int:
+        """Training steps one round serves: each slice once per iteration (the data yields its prompts this often)."""
+        return self.steps_per_generation * self.num_iterations
+
+    def prompts_per_round(self, batch_size: int) -> int:
+        """Prompts of one round per device, ``batch_size`` counting completions per step (TRL's
+        ``per_device_train_batch_size``); refused unless the round's completions make whole groups."""
+        completions = batch_size * self.steps_per_generation
+        if completions % self.num_generations:
+            raise LitAlignError(f"data.batch_size * data.steps_per_generation = {completions} completions per round "
+                                f"must be a multiple of data.num_generations = {self.num_generations}")
+        return completions // self.num_generations
+
+    def needs_old_logps(self, accumulate_grad_batches: int) -> bool:
+        """Whether the policy moves before the round's completions are used up (the old-policy log-probs then differ
+        from the training forward's): unless all its steps fall in one accumulation window (TRL:
+        ``gradient_accumulation_steps % generate_every``)."""
+        return accumulate_grad_batches % self.steps != 0
+
+    def tokens_per_step(self, round_tokens: float, world_size: int) -> float:
+        """dapo's normalizer: the loss tokens of a round on every rank, per rank and step."""
+        return round_tokens / (world_size * self.steps_per_generation)
 
 
 @dataclass

@@ -526,8 +526,8 @@ def test_a_grpo_rounds_settings_are_set_under_data_and_reach_the_module(tiny_pat
     finally:
         sys.argv = argv
     settings = ("num_generations", "steps_per_generation", "num_iterations")
-    assert [getattr(cli.datamodule, name) for name in settings] == [4, 2, 3]
-    assert [getattr(cli.model, name) for name in settings] == [4, 2, 3]
+    assert [getattr(cli.datamodule.round_shape, name) for name in settings] == [4, 2, 3]
+    assert [getattr(cli.model.round_shape, name) for name in settings] == [4, 2, 3]
 
 
 def test_a_module_whose_round_disagrees_with_its_datamodule_is_refused(tmp_path, tiny_path):
@@ -602,7 +602,7 @@ def test_a_round_setting_is_owned_by_the_data_and_a_different_model_value_is_ref
     grpo = ["--model.init_args.model", "builtin:tiny"]
     cli = parse(*grpo, "--data.init_args.num_generations", "4", "--model.init_args.num_generations", "4",
                 config="grpo.yaml")
-    assert cli.model.num_generations == cli.datamodule.num_generations == 4  # the same on both: a saved config
+    assert cli.model.round_shape.num_generations == cli.datamodule.round_shape.num_generations == 4  # a saved config
     code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), *grpo, "--model.init_args.steps_per_generation", "2", "--trainer.max_steps", "1",
                              "--export.enabled", "false", "--trainer.default_root_dir", str(tmp_path)], capfd)
     assert assert_one_line_error(code, err) == (

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lit_align.errors import LitAlignError
-from lit_align.generation_round import GenerationRound, check_round_settings
+from lit_align.generation_round import GenerationRound, RoundShape
 
 
 def make_round(old: bool = True) -> GenerationRound:
@@ -64,6 +64,19 @@ def test_the_checkpoint_form_rebuilds_the_same_round():
 ])
 def test_round_settings_are_checked_in_one_place(settings, match):
     with pytest.raises(LitAlignError, match=match):
-        check_round_settings(*settings)
+        RoundShape(*settings)
     with pytest.raises(LitAlignError, match=match.replace("data.", "model.")):
-        check_round_settings(*settings, owner="model")
+        RoundShape(*settings, owner="model")
+
+
+def test_the_shape_answers_every_number_derived_from_it():
+    """Prompts per round, the steps a round serves, whether old log-probs are needed, dapo's divisor: all here."""
+    shape = RoundShape(num_generations=4, steps_per_generation=2, num_iterations=3)
+    assert shape.steps == 6  # the data yields each round's prompts 6 times
+    assert shape.prompts_per_round(batch_size=8) == 4  # 8 completions x 2 steps / 4 per prompt
+    with pytest.raises(LitAlignError, match=r"data.batch_size \* data.steps_per_generation = 6 completions per round "
+                                            r"must be a multiple of data.num_generations = 4"):
+        shape.prompts_per_round(batch_size=3)
+    assert [shape.needs_old_logps(accumulate) for accumulate in (1, 2, 6, 12)] == [True, True, False, False]
+    assert shape.tokens_per_step(48.0, world_size=2) == 12.0  # 48 loss tokens on 2 ranks over 2 steps
+    assert RoundShape(2, owner="model") == RoundShape(2)  # the owner only names the section in errors

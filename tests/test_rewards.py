@@ -16,6 +16,7 @@ import yaml
 from helpers import assert_one_line_error, read_metrics, run_main, write_sort_rows
 from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
+from lit_align.generation_round import RoundShape
 from lit_align.modules.grpo import GRPOModule
 from lit_align.rewards import import_reward, score, sort_accuracy, sort_exact
 from numerics import assert_rounding_close
@@ -172,7 +173,7 @@ def stub_trainer(accumulate: int = 1):
 def round_for(module: GRPOModule, tokenizer, prompts, texts, columns, num_generations=2, accumulate=1, spg=1,
               iterations=1):
     module.tokenizer = tokenizer
-    module.num_generations, module.steps_per_generation, module.num_iterations = num_generations, spg, iterations
+    module.round_shape = RoundShape(num_generations, spg, iterations)
     module.sampler = FixedSampler(tokenizer, texts)
     module._trainer = stub_trainer(accumulate)
     ids = [tokenizer(p)["input_ids"] for p in prompts]

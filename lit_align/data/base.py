@@ -125,7 +125,7 @@ class AlignDataModule(L.LightningDataModule):
             for a single file).
         val_fraction: hold out this fraction of the train split for validation instead (seeded; overrides
             ``val_split``).
-        tokenizer: tokenizer to use; None: the model's (read from the LightningModule's ``model``).
+        tokenizer: tokenizer to use; None: the model's (the module hands it over: ``connect``).
         batch_size: rows per device per step.
         val_batch_size: rows per device per validation step (default: ``batch_size``).
         num_workers: DataLoader worker processes.
@@ -191,7 +191,14 @@ class AlignDataModule(L.LightningDataModule):
         check_mixture(path, mixture, self.mixture)
         self.mixture_strategy = mixture_strategy
         self.tokenizer = None
+        self.model_tokenizer: str | None = None  # the model's, handed over by ``connect``
         self.train_data = self.val_data = None
+
+    def connect(self, tokenizer: str | None = None) -> None:
+        """What the data follows from the model, handed over by the module's ``setup`` (settings flow one way, model
+        -> data, in this one call; the data never reads the module): the model's tokenizer, used unless
+        ``data.tokenizer`` names one."""
+        self.model_tokenizer = tokenizer
 
     # -- hooks for subclasses -----------------------------------------------------------------------------------------
     def process(self, rows, source: str):
@@ -208,7 +215,12 @@ class AlignDataModule(L.LightningDataModule):
         if not (need_train or need_val):
             return
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(self._tokenizer_name(), chat_template=self.chat_template)
+            name = self.tokenizer_name or self.model_tokenizer
+            if name is None and self.trainer is not None:
+                return  # Lightning sets the data up before the module, whose setup connects and calls this again
+            if name is None:
+                raise LitAlignError("data.tokenizer is not set and the model does not name one")
+            self.tokenizer = load_tokenizer(name, chat_template=self.chat_template)
             check_chat_template(self.tokenizer, self.chat_template)
         if self.mixture:
             self._setup_mixture(need_train, need_val)
@@ -272,15 +284,6 @@ class AlignDataModule(L.LightningDataModule):
             raise LitAlignError(f"{source}: data.rename_columns names columns it does not have: {missing} "
                                 f"(columns: {rows.column_names})")
         return rows.rename_columns(rename) if rename else rows
-
-    def _tokenizer_name(self) -> str:
-        if self.tokenizer_name is not None:
-            return self.tokenizer_name
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        name = getattr(module, "model_name", None)
-        if name is None:
-            raise LitAlignError("data.tokenizer is not set and the model does not name one")
-        return name
 
     # -- a resume continues the checkpoint run's batches ----------------------------------------------------------------
     def settings(self) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from lit_align.data.base import AlignDataModule, ResumableLoader, SkippingSampler
 from lit_align.data.rows import check_max_length, check_prompt, encode_prompt, keep_end, naming_row, template_kwargs
 from lit_align.errors import LitAlignError
-from lit_align.generation_round import check_round_settings
+from lit_align.generation_round import ROUND_SETTINGS, RoundShape
 
 
 class RoundSampler(SkippingSampler):
@@ -79,33 +79,53 @@ class PromptDataModule(AlignDataModule):
     ``batch_size * steps_per_generation / num_generations`` prompts (must divide evenly). ``val_batch_size`` counts
     prompts (one greedy completion each).
 
+    The round's shape is the module's (``GRPOModule`` hands its ``RoundShape`` over: ``connect``). With ``lit-align``
+    it is set here, once, and linked to the module; in Python, set it on ``GRPOModule`` (a value also given here must
+    be the module's).
+
     Args:
         max_length: tokens of each prompt kept, cut at tokenize time keeping the end (TRL truncates prompts from the
             left; None: no truncation).
-        num_generations: completions sampled per prompt (G; TRL's default 8). These three settings shape a generation
-            round; ``lit-align`` passes them on to the module (``GRPOModule`` needs them too), so they are set here
-            only.
+        num_generations: completions sampled per prompt (G; TRL's default 8; None: the module's). ``lit-align``
+            passes these three settings on to the module (``GRPOModule`` owns the round), so they are set here only.
         steps_per_generation: training steps fed by one generation round (with ``accumulate_grad_batches: 1``,
-            optimizer steps).
-        num_iterations: passes over each round's completions (TRL's mu); the round serves
+            optimizer steps; default 1).
+        num_iterations: passes over each round's completions (TRL's mu; default 1); the round serves
             ``steps_per_generation * num_iterations`` steps.
     """
 
     kind = "prompt"
 
-    def __init__(self, *args, max_length: int | None = 512, num_generations: int = 8, steps_per_generation: int = 1,
-                 num_iterations: int = 1, **kwargs):
+    def __init__(self, *args, max_length: int | None = 512, num_generations: int | None = None,
+                 steps_per_generation: int | None = None, num_iterations: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_length = check_max_length(max_length)
-        check_round_settings(num_generations, steps_per_generation, num_iterations)
-        if (self.batch_size * steps_per_generation) % num_generations:
-            raise LitAlignError(
-                f"data.batch_size * data.steps_per_generation = {self.batch_size * steps_per_generation} completions "
-                f"per round must be a multiple of data.num_generations = {num_generations}"
-            )
-        self.num_generations, self.steps_per_generation, self.num_iterations = (
-            num_generations, steps_per_generation, num_iterations)
-        self.prompts_per_round = self.batch_size * steps_per_generation // num_generations
+        given = dict(zip(ROUND_SETTINGS, (num_generations, steps_per_generation, num_iterations)))
+        self.round_settings = {name: value for name, value in given.items() if value is not None}
+        self.round_shape: RoundShape | None = None
+        self.prompts_per_round: int | None = None
+        if self.round_settings:  # checked now, as every data setting (the module's defaults fill the others)
+            self._use_round(RoundShape(**self.round_settings))
+
+    def connect(self, tokenizer: str | None = None, round_shape: RoundShape | None = None) -> None:
+        """The model's tokenizer and the round's shape (``GRPOModule`` owns it). A round setting also given here
+        must be the module's: a round of another shape would regroup the completions."""
+        super().connect(tokenizer)
+        if round_shape is None:
+            return
+        for name, value in self.round_settings.items():
+            if getattr(round_shape, name) != value:
+                raise LitAlignError(f"model.{name} {getattr(round_shape, name)} differs from data.{name} {value}: one "
+                                    "generation round needs both to agree (set it once, under data:)")
+        self._use_round(round_shape)
+
+    def _use_round(self, shape: RoundShape) -> None:
+        self.prompts_per_round = shape.prompts_per_round(self.batch_size)
+        self.round_shape = shape
+
+    def settings(self) -> dict[str, Any]:
+        """The resume check's settings, without the round's: the module owns it and checks it (``model.*``)."""
+        return {name: value for name, value in super().settings().items() if name not in ROUND_SETTINGS}
 
     def process(self, rows, source: str):
         if "prompt" not in rows.column_names:
@@ -144,8 +164,10 @@ class PromptDataModule(AlignDataModule):
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-        sampler = RoundSampler(self.train_data, self.prompts_per_round, self.steps_per_generation * self.num_iterations,
-                               num_replicas=world, rank=rank, shuffle=self.shuffle, seed=self.seed)
+        if self.round_shape is None:
+            self._use_round(RoundShape())  # on its own (no module handed one over): the defaults
+        sampler = RoundSampler(self.train_data, self.prompts_per_round, self.round_shape.steps, num_replicas=world,
+                               rank=rank, shuffle=self.shuffle, seed=self.seed)
         if sampler.num_rounds == 0:
             raise LitAlignError(
                 f"{self.path}: {len(self.train_data)} prompts, but one generation round needs "

@@ -19,6 +19,7 @@ from transformers import get_scheduler
 
 from lit_align.errors import LitAlignError
 from lit_align.capabilities import sharded_strategy
+from lit_align.data.base import AlignDataModule
 from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
 from lit_align.optimizers import build_optimizer, check_optimizer_choice
 from lit_align.pretrained import gguf_path
@@ -151,6 +152,19 @@ class AlignModule(L.LightningModule):
         if hp.disable_dropout:
             disable_dropout(model)
         return model
+
+    def setup(self, stage: str) -> None:
+        """Hand the DataModule what it follows from the model, in one call (``AlignDataModule.connect``): settings
+        flow one way, model -> data. Lightning sets the DataModule up first; one that waited for the model's
+        tokenizer is set up now."""
+        datamodule = self.trainer.datamodule
+        if isinstance(datamodule, AlignDataModule):
+            datamodule.connect(**self.data_settings())
+            datamodule.setup(stage)
+
+    def data_settings(self) -> dict:
+        """What the data follows from this model (``connect``'s arguments): the tokenizer."""
+        return {"tokenizer": self.model_name}
 
     def configure_model(self) -> None:
         if self.policy is not None:  # called again by trainer.fit after trainer.validate, or on resume

@@ -18,11 +18,11 @@ from torchmetrics import MeanMetric
 
 from lit_align import layouts
 from lit_align.errors import LitAlignError
-from lit_align.generation import ENGINES, make_sampler
-from lit_align.generation_round import ROUND_SETTINGS, GenerationRound, check_round_settings
+from lit_align.generation import VLLMOptions, make_sampler
+from lit_align.generation_round import GenerationRound, RoundShape
 from lit_align.logps import layout_logps
 from lit_align.losses.grpo import (
-    GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_MODES, SCALE_REWARDS, aggregate_grpo_loss, group_advantages,
+    GRPO_LOSS_TYPES, SCALE_REWARDS, aggregate_grpo_loss, group_advantages,
     grpo_token_losses, importance_sampling_ratio, nanstd,
 )
 from lit_align.modules.base import AlignModule
@@ -47,6 +47,32 @@ def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, compl
     return out.tokens, out.stats.get("entropy")
 
 
+def check_sampling(loss_type: str, scale_rewards: str, temperature: float, max_completion_length: int) -> None:
+    """Refuse a loss or a sampling setting GRPO cannot train with (errors name ``model.<setting>``)."""
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise LitAlignError(f"model.loss_type {loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise LitAlignError(f"model.scale_rewards {scale_rewards!r}: expected one of {SCALE_REWARDS}")
+    if temperature <= 0:
+        raise LitAlignError(f"model.temperature must be > 0 (GRPO samples distinct completions), got {temperature}")
+    if max_completion_length < 1:
+        raise LitAlignError(f"model.max_completion_length must be >= 1 (tokens sampled per completion), "
+                            f"got {max_completion_length}")
+
+
+def load_rewards(specs: list[str | dict] | None, weights: list[float] | None) -> tuple[list, list[str], list[float]]:
+    """``(reward functions, their names, their weights)`` from ``model.reward_funcs`` / ``model.reward_weights``."""
+    if not specs:  # TRL requires them: a default reward would fit one dataset and silently score others
+        raise LitAlignError("model.reward_funcs: none given; GRPO scores completions only with the reward functions "
+                            "you name (TRL's reward_funcs): e.g. [lit_align.rewards.sort_accuracy] for the built-in "
+                            "sort task, [my_pkg.rewards.fn] for your own data, or a reward model's directory")
+    funcs = [load_reward(spec) for spec in specs]
+    weights = weights or [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        raise LitAlignError(f"model.reward_weights has {len(weights)} values for {len(funcs)} reward_funcs")
+    return funcs, [reward_name(fn) for fn in funcs], weights
+
+
 class GRPOModule(AlignModule):
     """Group Relative Policy Optimization, with TRL's loss types and metric names.
 
@@ -57,7 +83,8 @@ class GRPOModule(AlignModule):
             Required, as in TRL: none is an error (no reward fits every dataset).
         reward_weights: one weight per reward function (default: all 1.0); rewards are summed with these weights.
         num_generations: completions sampled per prompt (G; TRL's default 8). With ``lit-align`` it is set once,
-            under ``data:`` (linked here); in Python pass the DataModule's values.
+            under ``data:`` (linked here). The module owns the round's shape (``lit_align.generation_round.RoundShape``)
+            and hands it to the DataModule (``PromptDataModule.connect``).
         steps_per_generation: training steps fed by one generation round (linked from ``data:`` as above).
         num_iterations: passes over each round's completions (TRL's mu; linked from ``data:`` as above).
         loss_type: ``dapo`` (TRL's default), ``grpo``, ``bnpo`` or ``dr_grpo``.
@@ -79,7 +106,9 @@ class GRPOModule(AlignModule):
             rows as wide as the longest (``lit_align.layouts.packed_rows``), the LM head on completion tokens only:
             the same values, without the cost of completions that ended early and of prompt padding. sdpa or eager
             attention. The round-level no-grad passes (old and reference log-probs) stay padded.
-        vllm_mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported).
+        vllm_mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported). The ``vllm_*`` options are
+            TRL's flat names for the vLLM engine's options, routed to it (``lit_align.generation.vllm.VLLMOptions``,
+            which checks them) when ``engine`` is ``vllm``.
         vllm_gpu_memory_utilization: with ``engine: vllm``, the fraction of GPU memory vLLM takes (weights and KV
             cache; on CPU of the RAM, unless ``VLLM_CPU_KVCACHE_SPACE`` sets the KV cache in GiB).
         vllm_tensor_parallel_size: GPUs one vLLM engine spans (only 1: an engine per rank).
@@ -129,31 +158,10 @@ class GRPOModule(AlignModule):
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
-        check_round_settings(num_generations, steps_per_generation, num_iterations, owner="model")
-        if loss_type not in GRPO_LOSS_TYPES:
-            raise LitAlignError(f"model.loss_type {loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
-        if scale_rewards not in SCALE_REWARDS:
-            raise LitAlignError(f"model.scale_rewards {scale_rewards!r}: expected one of {SCALE_REWARDS}")
-        if temperature <= 0:
-            raise LitAlignError(f"model.temperature must be > 0 (GRPO samples distinct completions), got {temperature}")
-        if engine not in ENGINES:
-            raise LitAlignError(f"model.engine {engine!r}: expected one of {sorted(ENGINES)}")
-        if max_completion_length < 1:
-            raise LitAlignError(f"model.max_completion_length must be >= 1 (tokens sampled per completion), "
-                                f"got {max_completion_length}")
-        if not reward_funcs:  # TRL requires them: a default reward would fit one dataset and silently score others
-            raise LitAlignError("model.reward_funcs: none given; GRPO scores completions only with the reward "
-                                "functions you name (TRL's reward_funcs): e.g. [lit_align.rewards.sort_accuracy] for "
-                                "the built-in sort task, [my_pkg.rewards.fn] for your own data, or a reward model's "
-                                "directory")
-        self.reward_funcs = [load_reward(spec) for spec in reward_funcs]
-        self.reward_names = [reward_name(fn) for fn in self.reward_funcs]
-        weights = reward_weights or [1.0] * len(self.reward_funcs)
-        if len(weights) != len(self.reward_funcs):
-            raise LitAlignError(f"model.reward_weights has {len(weights)} values for {len(self.reward_funcs)} reward_funcs")
+        self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, owner="model")
+        check_sampling(loss_type, scale_rewards, temperature, max_completion_length)
+        self.reward_funcs, self.reward_names, weights = load_rewards(reward_funcs, reward_weights)
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
-        self.num_generations, self.steps_per_generation, self.num_iterations = (
-            num_generations, steps_per_generation, num_iterations)
         self.loss_type, self.beta = loss_type, beta
         self.epsilon, self.epsilon_high, self.scale_rewards = epsilon, epsilon_high, scale_rewards
         self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
@@ -162,23 +170,10 @@ class GRPOModule(AlignModule):
             self.reference = choose_reference(ref_model, self.lora_config is not None)
         engine_settings = {}
         self.importance_sampling = None  # (mode, clip_min, clip_max) when vLLM's sampling is corrected for
-        if engine == "vllm":
-            if vllm_mode != "colocate":
-                raise LitAlignError(f"model.vllm_mode {vllm_mode!r}: only 'colocate' is supported (server mode is not)")
-            engine_settings = dict(gpu_memory_utilization=vllm_gpu_memory_utilization,
-                                   tensor_parallel_size=vllm_tensor_parallel_size,
-                                   max_model_length=vllm_max_model_length, enable_sleep_mode=vllm_enable_sleep_mode,
-                                   weights_version=self.weights_version)
-            if vllm_importance_sampling_correction:
-                if vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
-                    raise LitAlignError(f"model.vllm_importance_sampling_mode {vllm_importance_sampling_mode!r}: "
-                                        f"expected one of {IMPORTANCE_SAMPLING_MODES}")
-                if top_k != 0 or top_p != 1.0:
-                    raise LitAlignError("model.vllm_importance_sampling_correction needs vLLM's sampling log-probs, "
-                                        "which top_k / top_p change: set top_k 0 and top_p 1.0, or the correction "
-                                        "false")
-                self.importance_sampling = (vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
-                                            vllm_importance_sampling_clip_max)
+        if engine == "vllm":  # its options, set flat as in TRL, are the engine's to check
+            options = VLLMOptions.from_flat(self.hparams)
+            self.importance_sampling = options.importance_sampling(top_k, top_p)
+            engine_settings = {**options.engine_settings(), "weights_version": self.weights_version}
         self.sampler = make_sampler(engine, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
                                     top_k=top_k, **engine_settings)
         self.greedy = make_sampler(engine, max_new_tokens=max_completion_length, temperature=0.0, **engine_settings)
@@ -190,14 +185,9 @@ class GRPOModule(AlignModule):
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names)]})
 
-    def setup(self, stage: str) -> None:
-        """Outside ``lit-align`` (which links them), the round settings must agree with the DataModule's."""
-        dm = self.trainer.datamodule if self._trainer is not None else None
-        for name in ROUND_SETTINGS:
-            theirs = getattr(dm, name, None)
-            if theirs is not None and theirs != getattr(self, name):
-                raise LitAlignError(f"model.{name} {getattr(self, name)} differs from data.{name} {theirs}: one "
-                                    "generation round needs both to agree (set it once, under data:)")
+    def data_settings(self) -> dict:
+        """The data follows the round's shape too (``PromptDataModule.connect``)."""
+        return {**super().data_settings(), "round_shape": self.round_shape}
 
     def configure_model(self) -> None:
         super().configure_model()
@@ -246,7 +236,8 @@ class GRPOModule(AlignModule):
         all_rewards = self.trainer.strategy.all_gather(rewards).reshape(-1)
         rank = self.trainer.global_rank
         mine = slice(rank * len(rewards), (rank + 1) * len(rewards))
-        return rewards, group_advantages(all_rewards, self.num_generations, self.scale_rewards)[mine], all_rewards
+        advantages = group_advantages(all_rewards, self.round_shape.num_generations, self.scale_rewards)
+        return rewards, advantages[mine], all_rewards
 
     def completion_logps(self, network, prompt_ids, prompt_mask, completion_ids, completion_mask,
                          with_entropy: bool = False, packed: bool = False):
@@ -256,7 +247,7 @@ class GRPOModule(AlignModule):
 
     @torch.no_grad()
     def generate_round(self, batch: dict[str, Any]) -> GenerationRound:
-        group = self.num_generations
+        group, shape = self.round_shape.num_generations, self.round_shape
         self.reward_metrics, self.reward_columns = {}, {}
         with self.round_rng():
             rollout, prompts, completions = self.sample(self.sampler, batch, group)
@@ -269,14 +260,13 @@ class GRPOModule(AlignModule):
         loss_mask = completion_mask * (~rollout.truncated).unsqueeze(1) if self.mask_truncated_completions else completion_mask
         rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
 
-        # old-policy log-probs matter only when the policy moves before these completions are used up, that is unless
-        # the round's steps all fall in one accumulation window (TRL: gradient_accumulation_steps % generate_every)
+        # old-policy log-probs matter only when the policy moves before these completions are used up
         old_logps, is_ratio, sampling_stats = None, None, {}
         if self.importance_sampling is not None:  # vLLM's log-probs: the old ones are the training forward's (TRL)
             old_logps = self.completion_logps(self.network, *rows)[0]
             is_ratio = importance_sampling_ratio(old_logps, rollout.logps, completion_mask, *self.importance_sampling)
             sampling_stats = self.sampling_stats(old_logps, rollout.logps, completion_mask, is_ratio)
-        elif self.trainer.accumulate_grad_batches % (self.steps_per_generation * self.num_iterations):
+        elif shape.needs_old_logps(self.trainer.accumulate_grad_batches):
             old_logps = rollout.logps
             if old_logps is None:
                 old_logps = self.completion_logps(self.network, *rows)[0]
@@ -284,15 +274,15 @@ class GRPOModule(AlignModule):
         if self.reference is not None:
             ref_logps = self.reference.logps(batch, lambda network: self.completion_logps(network, *rows)[0])
 
-        # dapo: every token of the round weighs the same; normalize by active tokens per step over all ranks
+        # dapo: every token of the round weighs the same; normalized by the loss tokens per step (all ranks)
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
         self.generation_rounds += 1
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(self.global_step)).tolist()
         prompt_rows = batch.get("rows")  # dataset index of each prompt; completion i of the round is of prompt i // G
         return GenerationRound(
             prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps,
-            order=order, steps=self.steps_per_generation,
-            num_tokens=float(num_tokens) / (self.trainer.world_size * self.steps_per_generation),
+            order=order, steps=shape.steps_per_generation,
+            num_tokens=shape.tokens_per_step(float(num_tokens), self.trainer.world_size),
             stats={**self.round_stats(rollout, per_func, rewards, all_rewards), **sampling_stats},
             prompts=prompts, completions=[c if isinstance(c, str) else c[0]["content"] for c in completions],
             rewards=rewards.tolist(), dataset_rows=None if prompt_rows is None else _repeat(prompt_rows, group),
@@ -321,7 +311,7 @@ class GRPOModule(AlignModule):
         (gathered), not averages of per-rank values."""
         lengths = rollout.completion_mask.sum(1).float()
         all_lengths = self.trainer.strategy.all_gather(lengths).reshape(-1)
-        zero_std = (nanstd(rewards.view(-1, self.num_generations), dim=1) < 1e-6).float()  # as the advantages see it
+        zero_std = (nanstd(rewards.view(-1, self.round_shape.num_generations), dim=1) < 1e-6).float()  # as the advantages see it
         stats = {
             "reward": rewards.nanmean(),
             "reward_std": nanstd(all_rewards.view(1, -1), dim=1).view(()),

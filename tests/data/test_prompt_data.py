@@ -143,7 +143,8 @@ def test_train_batches_follow_the_round_pattern(write_jsonl, tiny_path, tokenize
     for b in batches:
         assert len(b["prompts"]) == 6 and b["prompt_ids"].shape[0] == 6
         assert not {"num_generations", "steps_per_generation", "num_iterations"} & set(b)  # settings: not in batches
-    assert (dm.num_generations, dm.steps_per_generation, dm.num_iterations) == (2, 3, 2)
+    assert (dm.round_shape.num_generations, dm.round_shape.steps_per_generation, dm.round_shape.num_iterations) == (
+        2, 3, 2)
     for r in range(3):
         block = batches[r * 6 : (r + 1) * 6]
         assert all(b["prompts"] == block[0]["prompts"] for b in block)

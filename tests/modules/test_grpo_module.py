@@ -448,3 +448,17 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     listed |= {"grpo": {"disable_dropout": (True, False), "steps_per_generation": (1, None)},  # None: 1 in TRL too
                "sft": {"completion_only_loss": (True, None)}, "dpo": {}}[recipe]  # None: on for prompt-completion rows
     assert differ == listed
+
+
+# -- settings flow one way, model -> data -----------------------------------------------------------------------------
+def test_in_python_the_round_is_set_once_on_the_module_and_the_data_follows_it(tmp_path, prompts_file):
+    """The module owns the round's shape and hands it, with its tokenizer, to the DataModule (``connect``, from its
+    ``setup``): a DataModule given neither follows the module, and never reads it."""
+    module = GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, max_completion_length=4, num_generations=2,
+                        steps_per_generation=3)
+    dm = PromptDataModule(path=prompts_file, val_split=None, batch_size=4)  # neither G (default 8) nor a tokenizer
+    probe = GenerationProbe()
+    fit(module, dm, max_steps=3, callbacks=[probe])
+    assert dm.round_shape is module.round_shape and dm.prompts_per_round == 6  # 4 x 3 completions / 2 per prompt
+    assert dm.tokenizer.name_or_path == module.tokenizer.name_or_path
+    assert probe.generate_steps == [0]  # one round serves the 3 steps
