@@ -19,7 +19,7 @@ from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, Sampler, SamplingConfig, completion_mask_from_eos
 from lit_align.generation.hf import HFSampler
 from lit_align.generation.native import NativeSampler, filter_logits, sample_next
-from lit_align.generation.vllm import VLLMSampler
+from lit_align.generation.vllm import VLLMOptions, VLLMSampler
 
 ENGINES: dict[str, type[Sampler]] = {"hf": HFSampler, "native": NativeSampler, "vllm": VLLMSampler}
 
@@ -33,5 +33,5 @@ def make_sampler(engine: str, **settings) -> Sampler:
 
 __all__ = [
     "ENGINES", "HFSampler", "NativeSampler", "Rollout", "Sampler", "SamplingConfig", "completion_mask_from_eos",
-    "VLLMSampler", "filter_logits", "make_sampler", "sample_next",
+    "VLLMOptions", "VLLMSampler", "filter_logits", "make_sampler", "sample_next",
 ]

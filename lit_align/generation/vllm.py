@@ -21,14 +21,83 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
 from lit_align.capabilities import is_sharded
 from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
+from lit_align.losses.grpo import IMPORTANCE_SAMPLING_MODES
+
+OPTION_PREFIX = "vllm_"  # TRL's flat names: ``model.vllm_gpu_memory_utilization`` is ``VLLMOptions.gpu_memory_utilization``
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """TRL's ``vllm_*`` options, without the prefix, checked here. Users set them flat, as in TRL
+    (``model.vllm_gpu_memory_utilization: 0.3``); ``GRPOModule`` routes them here (``from_flat``) when the engine is
+    ``vllm``. Errors name them by their flat names.
+
+    Args:
+        mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported).
+        gpu_memory_utilization: the fraction of accelerator memory vLLM takes for weights and KV cache (on CPU, of the
+            RAM, unless ``VLLM_CPU_KVCACHE_SPACE`` gives the KV cache in GiB).
+        tensor_parallel_size: GPUs one engine spans (only 1: an engine per rank).
+        max_model_length: the engine's context window (None: the model's).
+        enable_sleep_mode: free the engine's weights and KV cache between generations (pushed back before each).
+        importance_sampling_correction: weigh each token's loss by the training forward's probability over vLLM's
+            (``lit_align.losses.grpo.importance_sampling_ratio``); needs vLLM's log-probs: top_k 0 and top_p 1.0.
+        importance_sampling_mode: ``sequence_mask`` (TRL's default), ``sequence_truncate``, ``token_truncate`` or
+            ``token_mask``.
+        importance_sampling_clip_min: lower bound of the ratio (None: none).
+        importance_sampling_clip_max: upper bound of the ratio (TRL's cap; None: none).
+    """
+
+    mode: str = "colocate"
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    max_model_length: int | None = None
+    enable_sleep_mode: bool = False
+    importance_sampling_correction: bool = True
+    importance_sampling_mode: str = "sequence_mask"
+    importance_sampling_clip_min: float | None = None
+    importance_sampling_clip_max: float | None = 3.0
+
+    def __post_init__(self):
+        if self.mode != "colocate":
+            raise LitAlignError(f"model.vllm_mode {self.mode!r}: only 'colocate' is supported (server mode is not)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise LitAlignError(f"model.vllm_gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size != 1:
+            raise LitAlignError(f"model.vllm_tensor_parallel_size {self.tensor_parallel_size}: only 1 is supported "
+                                "(one engine per rank)")
+        if self.importance_sampling_correction and self.importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
+            raise LitAlignError(f"model.vllm_importance_sampling_mode {self.importance_sampling_mode!r}: expected one "
+                                f"of {IMPORTANCE_SAMPLING_MODES}")
+
+    @classmethod
+    def from_flat(cls, settings: Mapping[str, Any]) -> VLLMOptions:
+        """The options among ``settings`` named the flat way (``vllm_<field>``, e.g. a module's hyper-parameters)."""
+        names = {OPTION_PREFIX + f.name: f.name for f in fields(cls)}
+        return cls(**{names[key]: value for key, value in settings.items() if key in names})
+
+    def engine_settings(self) -> dict[str, Any]:
+        """``VLLMSampler``'s keywords: what the engine is built with."""
+        return dict(gpu_memory_utilization=self.gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
+                    max_model_length=self.max_model_length, enable_sleep_mode=self.enable_sleep_mode)
+
+    def importance_sampling(self, top_k: int, top_p: float) -> tuple[str, float | None, float | None] | None:
+        """``(mode, clip_min, clip_max)`` when the loss corrects for vLLM's sampling, else None; the correction needs
+        vLLM's log-probs of the distribution sampled from, which top-k / top-p change."""
+        if not self.importance_sampling_correction:
+            return None
+        if top_k != 0 or top_p != 1.0:
+            raise LitAlignError("model.vllm_importance_sampling_correction needs vLLM's sampling log-probs, which "
+                                "top_k / top_p change: set top_k 0 and top_p 1.0, or the correction false")
+        return self.importance_sampling_mode, self.importance_sampling_clip_min, self.importance_sampling_clip_max
 
 
 def import_vllm():
@@ -153,12 +222,8 @@ def colocated_engine(settings: EngineSettings) -> ColocatedEngine:
 class VLLMSampler:
     """Sample with a vLLM engine colocated in this process.
 
-    Args: ``SamplingConfig``'s, and TRL's ``vllm_*`` settings (without the prefix):
-        gpu_memory_utilization: fraction of the accelerator's memory vLLM takes for weights and KV cache (on CPU,
-            of the RAM, unless ``VLLM_CPU_KVCACHE_SPACE`` gives the KV cache in GiB).
-        tensor_parallel_size: GPUs one engine spans (1: an engine per rank).
-        max_model_length: the engine's context window (None: the model's).
-        enable_sleep_mode: free the engine's weights and KV cache between generations (pushed back before each).
+    Args: ``SamplingConfig``'s; ``gpu_memory_utilization``, ``tensor_parallel_size``, ``max_model_length`` and
+        ``enable_sleep_mode`` as in ``VLLMOptions`` (which checks them); and
         weights_version: returns the policy's version (the optimizer step); the weights are pushed when it differs
             from the last push's. None: before every ``generate``.
     """
@@ -168,15 +233,10 @@ class VLLMSampler:
                  max_model_length: int | None = None, enable_sleep_mode: bool = False,
                  weights_version: Callable[[], int] | None = None):
         self.config = SamplingConfig(max_new_tokens, temperature, top_p, top_k, return_logps)
-        if not 0 < gpu_memory_utilization <= 1:
-            raise LitAlignError(f"model.vllm_gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        if tensor_parallel_size != 1:
-            raise LitAlignError(f"model.vllm_tensor_parallel_size {tensor_parallel_size}: only 1 is supported (one "
-                                "engine per rank)")
+        self.engine_options = VLLMOptions(gpu_memory_utilization=gpu_memory_utilization,
+                                          tensor_parallel_size=tensor_parallel_size, max_model_length=max_model_length,
+                                          enable_sleep_mode=enable_sleep_mode).engine_settings()
         import_vllm()  # fail now, not at the first generation
-        self.engine_options = dict(gpu_memory_utilization=gpu_memory_utilization,
-                                   tensor_parallel_size=tensor_parallel_size, max_model_length=max_model_length,
-                                   enable_sleep_mode=enable_sleep_mode)
         self.weights_version = weights_version
         self.engine: ColocatedEngine | None = None
 
