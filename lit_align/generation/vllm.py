@@ -32,7 +32,7 @@ from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
 from lit_align.losses.grpo import IMPORTANCE_SAMPLING_MODES
 
-OPTION_PREFIX = "vllm_"  # TRL's flat names: ``model.vllm_gpu_memory_utilization`` is ``VLLMOptions.gpu_memory_utilization``
+OPTION_PREFIX = "vllm_"  # TRL's flat names: ``model.vllm_max_model_length`` is ``VLLMOptions.max_model_length``
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ class VLLMOptions:
         if self.mode != "colocate":
             raise LitAlignError(f"model.vllm_mode {self.mode!r}: only 'colocate' is supported (server mode is not)")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise LitAlignError(f"model.vllm_gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise LitAlignError("model.vllm_gpu_memory_utilization must be in (0, 1], "
+                                f"got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size != 1:
             raise LitAlignError(f"model.vllm_tensor_parallel_size {self.tensor_parallel_size}: only 1 is supported "
                                 "(one engine per rank)")

@@ -168,15 +168,8 @@ class GRPOModule(AlignModule):
         self.temperature, self.padding_free = temperature, padding_free
         if beta != 0.0:
             self.reference = choose_reference(ref_model, self.lora_config is not None)
-        engine_settings = {}
         self.importance_sampling = None  # (mode, clip_min, clip_max) when vLLM's sampling is corrected for
-        if engine == "vllm":  # its options, set flat as in TRL, are the engine's to check
-            options = VLLMOptions.from_flat(self.hparams)
-            self.importance_sampling = options.importance_sampling(top_k, top_p)
-            engine_settings = {**options.engine_settings(), "weights_version": self.weights_version}
-        self.sampler = make_sampler(engine, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, **engine_settings)
-        self.greedy = make_sampler(engine, max_new_tokens=max_completion_length, temperature=0.0, **engine_settings)
+        self.sampler, self.greedy = self.make_samplers(engine, max_completion_length, temperature, top_p, top_k)
         self.round: GenerationRound | None = None
         self.reward_metrics: dict[str, list[float]] = {}  # what reward functions log this round (log_metric)
         self.reward_columns: dict[str, list] = {}  # and their completions-table columns (log_extra)
@@ -184,6 +177,18 @@ class GRPOModule(AlignModule):
         self.generation_seed = torch.initial_seed()  # re-read at fit start (after ``seed_everything``)
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names)]})
+
+    def make_samplers(self, engine: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int):
+        """The ``engine``'s sampler for the rounds and its greedy one for validation. The vLLM engine's options, set
+        flat as in TRL (``model.vllm_*``), are routed to it, which checks them (``VLLMOptions``)."""
+        engine_settings = {}
+        if engine == "vllm":
+            options = VLLMOptions.from_flat(self.hparams)
+            self.importance_sampling = options.importance_sampling(top_k, top_p)
+            engine_settings = {**options.engine_settings(), "weights_version": self.weights_version}
+        return (make_sampler(engine, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             **engine_settings),
+                make_sampler(engine, max_new_tokens=max_new_tokens, temperature=0.0, **engine_settings))
 
     def data_settings(self) -> dict:
         """The data follows the round's shape too (``PromptDataModule.connect``)."""
@@ -257,19 +262,12 @@ class GRPOModule(AlignModule):
         prompt_ids = batch["prompt_ids"].repeat_interleave(group, 0)
         prompt_mask = batch["prompt_mask"].repeat_interleave(group, 0)
         completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask
-        loss_mask = completion_mask * (~rollout.truncated).unsqueeze(1) if self.mask_truncated_completions else completion_mask
+        loss_mask = completion_mask
+        if self.mask_truncated_completions:
+            loss_mask = completion_mask * (~rollout.truncated).unsqueeze(1)
         rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
 
-        # old-policy log-probs matter only when the policy moves before these completions are used up
-        old_logps, is_ratio, sampling_stats = None, None, {}
-        if self.importance_sampling is not None:  # vLLM's log-probs: the old ones are the training forward's (TRL)
-            old_logps = self.completion_logps(self.network, *rows)[0]
-            is_ratio = importance_sampling_ratio(old_logps, rollout.logps, completion_mask, *self.importance_sampling)
-            sampling_stats = self.sampling_stats(old_logps, rollout.logps, completion_mask, is_ratio)
-        elif shape.needs_old_logps(self.trainer.accumulate_grad_batches):
-            old_logps = rollout.logps
-            if old_logps is None:
-                old_logps = self.completion_logps(self.network, *rows)[0]
+        old_logps, is_ratio, sampling_stats = self.old_logps(rollout, rows)
         ref_logps = None
         if self.reference is not None:
             ref_logps = self.reference.logps(batch, lambda network: self.completion_logps(network, *rows)[0])
@@ -289,6 +287,22 @@ class GRPOModule(AlignModule):
             extra={k: v for k, v in self.reward_columns.items() if len(v) == len(prompts)}, is_ratio=is_ratio,
             reward_funcs={name: per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
         )
+
+    def old_logps(self, rollout, rows: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+        """``(old log-probs, importance weights, sampling/* metrics)`` of a round's ``rows``. The old (sampling)
+        policy's log-probs matter only when the policy moves before the round is used up
+        (``RoundShape.needs_old_logps``): the sampler's, or a forward pass. With vLLM's sampling corrected for, they
+        are the training forward's (TRL) and the weights compare them with vLLM's."""
+        if self.importance_sampling is not None:
+            old_logps = self.completion_logps(self.network, *rows)[0]
+            mask = rows[3]
+            is_ratio = importance_sampling_ratio(old_logps, rollout.logps, mask, *self.importance_sampling)
+            return old_logps, is_ratio, self.sampling_stats(old_logps, rollout.logps, mask, is_ratio)
+        if not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches):
+            return None, None, {}
+        if rollout.logps is not None:
+            return rollout.logps, None, {}
+        return self.completion_logps(self.network, *rows)[0], None, {}
 
     def sampling_stats(self, train_logps, sampling_logps, mask, is_ratio) -> dict[str, torch.Tensor]:
         """TRL's ``sampling/*`` metrics: how far vLLM's log-probs are from the training forward's, and the importance
@@ -311,7 +325,8 @@ class GRPOModule(AlignModule):
         (gathered), not averages of per-rank values."""
         lengths = rollout.completion_mask.sum(1).float()
         all_lengths = self.trainer.strategy.all_gather(lengths).reshape(-1)
-        zero_std = (nanstd(rewards.view(-1, self.round_shape.num_generations), dim=1) < 1e-6).float()  # as the advantages see it
+        groups = rewards.view(-1, self.round_shape.num_generations)
+        zero_std = (nanstd(groups, dim=1) < 1e-6).float()  # as the advantages see it
         stats = {
             "reward": rewards.nanmean(),
             "reward_std": nanstd(all_rewards.view(1, -1), dim=1).view(()),

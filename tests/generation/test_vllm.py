@@ -36,7 +36,8 @@ def test_trls_flat_options_in_a_config_reach_the_engines_options(tiny_path):
     finally:
         sys.argv = argv
     options = VLLMOptions.from_flat(cli.model.hparams)
-    assert options == VLLMOptions(gpu_memory_utilization=0.5, max_model_length=256, importance_sampling_mode="token_mask")
+    assert options == VLLMOptions(gpu_memory_utilization=0.5, max_model_length=256,
+                                  importance_sampling_mode="token_mask")
     assert options.engine_settings() == {"gpu_memory_utilization": 0.5, "tensor_parallel_size": 1,
                                          "max_model_length": 256, "enable_sleep_mode": False}
     assert options.importance_sampling(top_k=0, top_p=1.0) == ("token_mask", None, 3.0)
