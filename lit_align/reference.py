@@ -81,8 +81,8 @@ def _drop_own_keys(reference, state_dict, prefix: str, local_metadata) -> None:
 
 
 def _skip_own_keys(reference, state_dict, prefix: str, *args) -> None:
-    """Loading: whatever a checkpoint holds under the reference is not loaded into it (the reference is re-read from
-    its own files), and its prefix is noted for ``_not_missing``."""
+    """Loading: whatever a checkpoint holds under the reference is not loaded into it (it comes from its own files, or
+    a TR-DPO mix from ``save_mixed``'s entry), and its prefix is noted for ``_not_missing``."""
     for key in [k for k in state_dict if k.startswith(prefix)]:
         del state_dict[key]
     reference._load_prefix = prefix
@@ -91,12 +91,14 @@ def _skip_own_keys(reference, state_dict, prefix: str, *args) -> None:
 def _not_missing(reference, incompatible_keys) -> None:
     """Loading: the reference's keys, absent from every checkpoint, are not missing (also when FSDP loads its units
     and reports them without its wrappers' names)."""
-    prefix = _unwrapped(reference.__dict__.pop("_load_prefix", ""))
-    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys
-                                         if not _unwrapped(k).startswith(prefix)]
+    prefix = reference.__dict__.pop("_load_prefix", None)
+    if prefix is not None:
+        incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys
+                                             if not _unwrapped(k).startswith(_unwrapped(prefix))]
 
 
 def _unwrapped(key: str) -> str:
+    """``key`` without the module names FSDP's and activation checkpointing's wrappers add."""
     for wrapper in WRAPPERS:
         key = key.replace(wrapper, "")
     return key
