@@ -233,7 +233,8 @@ class RefModelSync(L.Callback):
     TRL's ``sync_ref_model`` (https://huggingface.co/papers/2404.09656): the sync follows the optimizer step whose
     count is a multiple of ``ref_model_sync_steps`` (steps N, 2N, ...; once per step under gradient accumulation).
     Parameters only, like TRL; buffers are not mixed. Once it has synced, the reference is no longer the initial
-    model, so it is saved in checkpoints (``checkpoint["ref_model_state"]``) and restored on resume. Needs a
+    model, so it is saved in checkpoints and restored on resume (``FrozenReference.save_mixed`` / ``load_mixed``:
+    the mixing is the reference's, when it happens is this callback's). Needs a
     reference held in memory: not with ``precompute_ref_log_probs`` or ``peft_config`` (TRL refuses both too).
     Under DDP every rank mixes its own copy; the policies are identical across ranks, so the references stay so.
 
@@ -272,8 +273,7 @@ class RefModelSync(L.Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if trainer.global_step >= self.every:  # synced at least once: the reference is not the initial model
-            checkpoint["ref_model_state"] = pl_module.reference.model.state_dict()
+            pl_module.reference.save_mixed(checkpoint)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if "ref_model_state" in checkpoint:
-            pl_module.reference.model.load_state_dict(checkpoint["ref_model_state"])
+        pl_module.reference.load_mixed(checkpoint)

@@ -1,17 +1,24 @@
-"""The reference a recipe compares its policy with: one interface, one class per variant.
+"""The reference a recipe compares its policy with: one interface, one class per variant, and its whole lifecycle.
 
 ``module.reference`` is one of:
 
 - ``FrozenReference``: a frozen model held in memory: ``ref_model``, or a copy of the initial policy (TRL's default).
-  Eval mode, no gradients, never in a checkpoint (``AlignModule.state_dict``), wrapped as its own FSDP unit
-  (``lit_align.strategies.DecoderLayers``). TR-DPO's ``RefModelSync`` callback mixes the policy into it
-  (``mix_in``); once mixed it is saved with the checkpoint by that callback.
+  Eval mode, no gradients, wrapped as its own FSDP unit (``shard_unit``, which ``lit_align.strategies.DecoderLayers``
+  wraps). TR-DPO's ``RefModelSync`` callback decides when the policy is mixed into it (``mix_in``); once mixed it is
+  saved with the checkpoint (``save_mixed`` / ``load_mixed``).
 - ``AdapterReference``: under LoRA, the policy itself with its adapters switched off: no second copy.
 - ``PrecomputedReference``: no model while training: one no-grad pass before training gives every row its
-  reference log-probs (``annotate``, a data-side step ``PreferenceDataModule.setup`` runs), cached on disk.
+  reference log-probs (``annotate``), cached on disk. The module starts it from its ``setup`` (Lightning sets the
+  DataModule up first) and hands the function to the data (``PreferenceDataModule.add_reference_logps``): the data
+  never reads the model.
 
-DPO and GRPO both call ``reference.logps(batch, compute)``, where ``compute(network)`` is the function their policy's
-values come from: the same layout, the same kernel, so the reference's numbers mean what the policy's do.
+Every variant answers ``reference.logps(batch, compute)``, where ``compute(network)`` is the function the policy's
+values come from: the same layout, the same kernel, so the reference's numbers mean what the policy's do. A batch that
+carries ``ref_chosen_logps`` / ``ref_rejected_logps`` (precomputed, or the data's own) is answered from them.
+
+What every variant owns (``Reference``): it is never part of a checkpoint (its ``state_dict`` hooks drop its keys, and
+a checkpoint without them loads strictly), and its ``identity``, the digest of the files it is read from, is recorded
+in each checkpoint and checked on resume (``on_save_checkpoint`` / ``check_resume``).
 
 The precompute cache is ``$LIT_ALIGN_CACHE/ref_logps/<key>.pt`` (``[rows, 2]`` float32), with the SHA-256 of its bytes
 in ``<key>.sha256``: a file that does not match it is recomputed, with a warning. The key hashes everything the
@@ -47,6 +54,9 @@ from lit_align.models import cache_dir, resolve
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")  # names FSDP leaves out of the keys it reports
+IDENTITY_KEY = "lit_align_reference"  # the checkpoint entry holding the reference's identity
+MIXED_KEY = "ref_model_state"  # the checkpoint entry holding a TR-DPO-mixed reference's weights
 
 
 def frozen(model: torch.nn.Module) -> torch.nn.Module:
@@ -56,13 +66,59 @@ def frozen(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def carried_logps(batch) -> torch.Tensor | None:
+    """The reference log-probs ``[2B]`` (chosen; rejected) a batch carries in its ``ref_*_logps`` columns, or None."""
+    if REF_COLUMNS[0] not in batch:
+        return None
+    return torch.cat([batch[REF_COLUMNS[0]], batch[REF_COLUMNS[1]]])
+
+
+# -- never part of a checkpoint: state-dict hooks every reference registers on itself ---------------------------------
+def _drop_own_keys(reference, state_dict, prefix: str, local_metadata) -> None:
+    """Saving: the reference's keys leave the state dict (in place: FSDP and DeepSpeed pass their own dict)."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        del state_dict[key]
+
+
+def _skip_own_keys(reference, state_dict, prefix: str, *args) -> None:
+    """Loading: whatever a checkpoint holds under the reference is not loaded into it (it comes from its own files, or
+    a TR-DPO mix from ``save_mixed``'s entry), and its prefix is noted for ``_not_missing``."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        del state_dict[key]
+    reference._load_prefix = prefix
+
+
+def _not_missing(reference, incompatible_keys) -> None:
+    """Loading: the reference's keys, absent from every checkpoint, are not missing (also when FSDP loads its units
+    and reports them without its wrappers' names)."""
+    prefix = reference.__dict__.pop("_load_prefix", None)
+    if prefix is not None:
+        incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys
+                                             if not _unwrapped(k).startswith(_unwrapped(prefix))]
+
+
+def _unwrapped(key: str) -> str:
+    """``key`` without the module names FSDP's and activation checkpointing's wrappers add."""
+    for wrapper in WRAPPERS:
+        key = key.replace(wrapper, "")
+    return key
+
+
 class Reference(torch.nn.Module):
     """The interface. ``setup(module)`` runs in ``configure_model`` once the policy is loaded; ``logps(batch,
-    compute)`` gives the reference's values for a batch. ``identity``: the digest of the files the reference is read
-    from, which checkpoints record so that a resume refuses a reference whose files changed (None: nothing to check,
-    as under LoRA, whose reference is the base weights the checkpoint holds)."""
+    compute)`` gives the reference's values for a batch. Never in a checkpoint (its state-dict hooks). ``identity``:
+    the digest of the files the reference is read from (``source``), which checkpoints record so that a resume refuses
+    a reference whose files changed (None: nothing to check, as under LoRA, whose reference is the base weights the
+    checkpoint holds)."""
 
     identity: str | None = None
+    source: str | None = None  # the model the identity was read from
+
+    def __init__(self):
+        super().__init__()
+        self.register_state_dict_post_hook(_drop_own_keys)
+        self.register_load_state_dict_pre_hook(_skip_own_keys)
+        self.register_load_state_dict_post_hook(_not_missing)
 
     def setup(self, module) -> None:
         """Get ready against ``module`` (an ``AlignModule`` whose policy is loaded)."""
@@ -70,13 +126,43 @@ class Reference(torch.nn.Module):
     @contextmanager
     def network(self):
         """The reference network, for no-grad forwards."""
-        raise LitAlignError(f"{type(self).__name__} holds no network")
+        raise NotImplementedError
         yield
 
+    @property
+    def shard_unit(self) -> torch.nn.Module | None:
+        """The network of its own that FSDP wraps as one unit (``lit_align.strategies.DecoderLayers``); None: none."""
+        return None
+
     def logps(self, batch, compute: Callable[[torch.nn.Module], torch.Tensor]) -> torch.Tensor:
-        """``compute(network)`` on the reference, without gradient (``batch``: for variants that read it)."""
+        """The values the batch carries (``ref_*_logps``: precomputed, or the data's own), else ``compute(network)``
+        on the reference, without gradient."""
+        carried = carried_logps(batch)
+        if carried is not None:
+            return carried
         with torch.no_grad(), self.network() as network:
             return compute(network)
+
+    # -- identity on resume -------------------------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[IDENTITY_KEY] = self.identity
+
+    def check_resume(self, checkpoint: dict, where: str) -> None:
+        """Refuse to resume ``checkpoint`` (``where`` names it) against a reference whose files changed since."""
+        saved = checkpoint.get(IDENTITY_KEY)
+        if self.identity is not None and saved is not None and self.identity != saved:
+            raise LitAlignError(f"{where}: the reference model's files ({self.source}) changed since the checkpoint "
+                                "was written (their digest differs), so the resumed run would train against another "
+                                "reference; restore those files or start a new run")
+
+    def read_identity(self, name: str, trainer) -> None:
+        """``name``'s files' digest as this reference's ``identity``, read by one rank and broadcast (every rank
+        reading a large model's files is slow)."""
+        if trainer is None:
+            self.identity = model_files_hash(name)
+        else:
+            self.identity = trainer.strategy.broadcast(model_files_hash(name) if trainer.is_global_zero else None)
+        self.source = name
 
 
 class FrozenReference(Reference):
@@ -98,11 +184,7 @@ class FrozenReference(Reference):
                 model.gradient_checkpointing_disable()
             self.model = frozen(model)
         # what a resume checks: the reference is re-read from its files, which may have been rewritten since
-        name, trainer = self.name or module.model_name, module._trainer
-        if trainer is None:
-            self.identity = model_files_hash(name)
-        else:  # one rank reads the files (every rank reading a large model's files is slow)
-            self.identity = trainer.strategy.broadcast(model_files_hash(name) if trainer.is_global_zero else None)
+        self.read_identity(self.name or module.model_name, module._trainer)
 
     def train(self, mode: bool = True):
         return super().train(False)  # a reference stays in eval mode whatever its owner does
@@ -111,11 +193,25 @@ class FrozenReference(Reference):
     def network(self):
         yield self.model
 
+    @property
+    def shard_unit(self) -> torch.nn.Module | None:
+        return self.model
+
+    # -- TR-DPO (``lit_align.callbacks.RefModelSync`` decides when) ---------------------------------------------------
     @torch.no_grad()
     def mix_in(self, policy: torch.nn.Module, alpha: float) -> None:
-        """TR-DPO: ``ref <- alpha * policy + (1 - alpha) * ref``, parameters only (buffers are not mixed, as TRL)."""
+        """``ref <- alpha * policy + (1 - alpha) * ref``, parameters only (buffers are not mixed, as TRL)."""
         for ref, param in zip(self.model.parameters(), policy.parameters(), strict=True):
             ref.mul_(1.0 - alpha).add_(param, alpha=alpha)
+
+    def save_mixed(self, checkpoint: dict) -> None:
+        """Once mixed the reference is no longer its files' model: its weights go into the checkpoint."""
+        checkpoint[MIXED_KEY] = self.model.state_dict()
+
+    def load_mixed(self, checkpoint: dict) -> None:
+        """The mixed weights ``save_mixed`` wrote, if the checkpoint has them."""
+        if MIXED_KEY in checkpoint:
+            self.model.load_state_dict(checkpoint[MIXED_KEY])
 
 
 class AdapterReference(Reference):
@@ -143,29 +239,28 @@ class PrecomputedReference(Reference):
         super().__init__()
         self.name, self.batch_size = name, batch_size
         self.computed: list[str] = []  # the splits this process ran the reference over (the others: from the cache)
-        self._files_hash: dict[str, str] = {}  # per reference name: its files are read once, not once per split
 
-    def logps(self, batch, compute=None) -> torch.Tensor:
-        if REF_COLUMNS[0] not in batch:
-            raise LitAlignError("precompute_ref_log_probs: a batch came without ref_chosen_logps (rows set up after "
-                                "the precompute pass?)")
-        return torch.cat([batch[REF_COLUMNS[0]], batch[REF_COLUMNS[1]]])
+    @contextmanager
+    def network(self):
+        raise LitAlignError("precompute_ref_log_probs: a batch came without ref_chosen_logps (rows set up after "
+                            "the precompute pass?)")
+        yield
 
-    def annotate(self, rows, split: str, collate, batch_size: int, max_length: int | None, trainer):
+    def annotate(self, module, rows, split: str, collate, batch_size: int, max_length: int | None):
         """``rows`` with the reference's log-prob columns: from the cache, or from one pass of the reference.
 
-        ``trainer.lightning_module`` supplies how to load the reference (``load``) and what to compute with it
-        (``pair_logps``, the function the policy's log-probs come from in training).
+        ``module`` (a ``DPOModule``, which hands this to its data from ``setup``) supplies how to load the reference
+        (``load``) and what to compute with it (``pair_logps``, the function the policy's log-probs come from in
+        training); the rest (``collate``, the batch size, ``max_length``) is the data's.
         """
         if REF_COLUMNS[0] in rows.column_names:  # the data's own (or an earlier pass's)
             return rows
-        module, strategy = trainer.lightning_module, trainer.strategy
+        trainer, strategy = module.trainer, module.trainer.strategy
         name = self.name or module.model_name
-        if name not in self._files_hash:  # one rank reads the weight files (every rank reading them is slow)
-            self._files_hash[name] = strategy.broadcast(model_files_hash(name) if trainer.is_global_zero else None)
-        reference_hash = self.identity = self._files_hash[name]  # what a resume checks, as for a frozen reference
+        if self.source != name:  # the files are read once, not once per split; a resume checks them as a frozen one's
+            self.read_identity(name, trainer)
         hp = module.hparams
-        path = cache_path(cache_key(rows, reference=reference_hash, dtype=hp.dtype,
+        path = cache_path(cache_key(rows, reference=self.identity, dtype=hp.dtype,
                                     attn_implementation=hp.attn_implementation, precision=str(trainer.precision),
                                     max_length=max_length, **module.reference_settings()))
         # rank 0 checks the file against the digest written beside it; every rank then reads it

@@ -5,27 +5,27 @@ FSDP wraps modules by class, and the decoder-layer class depends on the model a 
 ``DecoderLayers``, a policy that finds the classes when FSDP wraps: every Hugging Face model in the LightningModule
 (the policy and the frozen reference alike) lists its layer classes in ``_no_split_modules``.
 
-The reference model is wrapped as a unit of its own, so none of its parameters share a flat parameter with the
-policy's: its forward gathers only its own shards, and its (frozen) weights stay out of the optimizer and, since
-``AlignModule.state_dict`` drops them, out of checkpoints.
+The reference model is wrapped as a unit of its own (what its ``Reference.shard_unit`` names), so none of its
+parameters share a flat parameter with the policy's: its forward gathers only its own shards, and its (frozen) weights
+stay out of the optimizer and, since the reference drops its keys from every state dict, out of checkpoints.
 """
 
 from __future__ import annotations
 
 import torch
 
-from lit_align.reference import FrozenReference
+from lit_align.reference import Reference
 
 
 class DecoderLayers:
-    """FSDP auto-wrap (and activation-checkpointing) policy: each Hugging Face decoder layer, plus a frozen reference
-    model whole.
+    """FSDP auto-wrap (and activation-checkpointing) policy: each Hugging Face decoder layer, plus a reference's own
+    network whole (a frozen reference's model).
 
     A callable ``(module, recurse, nonwrapped_numel) -> bool`` as ``torch.distributed.fsdp.wrap`` calls it, parents
     before children: a ``PreTrainedModel`` met on the way down contributes its ``_no_split_modules`` class names.
 
     Args:
-        wrap_reference: also wrap a ``FrozenReference``'s model as one unit (for ``auto_wrap_policy``; leave it
+        wrap_reference: also wrap a reference's ``shard_unit`` as one unit (for ``auto_wrap_policy``; leave it
             false for ``activation_checkpointing_policy``, the reference runs without gradients).
         extra: more class names to wrap.
     """
@@ -38,8 +38,8 @@ class DecoderLayers:
     def __call__(self, module: torch.nn.Module, recurse: bool, nonwrapped_numel: int = 0) -> bool:
         if recurse:  # on the way down: learn layer names (and which module is a reference); always descend
             self.names.update(getattr(module, "_no_split_modules", None) or ())
-            if self.wrap_reference and isinstance(module, FrozenReference) and module.model is not None:
-                self.references.add(id(module.model))
+            if self.wrap_reference and isinstance(module, Reference) and module.shard_unit is not None:
+                self.references.add(id(module.shard_unit))
             return True
         return type(module).__name__ in self.names or id(module) in self.references
 

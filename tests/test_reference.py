@@ -1,8 +1,9 @@
 """DPO reference strategies: frozen copy, precomputed log-probs (cached), LoRA (adapters off), TR-DPO sync.
 
-Each strategy must give the frozen copy's step-0 loss on the same batch; the precompute pass must be skipped when
-its cache holds the key; LoRA must leave the base weights bitwise unchanged; the sync must move the reference
-exactly on its schedule, by exactly ``alpha * policy + (1 - alpha) * ref``.
+Each strategy must give the frozen copy's step-0 loss on the same batch; every strategy answers through
+``Reference.logps`` and stays out of checkpoints by itself; the precompute pass starts from the module (after the
+data's ``setup``) and must be skipped when its cache holds the key; LoRA must leave the base weights bitwise
+unchanged; the sync must move the reference exactly on its schedule, by exactly ``alpha * policy + (1 - alpha) * ref``.
 """
 
 from __future__ import annotations
@@ -124,7 +125,68 @@ def test_lora_reference_is_the_base_model_even_when_the_adapters_are_not_zero(ro
     assert not list(module.reference.parameters())
 
 
-# -- precomputed: the cache ------------------------------------------------------------------------------------------
+# -- the interface every strategy shares --------------------------------------------------------------------------
+def test_every_strategy_answers_through_logps_carried_columns_first(rows_path):
+    """A batch carrying ``ref_*_logps`` (precomputed, or the data's own) is answered from them by every strategy;
+    without them a model in memory computes, and a precomputed reference says what is wrong."""
+    dm = data(rows_path, tokenizer="builtin:tiny")
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))  # 4 pairs, no reference columns
+    carried = {**batch, "ref_chosen_logps": torch.tensor([-1.0, -2.0, -3.0, -4.0]),
+               "ref_rejected_logps": torch.tensor([-5.0, -6.0, -7.0, -8.0])}
+    for options in ({}, {"peft_config": LORA}, {"precompute_ref_log_probs": True}):
+        module = DPOModule(model="builtin:tiny", **options)
+        module.configure_model()
+        got = module.reference.logps(carried, lambda net: module.pair_logps(net, carried))
+        assert got.tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, -8.0], options
+    with pytest.raises(LitAlignError, match="precompute_ref_log_probs: a batch came without ref_chosen_logps"):
+        module.reference.logps(batch, lambda net: module.pair_logps(net, batch))
+    frozen = DPOModule(model="builtin:tiny")
+    frozen.configure_model()
+    computed = frozen.reference.logps(batch, lambda net: frozen.pair_logps(net, batch))
+    assert torch.equal(computed, frozen.pair_logps(frozen.policy, batch).detach())  # the initial policy's values
+
+
+def test_a_reference_keeps_itself_out_of_any_state_dict(noisy_ref):
+    """The reference's own hooks, whatever module holds it: saved without its keys, loaded strictly without them, and
+    reference keys a state dict does hold are not loaded into it (the reference is re-read from its files)."""
+    owner = torch.nn.Module()
+    owner.head = torch.nn.Linear(2, 2)
+    owner.reference = FrozenReference(noisy_ref)
+    owner.reference.model = AutoModelForCausalLM.from_pretrained(noisy_ref)
+    before = {k: v.clone() for k, v in owner.reference.model.state_dict().items()}
+    state = owner.state_dict()
+    assert sorted(state) == ["head.bias", "head.weight"]
+    foreign = {f"reference.model.{k}": torch.zeros_like(v) for k, v in before.items()}
+    assert owner.load_state_dict({**state, **foreign}, strict=True).missing_keys == []
+    assert owner.load_state_dict(state, strict=True).missing_keys == []
+    assert all(torch.equal(v, before[k]) for k, v in owner.reference.model.state_dict().items())
+    with pytest.raises(RuntimeError, match='Missing key.*"head.bias"'):  # the owner's own keys are still required
+        owner.load_state_dict({"head.weight": state["head.weight"]}, strict=True)
+
+
+# -- precomputed: the pass starts from the module; the cache --------------------------------------------------------
+class RowsSeen(L.Callback):
+    """Whether the training rows carry reference log-probs: after the data's ``setup`` (callbacks set up next) and
+    after the module's (at fit start)."""
+
+    def setup(self, trainer, pl_module, stage):
+        self.after_data = "ref_chosen_logps" in trainer.datamodule.train_data.column_names
+
+    def on_fit_start(self, trainer, pl_module):
+        self.after_module = "ref_chosen_logps" in trainer.datamodule.train_data.column_names
+
+
+def test_precompute_pass_starts_from_the_module_after_the_data_setup(tmp_path, rows_path):
+    """Model -> data: the DataModule's ``setup`` only tokenizes; the module's ``setup`` hands it the reference's
+    log-probs (``add_reference_logps``)."""
+    seen = RowsSeen()
+    module = DPOModule(model="builtin:tiny", precompute_ref_log_probs=True)
+    fit(module, data(rows_path), tmp_path, callbacks=[seen])
+    assert (seen.after_data, seen.after_module) == (False, True)
+    assert module.reference.identity == reference_module.model_files_hash("builtin:tiny")  # what a resume checks
+
+
 def test_precompute_reuses_its_cache(tmp_path, rows_path, lit_align_cache):
     shutil.rmtree(lit_align_cache / "ref_logps", ignore_errors=True)  # other tests may have cached these rows
     passes = []  # the splits each run ran the reference over (PrecomputedReference.computed)

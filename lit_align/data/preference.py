@@ -5,7 +5,7 @@ The row formats (standard, conversational, implicit prompt) and their checks are
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -75,20 +75,17 @@ class PreferenceDataModule(AlignDataModule):
         self.max_length = check_max_length(max_length)
         self.drop_long_prompts, self.num_proc = drop_long_prompts, num_proc
 
-    def setup(self, stage: str) -> None:
-        """Tokenize the rows; then, when the model's reference is precomputed (``precompute_ref_log_probs``), give
-        them its log-probs (``lit_align.reference.PrecomputedReference.annotate``: cached, or one pass)."""
-        super().setup(stage)
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        annotate = getattr(getattr(module, "reference", None), "annotate", None)
-        if annotate is None:
-            return
+    def add_reference_logps(self, annotate: Callable) -> None:
+        """Give the rows set up so far the reference's ``ref_chosen_logps`` / ``ref_rejected_logps`` columns.
+
+        ``annotate(rows, split, collate, batch_size, max_length)`` returns them (cached, or one pass of the reference:
+        ``lit_align.reference.PrecomputedReference.annotate``); the model hands it over from its ``setup``
+        (``precompute_ref_log_probs``), so this module never reads the model.
+        """
         if self.train_data is not None:
-            self.train_data = annotate(self.train_data, "train", self.collate, self.batch_size, self.max_length,
-                                       self.trainer)
+            self.train_data = annotate(self.train_data, "train", self.collate, self.batch_size, self.max_length)
         if self.val_data is not None:
-            self.val_data = annotate(self.val_data, "val", self.collate, self.val_batch_size, self.max_length,
-                                     self.trainer)
+            self.val_data = annotate(self.val_data, "val", self.collate, self.val_batch_size, self.max_length)
 
     def process(self, rows, source: str):
         tokenizer, max_length = self.tokenizer, self.max_length

@@ -39,11 +39,6 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def _reference_not_in_checkpoints(module, incompatible_keys) -> None:
-    """Checkpoints leave the reference out: its keys are not missing (also when FSDP loads the wrapped module)."""
-    incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if "reference." not in k]
-
-
 class AlignModule(L.LightningModule):
     """Base LightningModule: loads the policy in ``configure_model``, builds AdamW + a warmup schedule, exports.
 
@@ -137,13 +132,12 @@ class AlignModule(L.LightningModule):
                                 f"got {logps_chunk_size}")
         self.logps_chunk_size = logps_chunk_size
         self.policy: torch.nn.Module | None = None
-        self.reference: Reference | None = None  # set by the recipes that compare against one
+        self.reference: Reference | None = None  # set by the recipes that compare against one (never checkpointed)
         self.tokenizer = None
         self.skipped_batches = 0
         self.num_tokens = 0.0  # attended training tokens so far, all ranks (TRL's num_tokens; recipes that log it)
         self.total_steps: int | None = None  # optimizer steps the learning-rate schedule spans (set with it)
         self._resumed_total: int | None = None
-        self.register_load_state_dict_post_hook(_reference_not_in_checkpoints)
 
     def load(self, name: str) -> torch.nn.Module:
         hp = self.hparams
@@ -194,18 +188,6 @@ class AlignModule(L.LightningModule):
         """The Hugging Face model that forwards run on: the policy, or under PEFT the model inside the wrapper (its
         layers carry the adapters; its ``forward`` takes ``position_ids`` and ``logits_to_keep`` explicitly)."""
         return self.policy.get_base_model() if self.lora_config is not None else self.policy
-
-    # -- the reference is never part of a checkpoint (``lit_align.reference``) ---------------------------------------
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        state = super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-        for key in [k for k in state if k.startswith(prefix + "reference.")]:  # in place: FSDP passes `destination`
-            del state[key]
-        return state
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if self.reference is not None:  # refill the reference from itself: checkpoints do not carry it
-            state_dict = {**state_dict, **{f"reference.{k}": v for k, v in self.reference.state_dict().items()}}
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- the numeric guard: one place, called by every training_step before it returns its loss ------------------------
     def guard_loss(self, loss: torch.Tensor, row_losses: torch.Tensor | None, batch_idx: int,
@@ -269,7 +251,8 @@ class AlignModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_align_recipe"] = type(self).__name__
-        checkpoint["lit_align_reference"] = getattr(self.reference, "identity", None)
+        if self.reference is not None:
+            self.reference.on_save_checkpoint(checkpoint)
         checkpoint["lit_align_total_steps"] = self.total_steps
         checkpoint["lit_align_skipped_batches"] = self.skipped_batches
         checkpoint["lit_align_num_tokens"] = self.num_tokens
@@ -293,11 +276,8 @@ class AlignModule(L.LightningModule):
         if recipe is not None and recipe != type(self).__name__:
             raise LitAlignError(f"{where} is a {recipe} checkpoint; this run is {type(self).__name__} (resume a "
                                 "checkpoint with the recipe that wrote it)")
-        identity, saved_identity = getattr(self.reference, "identity", None), checkpoint.get("lit_align_reference")
-        if identity is not None and saved_identity is not None and identity != saved_identity:
-            raise LitAlignError(f"{where}: the reference model's files ({self.reference.name or self.model_name}) "
-                                "changed since the checkpoint was written (their digest differs), so the resumed run "
-                                "would train against another reference; restore those files or start a new run")
+        if self.reference is not None:
+            self.reference.check_resume(checkpoint, where)
         saved = checkpoint["hyper_parameters"]
         for key, value in self.hparams.items():
             if key.startswith("_") or key in RESUME_MAY_CHANGE or key not in saved or saved[key] == value:

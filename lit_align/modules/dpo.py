@@ -15,16 +15,19 @@ pays every row the longest one's length.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torchmetrics import MeanMetric
 
 from lit_align import layouts
 from lit_align.callbacks import RefModelSync
+from lit_align.data.preference import PreferenceDataModule
 from lit_align.errors import LitAlignError
 from lit_align.logps import TokenLogps, layout_logps
 from lit_align.losses.dpo import DPOLoss, sequence_logps, sft_nll, wpo_weights
 from lit_align.modules.base import AlignModule
-from lit_align.reference import REF_COLUMNS, choose_reference
+from lit_align.reference import PrecomputedReference, choose_reference
 
 METRICS = (
     "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -108,6 +111,13 @@ class DPOModule(AlignModule):
     def configure_callbacks(self):
         return [self.ref_sync] if self.ref_sync is not None else []
 
+    def setup(self, stage: str) -> None:
+        """A precomputed reference's pass, before the policy is loaded or a checkpoint restored: the DataModule's rows
+        (Lightning sets it up first) get their log-probs, handed model -> data."""
+        datamodule = self.trainer.datamodule
+        if isinstance(self.reference, PrecomputedReference) and isinstance(datamodule, PreferenceDataModule):
+            datamodule.add_reference_logps(partial(self.reference.annotate, self))
+
     # -- log-probs: the same function for the policy, the reference and the precompute pass -----------------------------
     def token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor],
                     stats: tuple[str, ...] = ()) -> TokenLogps:
@@ -133,10 +143,7 @@ class DPOModule(AlignModule):
         stats = ("mean_logit", "entropy", "argmax") + (("log_sum_sq_probs",) if use_weighting else ())
         policy = self.token_logps(self.network, batch, stats)
         chosen, rejected = sequence_logps(policy.tokens, policy.mask, self.loss_fn.ld_alpha).chunk(2)
-        if REF_COLUMNS[0] in batch:  # reference log-probs in the rows (precompute_ref_log_probs, or the data's own)
-            ref_chosen, ref_rejected = batch[REF_COLUMNS[0]], batch[REF_COLUMNS[1]]
-        else:
-            ref_chosen, ref_rejected = self.reference.logps(batch, lambda net: self.pair_logps(net, batch)).chunk(2)
+        ref_chosen, ref_rejected = self.reference.logps(batch, lambda net: self.pair_logps(net, batch)).chunk(2)
         lengths = batch["completion_mask"].sum(1)
         chosen_lengths, rejected_lengths = lengths.chunk(2)
         pair_weights = None

@@ -170,6 +170,24 @@ def test_collate_pairs_keep_start_truncation_and_ref_columns():
     assert batch["ref_chosen_logps"].dtype == torch.float32
 
 
+def test_add_reference_logps_hands_each_split_to_the_model_with_the_datas_settings(tmp_path):
+    """Model -> data: the function the model hands over (``PrecomputedReference.annotate`` in a run) gets each split
+    the data holds with the data's collate, batch size and ``max_length``, and its rows replace the split's."""
+    rows = [{"prompt": "ab", "chosen": "c", "rejected": "d"}] * 3
+    Dataset.from_list(rows).to_json(tmp_path / "pairs.jsonl")
+    dm = module(str(tmp_path / "pairs.jsonl"), val_fraction=1 / 3, batch_size=2, val_batch_size=5, max_length=16)
+    dm.setup("fit")
+    calls = []
+
+    def annotate(split_rows, split, collate, batch_size, max_length):
+        calls.append((split, len(split_rows), batch_size, max_length, collate == dm.collate))
+        return split_rows.add_column("ref_chosen_logps", [-1.0] * len(split_rows))
+
+    dm.add_reference_logps(annotate)
+    assert calls == [("train", 2, 2, 16, True), ("val", 1, 5, 16, True)]
+    assert "ref_chosen_logps" in dm.train_data.column_names and "ref_chosen_logps" in dm.val_data.column_names
+
+
 def test_truncated_and_dropped_counts():
     rows = [
         {"prompt": "abc", "chosen": "de", "rejected": "f"},  # 3 + 3 tokens: fits in 6
