@@ -113,7 +113,8 @@ class DPOModule(AlignModule):
 
     def setup(self, stage: str) -> None:
         """A precomputed reference's pass, before the policy is loaded or a checkpoint restored: the DataModule's rows
-        (Lightning sets it up first) get their log-probs, handed model -> data."""
+        (Lightning sets it up first; ``AlignModule.setup`` connects it) get their log-probs, handed model -> data."""
+        super().setup(stage)
         datamodule = self.trainer.datamodule
         if isinstance(self.reference, PrecomputedReference) and isinstance(datamodule, PreferenceDataModule):
             datamodule.add_reference_logps(partial(self.reference.annotate, self))
