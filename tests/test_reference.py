@@ -171,7 +171,8 @@ class RowsSeen(L.Callback):
     after the module's (at fit start)."""
 
     def setup(self, trainer, pl_module, stage):
-        self.after_data = "ref_chosen_logps" in trainer.datamodule.train_data.column_names
+        rows = trainer.datamodule.train_data  # None while the data waits for the model's tokenizer (``connect``)
+        self.after_data = rows is not None and "ref_chosen_logps" in rows.column_names
 
     def on_fit_start(self, trainer, pl_module):
         self.after_module = "ref_chosen_logps" in trainer.datamodule.train_data.column_names
