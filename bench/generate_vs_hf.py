@@ -34,11 +34,14 @@ a change in the machine's load hits both alike. The ratio is native / HF.
 model on chat prompts through its template (``--prompts``: ``validation``, arithmetic questions of 47 tokens with
 SmolLM2's system prompt, or ``gsm8k``, GSM8K-like questions), greedy (``--temperature 0``), 64 rows, 1 sample per
 prompt, 24 new tokens by default. There the decode-only matmul bound leaves out most of the work (the prefill of 64
-distinct prompts costs more than their 24 decode steps): ``work bound`` adds it (``bench/bound.py``: each prompt's
+distinct prompts costs more than their 24 decode steps) and is not printed; ``work bound`` counts both (``bench/bound.py``: each prompt's
 prefill once and every decode step, at the fp32 GEMM peak measured in the same process); the native engine prefills
-the prefix all prompts share once (``DecodeStats.shared_prefix``), so it can beat that figure. On a machine shared with other jobs, use
-``--threads 1``: with more torch threads than free cores every op waits on OpenMP barriers and the figures mean
-nothing (the load average is printed).
+the prefix all prompts share once (``DecodeStats.shared_prefix``), so it can beat that figure.
+
+On a machine shared with other jobs, use ``--threads 1``, or ``OMP_WAIT_POLICY=PASSIVE``: with more torch threads
+than free cores, OpenMP's default (its threads spin while they wait for each other) turns every small matmul into a
+wait for a thread the OS has descheduled (a decode step's ``[64, 576] x [576, 1536]`` ran 14x slower at 2 threads
+than with the passive policy, at a load average of 5 on 2 cores); the load average is printed.
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["builtin:tiny", "builtin:small"])
     parser.add_argument("--rows", nargs="+", type=int, default=[8, 64, 256], help="B*G completions per call")
-    parser.add_argument("--num-generations", type=int, default=None, help="G: samples per prompt (default 4; --model 1)")
+    parser.add_argument("--num-generations", type=int, default=None,
+                        help="G: samples per prompt (default 4; --model 1)")
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1; --model 0)")
     parser.add_argument("--model", help="a real chat model (.gguf or HF directory): its chat prompts, greedy, 64 rows")
     parser.add_argument("--prompts", choices=["validation", "gsm8k"], default="validation",
@@ -170,7 +174,7 @@ def main() -> None:
                     cpu[engine].append(generated / (time.process_time() - cpu_start))
             cell = {k: statistics.median(v) for k, v in rates.items()}
             cell.update({f"{k} cpu": statistics.median(v) for k, v in cpu.items()})
-            cell["bound"] = None if args.eos else matmul_bound(model, rows)
+            cell["bound"] = None if args.eos or real else matmul_bound(model, rows)
             if real:
                 from bound import generation_flops, matmul_peak
 
@@ -195,23 +199,24 @@ def main() -> None:
           f"{args.threads} threads, median of {args.repeats}; load average {load[0]:.1f} {load[1]:.1f}\n")
     others = [k for k in engines if k != "hf"]
     header = f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}" + "".join(f"{k + ' tok/s':>14}{k + '/HF':>11}" for k in others)
-    header += "" if args.eos else f"{'matmul bound':>14}{'bound/HF':>10}"
+    header += "" if args.eos or real else f"{'matmul bound':>14}{'bound/HF':>10}"
     print(header)
     print("-" * len(header))
     for name, rows, cell in results:
         line = f"{name[-15:]:<15}{rows:>6}{cell['hf']:>12.0f}"
         line += "".join(f"{cell[k]:>14.0f}{cell[k] / cell['hf']:>10.2f}x" for k in others)
-        print(line if args.eos else line + f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
+        print(line if args.eos or real else line + f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
     if real:
         for name, rows, cell in results:
-            print(f"{name[-15:]:<15}{rows:>6} CPU-time tok/s: " + ", ".join(f"{k} {cell[k + ' cpu']:.0f}" for k in engines)
+            rates = ", ".join(f"{k} {cell[k + ' cpu']:.0f}" for k in engines)
+            print(f"{name[-15:]:<15}{rows:>6} CPU-time tok/s: {rates}"
                   + "".join(f", {k}/HF {cell[k + ' cpu'] / cell['hf cpu']:.2f}x" for k in others)
                   + f"; work bound {cell['work bound']:.0f} tok/s (HF at {100 * cell['hf'] / cell['work bound']:.0f}%"
                   + "".join(f", {k} at {100 * cell[k] / cell['work bound']:.0f}%" for k in others)
                   + f"); prefix shared by every prompt: {cell['shared prefix']} tokens")
         print("CPU-time tok/s: tokens over the process's CPU time (less sensitive to other load); work bound: tok/s "
               "if the prefill of each prompt and every decode step cost only its matmul FLOPs at the GEMM peak.")
-    if not args.eos:
+    if not args.eos and not real:
         print("\nmatmul bound: tok/s if a decode step cost only its nn.Linear matmuls (each in its faster layout; same "
               "rows, same threads): no engine can pass it; bound/HF is the most any engine could gain over HF here.")
 

@@ -2,7 +2,8 @@
 
 ``NativeSampler`` returns what ``HFSampler`` does, faster: one prefill per prompt shared by its samples, and one of
 the prefix all prompts share (a preallocated ``SlotCache``), sampling on tensors (``sample_next``: temperature,
-``filter_logits`` for top-k/top-p, an inverse-CDF draw in blocks), rows that ended dropped from the batch, and Llama-like models decoded by ``LlamaDecodeStep``.
+``filter_logits`` for top-k/top-p, an inverse-CDF draw in blocks), rows that ended dropped from the batch, and
+Llama-like models decoded by ``LlamaDecodeStep``.
 """
 
 from __future__ import annotations
