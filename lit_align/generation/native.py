@@ -1,8 +1,9 @@
 """The native engine: lit_align's own batched decode loop over the model's forward.
 
-``NativeSampler`` returns what ``HFSampler`` does, faster: one prefill per prompt shared by its samples (a
-preallocated ``SlotCache``), sampling on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, an
-inverse-CDF draw in blocks), rows that ended dropped from the batch, and Llama-like models decoded by ``LlamaDecodeStep``.
+``NativeSampler`` returns what ``HFSampler`` does, faster: one prefill per prompt shared by its samples, and one of
+the prefix all prompts share (a preallocated ``SlotCache``), sampling on tensors (``sample_next``: temperature,
+``filter_logits`` for top-k/top-p, an inverse-CDF draw in blocks), rows that ended dropped from the batch, and
+Llama-like models decoded by ``LlamaDecodeStep``.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class DecodeStats:
     """What ``NativeSampler``'s last decode loop did."""
 
     fast: bool  # decode steps ran through ``LlamaDecodeStep`` (else through the model's forward)
+    shared_prefix: int = 0  # first prompt tokens every prompt shares: prefilled once for all of them
     rows: list[int] = field(default_factory=list)  # rows sampled at each step; rows[i + 1] were fed to decode step i
 
     @property
@@ -174,14 +176,49 @@ class _LiveRows:
                           position_ids=self.next_position + t, use_cache=True, **self.cache_kwargs).logits[:, -1]
 
 
-def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-    """Each prompt once (its cache copied into its rows): the logits ``[B, V]`` after its last token. A query attends
-    to earlier real tokens and to itself (pads too: no empty rows); positions follow the prompt mask."""
-    prompt_len, device = prompt_ids.shape[1], prompt_ids.device
-    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril_()
-    allowed = (causal & prompt_mask[:, None, None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=device)
-    positions = (prompt_mask.long().cumsum(1) - 1).clamp_(min=0)
-    return model(input_ids=prompt_ids, attention_mask=attention_mask_4d(model, allowed), position_ids=positions,
+def shared_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """How many first real tokens every left-padded prompt has in common (a chat template's system prompt and
+    header), leaving each prompt at least one token of its own (its last logits come from its own forward)."""
+    lengths = prompt_mask.sum(1)
+    shortest = int(lengths.min())
+    if len(prompt_ids) < 2 or shortest < 2:
+        return 0
+    columns = prompt_ids.shape[1] - lengths[:, None] + torch.arange(shortest - 1, device=prompt_ids.device)
+    heads = prompt_ids.gather(1, columns)  # each prompt's first real tokens
+    differs = (heads != heads[:1]).any(0)
+    return int(differs.int().argmax()) if differs.any() else shortest - 1
+
+
+def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+             cache: SlotCache) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each prompt once (its cache copied into its rows), and the prefix every prompt shares once before that:
+    ``(logits [B, V] after each prompt's last token, the cache's prompt columns' mask [B, P], the shared length)``.
+
+    With a shared prefix of ``k`` tokens, the cache holds it in columns ``0 .. k - 1`` and each prompt's remaining
+    tokens, left-padded, after it (same width ``P``, same positions: attention only sees real tokens)."""
+    k = shared_prefix(prompt_ids, prompt_mask)
+    cache_mask = prompt_mask
+    if k:
+        first = prompt_ids[:1, prompt_ids.shape[1] - int(prompt_mask[0].sum()) :][:, :k]  # prompt 0's first k tokens
+        _forward(model, first, torch.ones_like(first, dtype=torch.bool), cache, start=0)
+        width = prompt_ids.shape[1] - k
+        own = torch.arange(width, device=prompt_ids.device) >= width - (prompt_mask.sum(1, keepdim=True) - k)
+        cache_mask = torch.cat([torch.ones_like(prompt_mask[:, :k]), own], 1)
+        prompt_ids, prompt_mask = prompt_ids[:, k:], own
+    return _forward(model, prompt_ids, prompt_mask, cache, start=k), cache_mask, k
+
+
+def _forward(model, ids: torch.Tensor, mask: torch.Tensor, cache: SlotCache, start: int) -> torch.Tensor:
+    """The model on left-padded ``ids [B, T]`` after the ``start`` cached prefix columns (seen by every query, their
+    positions ``0 .. start - 1``): logits ``[B, V]`` after the last token. A query attends to the prefix, to earlier
+    real tokens and to itself (pads too: no empty rows); positions follow the mask."""
+    length, device = ids.shape[1], ids.device
+    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril_()
+    allowed = (causal & mask[:, None, None, :]) | torch.eye(length, dtype=torch.bool, device=device)
+    if start:
+        allowed = torch.cat([allowed.new_ones(*allowed.shape[:3], start), allowed], -1)
+    positions = start + (mask.long().cumsum(1) - 1).clamp_(min=0)
+    return model(input_ids=ids, attention_mask=attention_mask_4d(model, allowed), position_ids=positions,
                  use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache}).logits[:, -1]
 
 
@@ -190,7 +227,9 @@ class NativeSampler:
 
     Same arguments and ``generate`` signature as ``HFSampler`` and the same ``Rollout``; what differs is how:
 
-    - each prompt is run once and its KV cache copied into its ``G`` rows (``HFSampler`` repeats the prompts first);
+    - each prompt is run once and its KV cache copied into its ``G`` rows (``HFSampler`` repeats the prompts first),
+      and the first tokens every prompt shares (a chat template's system prompt and header) are run once before
+      that, for all of them (``shared_prefix``);
     - the KV cache is preallocated (``SlotLayer``): a decode step writes one slot, no cache grows by concatenation;
     - the left-padding mask is built once as a 4D mask and sliced per step, positions follow the prompt mask (as
       ``completion_token_logps`` computes them), so transformers builds no mask in the loop;
@@ -247,15 +286,16 @@ class NativeSampler:
         config, device = self.config, prompt_ids.device
         rows, steps = len(prompt_ids) * num_samples, config.max_new_tokens
         prompt_mask = prompt_mask.bool()
-        cache = SlotCache(num_samples, prompt_ids.shape[1] + steps)
-        logits = _prefill(model, prompt_ids, prompt_mask, cache).repeat_interleave(num_samples, 0)
-        batch = _LiveRows(model, cache, prompt_mask, num_samples, steps, self.fast_decode)
+        cache = SlotCache(rows, prompt_ids.shape[1] + steps)
+        logits, cache_mask, prefix = _prefill(model, prompt_ids, prompt_mask, cache)
+        logits = logits.repeat_interleave(num_samples, 0)
+        batch = _LiveRows(model, cache, cache_mask, num_samples, steps, self.fast_decode)
         ids = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)
         want_logps = config.return_logps and not config.greedy
         logps = torch.zeros(rows, steps, dtype=torch.float32, device=device) if want_logps else None
         eos = torch.tensor(eos_token_ids, device=device)[:, None]
         sync = self.sync if self.sync is not None else _all_reduce_sync(model, device)
-        self.last_stats = stats = DecodeStats(fast=batch.fast is not None)
+        self.last_stats = stats = DecodeStats(fast=batch.fast is not None, shared_prefix=prefix)
         for t in range(steps):
             stats.rows.append(len(logits))
             tokens, token_logps = sample_next(logits, config.temperature, config.top_k, config.top_p)

@@ -66,6 +66,53 @@ def test_sampling_logps_equal_a_fresh_forward(arch, temperature, tokenizer, eos_
     logps.sum().backward()  # the rollout's tensors are ordinary tensors (not inference-mode ones): autograd takes them
 
 
+SHARED = ["sort 31:", "sort 4159:", "sort 26:", "sort 5358979:"]  # "sort " in common (a chat template's header)
+
+
+def _prefilled_tokens(model) -> list[int]:
+    """Hooks the embedding: the token count of every forward through the model (the prefill's; decode steps of the
+    fast path read the embedding weight directly)."""
+    fed: list[int] = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: fed.append(args[0].numel()))
+    return fed
+
+
+@pytest.mark.parametrize("num_samples", [1, 3])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_prefix_every_prompt_shares_is_prefilled_once(arch, num_samples, tokenizer):
+    """Chat prompts start alike (system prompt, template header): that prefix goes through the model once, its keys
+    and values copied into every row; greedy tokens still equal ``generate``'s, sampled log-probs a fresh forward's."""
+    model = ARCHITECTURES[arch](tokenizer, "sdpa")
+    prompt_ids, prompt_mask = left_padded(tokenizer, SHARED)
+    kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    hf = HFSampler(max_new_tokens=10, temperature=0.0).generate(model, prompt_ids, prompt_mask, num_samples, **kwargs)
+    fed = _prefilled_tokens(model)
+    native = NativeSampler(max_new_tokens=10, temperature=0.0)
+    greedy = native.generate(model, prompt_ids, prompt_mask, num_samples, **kwargs)
+    assert greedy.completion_ids.tolist() == hf.completion_ids.tolist()
+    shared = len(tokenizer("sort ")["input_ids"])  # BOS (if any) and "sort "
+    width = prompt_ids.shape[1]
+    assert native.last_stats.shared_prefix == shared
+    assert fed[:2] == [shared, len(SHARED) * (width - shared)]  # the prefix once, then each prompt's own tokens
+
+    torch.manual_seed(0)
+    rollout = NativeSampler(max_new_tokens=8).generate(model, prompt_ids, prompt_mask, num_samples, **kwargs)
+    logps, _ = completion_token_logps(model, prompt_ids.repeat_interleave(num_samples, 0),
+                                      prompt_mask.repeat_interleave(num_samples, 0), rollout.completion_ids,
+                                      rollout.completion_mask, 1.0)
+    mask = rollout.completion_mask.bool()
+    assert_rounding_close(rollout.logps[mask], logps[mask], terms=TINY_TERMS)
+
+
+def test_prompts_sharing_no_prefix_are_prefilled_in_one_forward(tokenizer):
+    model = ARCHITECTURES["llama"](tokenizer, "sdpa")
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)  # "s" is a whole prompt: nothing left to share
+    fed = _prefilled_tokens(model)
+    sampler = NativeSampler(max_new_tokens=2, temperature=0.0)
+    sampler.generate(model, prompt_ids, prompt_mask, 2, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
+    assert sampler.last_stats.shared_prefix == 0 and fed == [prompt_ids.numel()]
+
+
 # -- EOS and the rows that ended ---------------------------------------------------------------------------------------
 def test_eos_mask_through_first_eos_pad_after_rows_ending_early(eos_heavy_model, tokenizer):
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
