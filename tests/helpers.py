@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import io
 import json
 import os
@@ -114,9 +115,23 @@ class DiskFullOnSave(L.Callback):
     """Every checkpoint save fails as a full disk makes it fail (``OSError`` ENOSPC, no file named)."""
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        import errno
-
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+class FillsUp:
+    """A file that takes ``room`` more bytes, then fails each write as a full disk does (``OSError`` ENOSPC)."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 class HangInCheckpointWrite(L.Callback):

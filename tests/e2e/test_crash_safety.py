@@ -5,26 +5,21 @@
   resuming from that checkpoint gives the uninterrupted run's losses.
 - A disk that fills up during a checkpoint write is one ``error:`` line; the previous checkpoint stays whole and no
   temp file is left.
-- Why ``AtomicCheckpointIO`` exists: Lightning's own local save stages the file in the *system* temp directory and
-  moves it into place (a copy, not a rename, whenever that is another filesystem).
+- ``lit-align`` installs ``AtomicCheckpointIO`` (its own tests: tests/test_checkpoint_io.py).
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_line_error, read_metrics, run_main, write_sort_rows
-from lightning.pytorch.plugins.io import TorchCheckpointIO
+from helpers import FillsUp, assert_one_line_error, read_metrics, run_main, write_sort_rows
 
 from lit_align.checkpoint_io import AtomicCheckpointIO
 from lit_align.cli import main
@@ -119,22 +114,6 @@ def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, pairs_file, tiny_
     assert losses(cut) == reference
 
 
-class FillsUp:
-    """A file that takes ``room`` more bytes, then fails each write as a full disk does (``OSError`` ENOSPC)."""
-
-    def __init__(self, file, room: int):
-        self.file, self.room = file, room
-
-    def write(self, data) -> int:
-        if len(data) > self.room:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        self.room -= len(data)
-        return self.file.write(data)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
 def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_previous_checkpoint(
         tmp_path, pairs_file, tiny_path, capfd, monkeypatch):
     """From step 2 on the disk is full after 4 kB of a checkpoint: torch's writer then raises a RuntimeError whose
@@ -153,25 +132,6 @@ def test_a_full_disk_during_a_checkpoint_write_is_one_line_and_keeps_the_previou
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 1
 
 
-def test_lightning_stages_local_checkpoints_in_the_system_temp_dir(tmp_path, monkeypatch):
-    """The gap AtomicCheckpointIO closes: TorchCheckpointIO writes to tempfile.mkstemp() and moves the file into the
-    checkpoint directory (``shutil.move``: a copy into the final name across filesystems)."""
-    system_tmp, target = tmp_path / "system_tmp", tmp_path / "ckpt" / "a.ckpt"
-    system_tmp.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
-    moves = []
-    real_move = shutil.move
-    monkeypatch.setattr(shutil, "move", lambda src, dst, *a, **k: moves.append((src, dst)) or real_move(src, dst, *a, **k))
-    TorchCheckpointIO().save_checkpoint({"x": 1}, target)
-    assert [(Path(src).parent, Path(dst)) for src, dst in moves] == [(system_tmp, target)]
-
-    moves.clear()
-    AtomicCheckpointIO().save_checkpoint({"x": 2}, target)
-    assert moves == [] and not list(system_tmp.iterdir())
-    assert torch.load(target, weights_only=True) == {"x": 2}
-    assert [p.name for p in target.parent.iterdir()] == ["a.ckpt"]
-
-
 def test_cli_installs_atomic_checkpoint_io_and_the_sigterm_callback(tmp_path, pairs_file, tiny_path):
     from lit_align.callbacks import SigtermCheckpoint
     from lit_align.cli import run
@@ -184,14 +144,3 @@ def test_cli_installs_atomic_checkpoint_io_and_the_sigterm_callback(tmp_path, pa
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert any(isinstance(c, SigtermCheckpoint) for c in cli.trainer.callbacks)
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 1
-
-
-def test_atomic_checkpoints_get_the_usual_file_mode(tmp_path):
-    """Not mkstemp's owner-only 0600: a checkpoint is readable as any file this process writes."""
-    mask = os.umask(0o022)
-    try:
-        AtomicCheckpointIO().save_checkpoint({"state": torch.zeros(2)}, tmp_path / "a.ckpt")
-        (tmp_path / "plain").write_text("x")
-    finally:
-        os.umask(mask)
-    assert (tmp_path / "a.ckpt").stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777 == 0o644

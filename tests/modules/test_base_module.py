@@ -1,4 +1,5 @@
-"""The numeric guard: a non-finite loss stops the run naming the step and the offending rows (batch positions and
+"""lit_align.modules.base: what every module shares. Its settings' checks, TRL's ``disable_dropout``, and the
+numeric guard: a non-finite loss stops the run naming the step and the offending rows (batch positions and
 dataset rows), before any update; with ``on_nonfinite_loss: skip`` the batch is skipped, warned about and counted.
 Either way the weights stay finite."""
 
@@ -61,6 +62,26 @@ def test_nonfinite_loss_skip_counts_and_keeps_weights_finite(tmp_path, nan_pairs
 def test_bad_option():
     with pytest.raises(LitAlignError, match="model.on_nonfinite_loss 'ignore': expected 'error' or 'skip'"):
         DPOModule(on_nonfinite_loss="ignore")
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"learning_rate": -1.0}, "model.learning_rate must be >= 0, got -1.0"),
+    ({"warmup_ratio": 1.5}, "model.warmup_ratio must be in [0, 1], got 1.5"),
+    ({"logps_chunk_size": 0}, "model.logps_chunk_size must be a positive number of positions or null, got 0"),
+])
+def test_out_of_range_settings_are_refused_when_the_module_is_built(settings, message):
+    with pytest.raises(LitAlignError) as info:
+        DPOModule(**settings)
+    assert str(info.value) == message
+
+
+def test_disable_dropout_zeroes_every_dropout_module():
+    """TRL's ``disable_dropout``: nested ones too (log-probs must repeat)."""
+    from lit_align.modules.base import disable_dropout
+
+    network = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.3), torch.nn.Sequential(torch.nn.Dropout()))
+    disable_dropout(network)
+    assert [m.p for m in network.modules() if isinstance(m, torch.nn.Dropout)] == [0.0, 0.0]
 
 
 class PoisonOneAdvantage(L.Callback):

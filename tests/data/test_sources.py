@@ -1,0 +1,103 @@
+"""lit_align.data.sources: where rows come from (built-in tasks, local files, ``datasets`` names) and one error
+style for every way that fails. Through ``lit-align fit`` for the mistakes a user meets first."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import datasets
+import pytest
+from helpers import assert_one_line_error, run_main
+
+from lit_align.data.base import DataSource
+from lit_align.data.sources import check_mixture, common_features, load_rows
+from lit_align.errors import LitAlignError
+
+DPO = str(Path(__file__).resolve().parents[2] / "configs" / "dpo.yaml")
+
+
+def test_local_files_of_each_type_load_and_csv_text_stays_text(tmp_path):
+    rows = [{"prompt": "sort 0012:", "answer": "0012"}, {"prompt": "sort 31:", "answer": "13"}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    (tmp_path / "a.csv").write_text("prompt,answer\nsort 0012:,0012\nsort 31:,13\n")
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "a.parquet"))
+    for name in ("a.jsonl", "a.json", "a.csv", "a.parquet"):
+        assert load_rows(str(tmp_path / name), "train", "prompt").to_list() == rows, name  # "0012", not 12
+
+
+def test_a_builtin_task_gives_the_rows_of_its_kind():
+    pairs = load_rows("builtin:sort", "train", "preference")
+    assert {"prompt", "chosen", "rejected"} <= set(pairs.column_names) and len(pairs) > 0
+    assert pairs[0]["chosen"] != pairs[0]["rejected"]
+    prompts = load_rows("builtin:sort", "train", "prompt")
+    assert {"prompt", "answer"} <= set(prompts.column_names)
+
+
+@pytest.mark.parametrize("source, split, message", [
+    ("builtin:nope", "train", "unknown built-in task 'builtin:nope': expected one of ['builtin:sort']"),
+    ("builtin:sort", "dev", "builtin:sort: no split 'dev' (expected one of"),
+    ("{tmp}/rows.txt", "train", "{tmp}/rows.txt: unsupported file type (expected one of ['.csv', '.json', "
+                                "'.jsonl', '.parquet'])"),
+    ("{tmp}/rows.jsonl", "test", "{tmp}/rows.jsonl: a single file only has the split 'train', not 'test'"),
+    ("{tmp}/empty.jsonl", "train", "{tmp}/empty.jsonl: the file is empty"),
+    ("{tmp}/mixed.jsonl", "train", "{tmp}/mixed.jsonl row 1: field 'answer' is a number, but row 0's is a string "
+                                   "(a column must have one type)"),
+    ("./no/such/dir", "train", "./no/such/dir: no such file or directory"),
+])
+def test_a_source_that_cannot_be_read_is_one_error_naming_it(tmp_path, source, split, message):
+    (tmp_path / "rows.txt").write_text("prompt\n")
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a"}\n')
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "mixed.jsonl").write_text('{"prompt": "a", "answer": "13"}\n{"prompt": "b", "answer": 13}\n')
+    with pytest.raises(LitAlignError) as info:
+        load_rows(source.format(tmp=tmp_path), split, "prompt")
+    assert str(info.value).startswith(message.format(tmp=tmp_path))
+
+
+def test_a_mixture_needs_sources_with_positive_finite_weights():
+    with pytest.raises(LitAlignError, match="data.mixture is empty"):
+        check_mixture(None, [], [])
+    with pytest.raises(LitAlignError, match="data.path is null and there is no data.mixture"):
+        check_mixture(None, None, [])
+    with pytest.raises(LitAlignError) as info:
+        check_mixture(None, [{}, {}], [DataSource("a.jsonl"), DataSource("b.jsonl", weight=float("nan"))])
+    assert str(info.value) == "data.mixture[1] (b.jsonl): weight is nan, expected a finite number > 0"
+    check_mixture("a.jsonl", None, [])  # a path alone is fine
+
+
+def test_mixture_sources_get_one_set_of_features_in_either_order():
+    """Ints and floats unify as floats, a column of nulls takes the other's type, strings and messages become JSON."""
+    plain = datasets.Dataset.from_list([{"prompt": "p", "score": 1, "note": None}])
+    chat = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": "p"}], "score": 0.5, "note": "n"}])
+    for parts in ([plain, chat], [chat, plain]):
+        unified = common_features(parts)
+        assert unified[0].features == unified[1].features
+        assert unified[0].features["score"].dtype == "float64" and unified[0].features["note"].dtype == "string"
+        assert isinstance(unified[0].features["prompt"], datasets.Json)
+    first, second = common_features([plain, chat])
+    assert first[0]["prompt"] == "p" and second[0]["prompt"] == [{"role": "user", "content": "p"}]
+    assert first[0]["score"] == 1.0 and first[0]["note"] is None
+
+
+def test_garbage_data_file(tmp_path, capfd):
+    path = tmp_path / "garbage.jsonl"
+    path.write_bytes(random.Random(0).randbytes(256).replace(b"\n", b"x"))
+    code, _, err = run_main([
+        "fit", "-c", DPO, "--data.init_args.path", str(path), "--data.init_args.val_split", "null",
+        "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ], capfd)
+    assert_one_line_error(code, err, str(path), "line 1: not valid UTF-8")
+
+
+def test_nonexistent_data_file(tmp_path, capfd):
+    path = tmp_path / "missing.jsonl"
+    code, _, err = run_main(["fit", "-c", DPO, "--data.init_args.path", str(path),
+                             "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
+    assert_one_line_error(code, err, f"error: {path}: no such file")
+    path.mkdir()  # a directory named like a data file
+    code, _, err = run_main(["fit", "-c", DPO, "--data.init_args.path", str(path),
+                             "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
+    assert_one_line_error(code, err, f"error: {path}: a directory, not a data file")
