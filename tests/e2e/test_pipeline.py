@@ -1,5 +1,6 @@
 """The three-stage pipeline chains real `lit-align fit` runs: a quick version here, the full one under `slow`."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,24 @@ def test_without_matplotlib_the_curves_are_skipped_with_one_line(tmp_path, capsy
     assert pipeline.plot(tmp_path) is None
     assert "curves not drawn: matplotlib is not installed (pip install 'lit_align[plots]')" in capsys.readouterr().out
     assert not (tmp_path / "curves.png").exists()
+
+
+SMOLLM2 = os.environ.get("LIT_ALIGN_SMOLLM2", "/tmp/smollm2-hf")  # SmolLM2-135M-Instruct as an HF directory
+
+
+@pytest.mark.slow
+def test_quick_smollm2_job_chains_stages_from_the_pretrained_model(tmp_path, capsys):
+    """`make demo-real`'s job in quick mode: base row first, each stage from the previous export, figures in [0, 1]."""
+    assert Path(SMOLLM2, "config.json").is_file(), "set LIT_ALIGN_SMOLLM2 to SmolLM2-135M-Instruct's directory"
+    pipeline.main(["--recipe", "smollm2", "--quick", "--root", str(tmp_path), "--model", SMOLLM2])
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["sft"], ["dpo"], ["grpo"])]
+    assert [row[0] for row in table] == ["base", "sft", "dpo", "grpo"]
+    for row in table:
+        assert all(0.0 <= float(x) <= 1.0 for x in row[1:4])
+    assert f"model: {SMOLLM2}" in (tmp_path / "sft" / "run" / "config.yaml").read_text()
+    assert f"model: {tmp_path}/sft/hf_model" in (tmp_path / "dpo" / "run" / "config.yaml").read_text()
+    assert f"model: {tmp_path}/dpo/hf_model" in (tmp_path / "grpo" / "run" / "config.yaml").read_text()
+    assert "DPO held-out preference (reward) accuracy:" in out
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / "hf_model")
