@@ -2,7 +2,7 @@
 
     python -m lit_align.pipeline                     # the toy job on the built-in sort task; runs/pipeline/curves.png
     python -m lit_align.pipeline --quick             # a few steps per stage (what CI runs)
-    python -m lit_align.pipeline --recipe smollm2    # SmolLM2-135M-Instruct on the built-in arith task (~20 min)
+    python -m lit_align.pipeline --recipe smollm2    # SmolLM2-135M-Instruct on the built-in arith task (make demo-real)
 
 Each stage is an ordinary ``lit-align fit -c configs/<stage>.yaml`` (run in this process through ``cli.run``) whose
 model starts from the previous stage's export; after each, ``lit-align validate -c <the recipe's eval config>``
@@ -68,7 +68,9 @@ RECIPES = {
                ("grpo", "train/reward", "GRPO train reward"),
                ("grpo", "val/reward", "GRPO held-out reward (greedy)")],
     ),
-    # SmolLM2-135M-Instruct on the built-in arith task; the configs say why each setting is what it is.
+    # SmolLM2-135M-Instruct on the built-in arith task; the configs say why each setting is what it is. Measured
+    # (100 held-out prompts, last-number accuracy): base 0.05 -> SFT 0.52 -> DPO 0.55 -> GRPO 0.50 (8 steps), DPO
+    # held-out preference accuracy 1.0; 24 min on 2 shared cores at load 5-8 (17 CPU-minutes).
     "smollm2": Recipe(
         configs={stage: f"configs/{stage}_smollm2.yaml" for stage in STAGES},
         eval_config="configs/eval_smollm2.yaml",
