@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from lit_align.data.tasks import SortTask
+from lit_align.data.tasks import ArithmeticTask, SortTask
 from lit_align.errors import LitAlignError
 
 
@@ -50,6 +50,17 @@ def last_number_match(completions: list, answer: list[str], **_: Any) -> list[fl
         return numbers[-1].replace(",", "") if numbers else None
 
     return [float(last_number(_text(c)) is not None and last_number(_text(c)) == last_number(a))
+            for c, a in zip(completions, answer)]
+
+
+def arith_format(completions: list, **_: Any) -> list[float]:
+    """1.0 when the completion is one equation ``a op b = c`` (the built-in arith task's answer format), else 0."""
+    return [float(ArithmeticTask.is_equation(_text(c))) for c in completions]
+
+
+def arith_exact(completions: list, answer: list[str], **_: Any) -> list[float]:
+    """1.0 when the completion is one equation whose result is the answer (format and correctness), else 0."""
+    return [float(ArithmeticTask.is_equation(_text(c)) and _text(c).strip().rsplit("=", 1)[1].strip() == a)
             for c, a in zip(completions, answer)]
 
 

@@ -9,6 +9,7 @@ and prompt-only rows with the ``answer`` column that reward functions read.
 from __future__ import annotations
 
 import random
+import re
 
 from datasets import Dataset
 
@@ -99,4 +100,105 @@ class SortTask:
         )
 
 
-BUILTIN_TASKS = {"sort": SortTask}
+
+
+
+class ArithmeticTask:
+    """Two-operand arithmetic, bare ("Compute 59 + 63.") or as a one-step word problem, for pretrained chat models.
+
+    Prompts are chat messages (one user turn); the reference answer is one short equation, ``"59 + 63 = 122"``: it
+    states which operation the problem asks for and then the result, and its last number is the ``answer`` column
+    that ``lit_align.rewards.last_number_match`` scores. Preference pairs: chosen = that equation; rejected = a
+    plausible wrong result (off by one or ten, the other operation) in prose, ``"The result is 47."``, so the pair differs
+    in correctness *and* format. Train and test share no ``(operation, a, b)``, whatever the wording.
+    """
+
+    name = "arith"
+    INSTRUCTION = "Answer with one equation, like 7 + 5 = 12."
+    ITEMS = ("apples", "books", "coins", "stickers", "marbles", "pencils", "cards", "shells")
+    NAMES = ("Tom", "Ana", "Li", "Sara", "Omar", "Mia", "Raj", "Eva")
+    WORDED = {  # operation -> templates; {n}: a name, {i}: an item
+        "+": ("{n} has {a} {i} and gets {b} more. How many {i} does {n} have now?",
+              "A shelf holds {a} {i} and another holds {b}. How many {i} are there in all?"),
+        "-": ("{n} had {a} {i} and gave away {b}. How many {i} are left?",
+              "A jar held {a} {i}; {b} were taken out. How many {i} are in the jar now?"),
+        "*": ("{n} buys {a} bags with {b} {i} in each. How many {i} does {n} buy?",),
+    }
+    OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+    def __init__(self, num_train: int = 1000, num_test: int = 100):
+        self.sizes = {"train": num_train, "test": num_test}
+
+    @staticmethod
+    def is_equation(text: str) -> bool:
+        """Whether ``text`` is one equation ``a op b = c`` of whole numbers, and nothing else."""
+        return re.fullmatch(r"\s*\d+ [-+*] \d+ = -?\d+\s*", text) is not None
+
+    @classmethod
+    def equation(cls, op: str, a: int, b: int) -> str:
+        return f"{a} {op} {b} = {cls.OPS[op](a, b)}"
+
+    def _problems(self, split: str) -> list[dict]:
+        if split not in self.sizes:
+            raise KeyError(split)
+        test = self._draw(self.sizes["test"], SPLIT_SEEDS["test"], exclude=set())
+        if split == "test":
+            return test
+        return self._draw(self.sizes["train"], SPLIT_SEEDS["train"], exclude={p["key"] for p in test})
+
+    def _draw(self, n: int, seed: int, exclude: set) -> list[dict]:
+        rng = random.Random(seed)
+        out: list[dict] = []
+        seen = set(exclude)
+        while len(out) < n:
+            op = rng.choice("++--*")
+            if op == "*":
+                a, b = rng.randint(2, 9), rng.randint(2, 12)
+            else:
+                a, b = rng.randint(10, 99), rng.randint(10, 99)
+                a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)
+            if (op, a, b) in seen:
+                continue
+            seen.add((op, a, b))
+            if rng.random() < 0.5:
+                text = f"Compute {a} {op} {b}."
+            else:
+                text = rng.choice(self.WORDED[op]).format(n=rng.choice(self.NAMES), i=rng.choice(self.ITEMS), a=a, b=b)
+            out.append({"key": (op, a, b), "text": text,
+                        "equation": self.equation(op, a, b), "answer": str(self.OPS[op](a, b))})
+        return out
+
+    @classmethod
+    def wrong_answer(cls, key: tuple, rng: random.Random) -> str:
+        """A wrong result in prose: a dropped carry, off by one or ten, or the other operation's result."""
+        op, a, b = key
+        right = cls.OPS[op](a, b)
+        other = cls.OPS["-" if op == "+" else "+"](a, b)
+        wrong = rng.choice([right + 1, right - 1, right + 10, right - 10, other])
+        wrong = wrong if wrong != right else right + 1
+        return f"The result is {wrong}."
+
+    @classmethod
+    def _prompt(cls, text: str) -> list[dict[str, str]]:
+        """The instruction as the system turn: it replaces the template's default system prompt (18 tokens)."""
+        return [{"role": "system", "content": cls.INSTRUCTION}, {"role": "user", "content": text}]
+
+    def prompt_rows(self, split: str) -> Dataset:
+        problems = self._problems(split)
+        return Dataset.from_dict({"prompt": [self._prompt(p["text"]) for p in problems],
+                                  "answer": [p["answer"] for p in problems]})
+
+    def completion_rows(self, split: str) -> Dataset:
+        problems = self._problems(split)
+        return Dataset.from_dict({"prompt": [self._prompt(p["text"]) for p in problems],
+                                  "completion": [[{"role": "assistant", "content": p["equation"]}] for p in problems]})
+
+    def preference_rows(self, split: str) -> Dataset:
+        rng = random.Random(100 + SPLIT_SEEDS[split])
+        problems = self._problems(split)
+        return Dataset.from_dict({
+            "prompt": [self._prompt(p["text"]) for p in problems],
+            "chosen": [[{"role": "assistant", "content": p["equation"]}] for p in problems],
+            "rejected": [[{"role": "assistant", "content": self.wrong_answer(p["key"], rng)}] for p in problems],
+        })
+BUILTIN_TASKS = {"sort": SortTask, "arith": ArithmeticTask}

@@ -43,3 +43,23 @@ def test_without_matplotlib_the_curves_are_skipped_with_one_line(tmp_path, capsy
     assert pipeline.plot(tmp_path) is None
     assert "curves not drawn: matplotlib is not installed (pip install 'lit_align[plots]')" in capsys.readouterr().out
     assert not (tmp_path / "curves.png").exists()
+
+
+SMOLLM2 = "pretrained:smollm2-135m-instruct"  # `make test-slow` fetches it first (`make pretrained`)
+
+
+@pytest.mark.slow
+def test_quick_smollm2_job_chains_stages_from_the_pretrained_model(tmp_path, capsys):
+    """`make demo-real`'s job in quick mode: base row first, each stage from the previous export, figures in [0, 1]."""
+    pipeline.main(["--recipe", "smollm2", "--quick", "--root", str(tmp_path)])
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["sft"], ["dpo"], ["grpo"])]
+    assert [row[0] for row in table] == ["base", "sft", "dpo", "grpo"]
+    for row in table:
+        assert all(0.0 <= float(x) <= 1.0 for x in row[1:4])
+    assert f"model: {SMOLLM2}" in (tmp_path / "sft" / "run" / "config.yaml").read_text()
+    assert f"model: {tmp_path}/sft/hf_model" in (tmp_path / "dpo" / "run" / "config.yaml").read_text()
+    assert f"model: {tmp_path}/dpo/hf_model" in (tmp_path / "grpo" / "run" / "config.yaml").read_text()
+    assert "DPO held-out preference (reward) accuracy:" in out
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / "hf_model")

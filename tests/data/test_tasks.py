@@ -1,0 +1,69 @@
+"""Built-in tasks: the arith task's rows (disjoint splits, right answers, pairs that differ in correctness and
+format) and its rewards, read through ``lit-align`` as a user meets them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lit_align.cli import run as cli
+from lit_align.data.tasks import ArithmeticTask
+from lit_align.rewards import arith_exact, arith_format, last_number_match
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_arith_splits_share_no_problem_and_every_answer_is_right():
+    task = ArithmeticTask(num_train=600, num_test=100)
+    train, test = task._problems("train"), task._problems("test")
+    assert (len(train), len(test)) == (600, 100)
+    assert not {p["key"] for p in train} & {p["key"] for p in test}
+    assert len({p["key"] for p in train}) == 600  # no problem twice
+    for p in train + test:
+        op, a, b = p["key"]
+        assert int(p["answer"]) == {"+": a + b, "-": a - b, "*": a * b}[op] >= 0
+        assert p["equation"] == f"{a} {op} {b} = {p['answer']}"
+    assert {p["key"][0] for p in test} == {"+", "-", "*"}
+    assert any(p["text"].startswith("Compute") for p in test) and any("How many" in p["text"] for p in test)
+
+
+def test_arith_rows_are_chats_with_an_answer_column():
+    task = ArithmeticTask(num_train=10, num_test=10)
+    prompts = task.prompt_rows("test")
+    assert prompts.column_names == ["prompt", "answer"]
+    first = prompts[0]
+    assert first["prompt"] == [{"role": "system", "content": "Answer with one equation, like 7 + 5 = 12."},
+                               {"role": "user", "content": "Compute 82 + 18."}]
+    assert first["answer"] == "100"
+    sft = task.completion_rows("test")
+    assert sft[0]["completion"] == [{"role": "assistant", "content": "82 + 18 = 100"}]
+    assert sft["prompt"] == prompts["prompt"]
+
+
+def test_arith_preference_pairs_differ_in_correctness_and_format():
+    pairs = ArithmeticTask(num_train=200, num_test=10).preference_rows("train")
+    answers = ArithmeticTask(num_train=200, num_test=10).prompt_rows("train")["answer"]
+    for score in (arith_exact, last_number_match):
+        assert score(pairs["chosen"], answers) == [1.0] * 200
+        assert score(pairs["rejected"], answers) == [0.0] * 200
+    assert arith_format(pairs["chosen"]) == [1.0] * 200 and arith_format(pairs["rejected"]) == [0.0] * 200
+    assert pairs[0]["rejected"][0]["content"].startswith("The result is ")
+
+
+def test_arith_rewards_score_format_and_result():
+    answer = ["122"]
+    assert arith_exact(["59 + 63 = 122"], answer) == [1.0]
+    assert arith_exact(["59 + 63 = 121"], answer) == [0.0]
+    assert arith_exact(["59 + 63 = 122. Done"], answer) == [0.0]  # right number, not the format
+    assert last_number_match(["So 59 + 63 = 122"], answer) == [1.0]
+    assert arith_format(["9 * 8 = 72", "9 * 8 is 72", "72"]) == [1.0, 0.0, 0.0]
+
+
+def test_lit_align_validates_a_model_on_the_arith_task(tmp_path, tiny_path):
+    """`lit-align validate -c configs/eval_smollm2.yaml` reads the task's chat prompts and scores greedy answers with
+    its three rewards (here on the built-in tiny model: figures in [0, 1], the format never met)."""
+    args = ["validate", "-c", str(REPO / "configs" / "eval_smollm2.yaml"), "--model.init_args.model", "builtin:tiny",
+            "--data.init_args.val_batch_size", "4", "--trainer.limit_val_batches", "1",
+            "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]
+    metrics = cli(args).trainer.callback_metrics
+    assert float(metrics["val/rewards/arith_format/mean"]) == 0.0
+    assert 0.0 <= float(metrics["val/rewards/last_number_match/mean"]) <= 1.0
