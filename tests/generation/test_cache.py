@@ -20,7 +20,7 @@ def forward(model, ids, cache):
 def test_slot_cache_equals_a_dynamic_cache_of_the_repeated_prompts_after_prefill_append_and_drop(tiny_path):
     model = load_model("builtin:tiny").eval()
     prompts = torch.tensor([[5, 9, 11, 7], [8, 6, 12, 10]])  # B=2 prompts, no padding
-    slots, dynamic = SlotCache(G, prompts.shape[1] + STEPS), DynamicCache()
+    slots, dynamic = SlotCache(len(prompts) * G, prompts.shape[1] + STEPS), DynamicCache()  # sized in rows
     with torch.no_grad():
         prefill = forward(model, prompts, slots)  # the B prompts run once
         expected = forward(model, prompts.repeat_interleave(G, 0), dynamic)  # what it stands for: B * G rows
