@@ -16,13 +16,34 @@ from datasets import Dataset
 SPLIT_SEEDS = {"train": 0, "test": 1}
 
 
-class SortTask:
+class GeneratedTask:
+    """What every built-in task shares: ``num_train`` / ``num_test`` problems drawn from fixed seeds, the train draw
+    excluding every test problem (by ``key``), so train and test never overlap."""
+
+    def __init__(self, num_train: int, num_test: int):
+        self.sizes = {"train": num_train, "test": num_test}
+
+    @staticmethod
+    def key(problem):
+        """What makes two problems the same one (train excludes the test problems' keys)."""
+        return problem
+
+    def _problems(self, split: str) -> list:
+        if split not in self.sizes:
+            raise KeyError(split)
+        test = self._draw(self.sizes["test"], SPLIT_SEEDS["test"], exclude=set())
+        if split == "test":
+            return test
+        return self._draw(self.sizes["train"], SPLIT_SEEDS["train"], exclude={self.key(p) for p in test})
+
+
+class SortTask(GeneratedTask):
     """Sort ``min_digits``..``max_digits`` random digits. Train and test prompts never overlap."""
 
     name = "sort"
 
     def __init__(self, num_train: int = 4000, num_test: int = 200, min_digits: int = 3, max_digits: int = 6):
-        self.sizes = {"train": num_train, "test": num_test}
+        super().__init__(num_train, num_test)
         self.min_digits, self.max_digits = min_digits, max_digits
 
     @staticmethod
@@ -32,14 +53,6 @@ class SortTask:
     @staticmethod
     def solve(digits: str) -> str:
         return "".join(sorted(digits))
-
-    def _problems(self, split: str) -> list[str]:
-        if split not in self.sizes:
-            raise KeyError(split)
-        test = self._draw(self.sizes["test"], SPLIT_SEEDS["test"], exclude=set())
-        if split == "test":
-            return test
-        return self._draw(self.sizes["train"], SPLIT_SEEDS["train"], exclude=set(test))
 
     def _draw(self, n: int, seed: int, exclude: set[str]) -> list[str]:
         rng = random.Random(seed)
@@ -100,10 +113,7 @@ class SortTask:
         )
 
 
-
-
-
-class ArithmeticTask:
+class ArithmeticTask(GeneratedTask):
     """Two-operand arithmetic, bare ("Compute 59 + 63.") or as a one-step word problem, for pretrained chat models.
 
     Prompts are chat messages (one user turn); the reference answer is one short equation, ``"59 + 63 = 122"``: it
@@ -127,7 +137,7 @@ class ArithmeticTask:
     OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
     def __init__(self, num_train: int = 1000, num_test: int = 100):
-        self.sizes = {"train": num_train, "test": num_test}
+        super().__init__(num_train, num_test)
 
     @staticmethod
     def is_equation(text: str) -> bool:
@@ -138,13 +148,9 @@ class ArithmeticTask:
     def equation(cls, op: str, a: int, b: int) -> str:
         return f"{a} {op} {b} = {cls.OPS[op](a, b)}"
 
-    def _problems(self, split: str) -> list[dict]:
-        if split not in self.sizes:
-            raise KeyError(split)
-        test = self._draw(self.sizes["test"], SPLIT_SEEDS["test"], exclude=set())
-        if split == "test":
-            return test
-        return self._draw(self.sizes["train"], SPLIT_SEEDS["train"], exclude={p["key"] for p in test})
+    @staticmethod
+    def key(problem: dict) -> tuple:
+        return problem["key"]  # (operation, a, b), whatever the wording
 
     def _draw(self, n: int, seed: int, exclude: set) -> list[dict]:
         rng = random.Random(seed)
@@ -201,4 +207,6 @@ class ArithmeticTask:
             "chosen": [[{"role": "assistant", "content": p["equation"]}] for p in problems],
             "rejected": [[{"role": "assistant", "content": self.wrong_answer(p["key"], rng)}] for p in problems],
         })
+
+
 BUILTIN_TASKS = {"sort": SortTask, "arith": ArithmeticTask}
