@@ -70,7 +70,7 @@ RECIPES = {
     ),
     # SmolLM2-135M-Instruct on the built-in arith task; the configs say why each setting is what it is. Measured
     # (100 held-out prompts, last-number accuracy): base 0.05 -> SFT 0.52 -> DPO 0.55 -> GRPO 0.50 (8 steps), DPO
-    # held-out preference accuracy 1.0; 24 min on 2 shared cores at load 5-8 (17 CPU-minutes).
+    # held-out preference accuracy 1.0; 5.6 min on 2 quiet cores (24 min on 2 cores shared at load 5-8).
     "smollm2": Recipe(
         configs={stage: f"configs/{stage}_smollm2.yaml" for stage in STAGES},
         eval_config="configs/eval_smollm2.yaml",
