@@ -50,6 +50,17 @@ def pytest_unconfigure(config):
         shutil.rmtree(_HF_TMP, ignore_errors=True)
 
 
+# The user's cache, read before the session's own replaces it: where `make pretrained` put the real models.
+USER_CACHE = Path(os.environ.get("LIT_ALIGN_CACHE", Path.home() / ".cache" / "lit_align"))
+
+
+@pytest.fixture
+def user_cache(monkeypatch) -> Path:
+    """``$LIT_ALIGN_CACHE`` set to the user's cache for one test: the slow tests of the real pretrained models."""
+    monkeypatch.setenv("LIT_ALIGN_CACHE", str(USER_CACHE))
+    return USER_CACHE
+
+
 @pytest.fixture(scope="session", autouse=True)
 def lit_align_cache(tmp_path_factory) -> Path:
     """``$LIT_ALIGN_CACHE`` for the session (subprocesses inherit it)."""

