@@ -43,12 +43,13 @@ class AlignParser(LightningArgumentParser):
         super().error(message, ex)
 
 
-def one_owner(owner: str, follower: str, name: str, unset: Any = None) -> Callable[[Any, Any], Any]:
+def one_owner(owner: str, follower: str, name: str, default: Any = None) -> Callable[[Any, Any], Any]:
     """A link ``<owner>.<name> -> <follower>.<name>`` for a setting two sections read but one owns. A value set under
-    the follower that differs from the owner's is refused rather than silently replaced; ``unset`` (the follower's
-    default) counts as not set."""
+    the follower that differs from the owner's is refused rather than silently replaced; None or ``default`` (the
+    setting's default on either side) counts as not set."""
     def follow(owned: Any, followed: Any) -> Any:
-        if followed != unset and followed is not None and followed != owned:
+        owned = default if owned is None else owned
+        if followed not in (None, default) and followed != owned:
             raise LitAlignError(f"{follower}.{name} is set by {owner}.{name} ({owner}: owns it; {follower}: follows "
                                 f"it): set {owner}.{name} instead")
         return owned
@@ -78,15 +79,13 @@ class AlignCLI(LightningCLI):
         # a GRPO round's shape: set under `data:` (the batches show it), linked to the module, which owns the
         # `RoundShape` and hands it to the data; unset under `data:`: the default
         for name, default in ROUND_SETTINGS.items():
-            follow = one_owner("data", "model", name, default)
             parser.link_arguments((f"data.init_args.{name}", f"model.init_args.{name}"), f"model.init_args.{name}",
-                                  compute_fn=lambda owned, followed, follow=follow, default=default: follow(
-                                      default if owned is None else owned, followed), apply_on="parse")
+                                  compute_fn=one_owner("data", "model", name, default), apply_on="parse")
         # owned by the model: the export carries the chat template; the loss reads assistant_only_loss (the data
         # drops the rows whose cut leaves no assistant token)
-        for name in ("chat_template", "assistant_only_loss"):
+        for name, default in (("chat_template", None), ("assistant_only_loss", False)):
             parser.link_arguments((f"model.init_args.{name}", f"data.init_args.{name}"), f"data.init_args.{name}",
-                                  compute_fn=one_owner("model", "data", name, unset=False), apply_on="parse")
+                                  compute_fn=one_owner("model", "data", name, default), apply_on="parse")
 
     def parse_arguments(self, parser, args) -> None:
         argv = sys.argv[1:] if args is None else args
