@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 
 from lit_align import layouts
 from lit_align.errors import LitAlignError
-from lit_align.generation import VLLMOptions, make_sampler
+from lit_align.generation import VLLMOptions, make_engine
 from lit_align.generation_round import GenerationRound, RoundShape
 from lit_align.logps import layout_logps
 from lit_align.losses.grpo import (
@@ -99,7 +99,7 @@ class GRPOModule(AlignModule):
         temperature: sampling temperature; the training log-probs use the same temperature, as TRL does.
         top_p: nucleus sampling (1.0: off).
         top_k: top-k sampling (0: off).
-        engine: sampler: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or
+        engine: the generation engine: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or
             ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with ``vllm_mode: colocate``; its own
             environment, see the README).
         padding_free: compute each step's training log-probs with its rows packed without padding, several per row,
@@ -169,7 +169,7 @@ class GRPOModule(AlignModule):
         if beta != 0.0:
             self.reference = choose_reference(ref_model, self.lora_config is not None)
         self.importance_sampling = None  # (mode, clip_min, clip_max) when vLLM's sampling is corrected for
-        self.sampler, self.greedy = self.make_samplers(engine, max_completion_length, temperature, top_p, top_k)
+        self.engine, self.greedy_engine = self.make_engines(engine, max_completion_length, temperature, top_p, top_k)
         self.round: GenerationRound | None = None
         self.reward_metrics: dict[str, list[float]] = {}  # what reward functions log this round (log_metric)
         self.reward_columns: dict[str, list] = {}  # and their completions-table columns (log_extra)
@@ -178,17 +178,17 @@ class GRPOModule(AlignModule):
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names)]})
 
-    def make_samplers(self, engine: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int):
-        """The ``engine``'s sampler for the rounds and its greedy one for validation. The vLLM engine's options, set
+    def make_engines(self, engine: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int):
+        """The ``engine`` sampling the rounds and its greedy twin for validation. The vLLM engine's options, set
         flat as in TRL (``model.vllm_*``), are routed to it, which checks them (``VLLMOptions``)."""
         engine_settings = {}
         if engine == "vllm":
             options = VLLMOptions.from_flat(self.hparams)
             self.importance_sampling = options.importance_sampling(top_k, top_p)
             engine_settings = {**options.engine_settings(), "weights_version": self.weights_version}
-        return (make_sampler(engine, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        return (make_engine(engine, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                              **engine_settings),
-                make_sampler(engine, max_new_tokens=max_new_tokens, temperature=0.0, **engine_settings))
+                make_engine(engine, max_new_tokens=max_new_tokens, temperature=0.0, **engine_settings))
 
     def data_settings(self) -> dict:
         """The data follows the round's shape too (``PromptDataModule.connect``)."""
@@ -206,11 +206,11 @@ class GRPOModule(AlignModule):
         return self.global_step
 
     # -- the pieces of a generation round ------------------------------------------------------------------------------
-    def sample(self, sampler, batch: dict[str, Any], num_samples: int):
+    def sample(self, engine, batch: dict[str, Any], num_samples: int):
         """``num_samples`` completions per prompt: the ``Rollout``, the prompts (repeated) and the completions (text,
         or an assistant message for conversational prompts)."""
         tok = self.tokenizer
-        rollout = sampler.generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples,
+        rollout = engine.generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples,
                                    eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
         texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         prompts = _repeat(batch["prompts"], num_samples)
@@ -255,7 +255,7 @@ class GRPOModule(AlignModule):
         group, shape = self.round_shape.num_generations, self.round_shape
         self.reward_metrics, self.reward_columns = {}, {}
         with self.round_rng():
-            rollout, prompts, completions = self.sample(self.sampler, batch, group)
+            rollout, prompts, completions = self.sample(self.engine, batch, group)
         per_func = self.score(batch, rollout, prompts, completions, group)
         rewards, advantages, all_rewards = self.advantages(per_func)
 
@@ -291,7 +291,7 @@ class GRPOModule(AlignModule):
     def old_logps(self, rollout, rows: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """``(old log-probs, importance weights, sampling/* metrics)`` of a round's ``rows``. The old (sampling)
         policy's log-probs matter only when the policy moves before the round is used up
-        (``RoundShape.needs_old_logps``): the sampler's, or a forward pass. With vLLM's sampling corrected for, they
+        (``RoundShape.needs_old_logps``): the engine's, or a forward pass. With vLLM's sampling corrected for, they
         are the training forward's (TRL) and the weights compare them with vLLM's."""
         if self.importance_sampling is not None:
             old_logps = self.completion_logps(self.network, *rows)[0]
@@ -416,7 +416,7 @@ class GRPOModule(AlignModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Held-out reward: one greedy completion per prompt."""
-        rollout, prompts, completions = self.sample(self.greedy, batch, 1)
+        rollout, prompts, completions = self.sample(self.greedy_engine, batch, 1)
         per_func = self.score(batch, rollout, prompts, completions, 1)
         rewards = (per_func * self.reward_weights).nansum(1)
         self.val_metrics["reward"].update(rewards)

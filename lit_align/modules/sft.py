@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric
 
 from lit_align import layouts
 from lit_align.errors import LitAlignError
-from lit_align.generation import HFSampler
+from lit_align.generation import HFEngine
 from lit_align.logps import layout_logps
 from lit_align.modules.base import AlignModule
 from lit_align.rewards import sort_exact
@@ -81,7 +81,7 @@ class SFTModule(AlignModule):
         super().__init__(model=model, learning_rate=learning_rate, **kwargs)
         self.completion_only_loss, self.assistant_only_loss = completion_only_loss, assistant_only_loss
         self.val_exact_match = val_exact_match
-        self.greedy = HFSampler(max_new_tokens=val_max_new_tokens, temperature=0.0)
+        self.greedy_engine = HFEngine(max_new_tokens=val_max_new_tokens, temperature=0.0)
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ("loss", "mean_token_accuracy", "exact_match")})
 
@@ -129,7 +129,7 @@ class SFTModule(AlignModule):
         width = max(len(p) for p in prompts)
         prompt_ids = torch.stack([torch.cat([p.new_full((width - len(p),), tok.pad_token_id), p]) for p in prompts])
         prompt_mask = torch.stack([torch.cat([p.new_zeros(width - len(p)), torch.ones_like(p)]) for p in prompts])
-        rollout = self.greedy.generate(self.policy, prompt_ids, prompt_mask, 1, eos_token_ids=[tok.eos_token_id],
+        rollout = self.greedy_engine.generate(self.policy, prompt_ids, prompt_mask, 1, eos_token_ids=[tok.eos_token_id],
                                        pad_token_id=tok.pad_token_id)
         texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         return sort_exact(texts, [r.strip() for r in references])
