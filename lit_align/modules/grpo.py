@@ -35,14 +35,11 @@ def _repeat(values: list, times: int) -> list:
 
 
 def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                           with_entropy: bool = False, chunk_size: int | None = None, packed: bool = False):
+                           with_entropy: bool = False, chunk_size: int | None = None, padding_free: bool = False):
     """Per-token log-probs ``[N, C]`` of completions after left-padded prompts, logits divided by ``temperature``
-    (and, ``with_entropy``, the tempered distribution's entropy, without gradient); 0 at padding. Padded rows,
-    or ``packed`` without padding (``lit_align.layouts.packed_rows``)."""
-    if packed:
-        layout = layouts.packed_rows(layouts.right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
-    else:
-        layout = layouts.prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    (and, ``with_entropy``, the tempered distribution's entropy, without gradient); 0 at padding. Laid out by
+    ``lit_align.layouts.completions``."""
+    layout = layouts.completions(prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free)
     out = layout_logps(model, layout, ("entropy",) if with_entropy else (), chunk_size, temperature)
     return out.tokens, out.stats.get("entropy")
 
@@ -245,10 +242,10 @@ class GRPOModule(AlignModule):
         return rewards, advantages[mine], all_rewards
 
     def completion_logps(self, network, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                         with_entropy: bool = False, packed: bool = False):
+                         with_entropy: bool = False, padding_free: bool = False):
         """``completion_token_logps`` at this module's temperature and chunk size."""
         return completion_token_logps(network, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      self.temperature, with_entropy, self.logps_chunk_size, packed)
+                                      self.temperature, with_entropy, self.logps_chunk_size, padding_free)
 
     @torch.no_grad()
     def generate_round(self, batch: dict[str, Any]) -> GenerationRound:
@@ -386,7 +383,8 @@ class GRPOModule(AlignModule):
         rows = self.round.step_rows(batch["round_pos"])
         mask = rows.loss_mask
         logps, entropy = self.completion_logps(self.network, rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
-                                               rows.completion_mask, with_entropy=True, packed=self.padding_free)
+                                               rows.completion_mask, with_entropy=True,
+                                               padding_free=self.padding_free)
         token_losses, info = grpo_token_losses(logps, rows.old_logps, rows.advantages, self.epsilon,
                                                self.epsilon_high, rows.ref_logps, self.beta)
         if rows.is_ratio is not None:  # the sampling engine's importance weights (vLLM)

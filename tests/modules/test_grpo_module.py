@@ -426,7 +426,7 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(LitAlignError, match="padding_free needs sdpa or eager attention"):
         completion_token_logps(model, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
-                               torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), packed=True)
+                               torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), padding_free=True)
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "dpo", "sft"])
