@@ -177,7 +177,7 @@ class DPOModule(AlignModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out, weights = self.pair_outputs(batch)
-        loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("rows"))
+        loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("dataset_rows"))
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
         # one all-reduce for every metric (mean over ranks of per-rank means) and the token count (a sum)

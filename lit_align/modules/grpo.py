@@ -4,7 +4,7 @@
 At ``round_pos == 0`` (or when there is no round, e.g. after a resume without one) ``generate_round`` samples
 ``num_generations`` completions per prompt, scores them, computes group-relative advantages and keeps the
 old-policy and reference log-probs only when the loss needs them: a ``lit_align.generation_round.GenerationRound``.
-Every step then trains on ``round.step_rows(round_pos)``. The math is in ``lit_align.losses.grpo``; sampling is
+Every step then trains on ``round.step_batch(round_pos)``. The math is in ``lit_align.losses.grpo``; sampling is
 behind ``lit_align.generation``; the reference behind ``lit_align.reference``.
 """
 
@@ -262,18 +262,18 @@ class GRPOModule(AlignModule):
         loss_mask = completion_mask
         if self.mask_truncated_completions:
             loss_mask = completion_mask * (~rollout.truncated).unsqueeze(1)
-        rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        sequences = (prompt_ids, prompt_mask, completion_ids, completion_mask)
 
-        old_logps, is_ratio, sampling_stats = self.old_logps(rollout, rows)
+        old_logps, is_ratio, sampling_stats = self.old_logps(rollout, sequences)
         ref_logps = None
         if self.reference is not None:
-            ref_logps = self.reference.logps(batch, lambda network: self.completion_logps(network, *rows)[0])
+            ref_logps = self.reference.logps(batch, lambda network: self.completion_logps(network, *sequences)[0])
 
         # dapo: every token of the round weighs the same; normalized by the loss tokens per step (all ranks)
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
         self.generation_rounds += 1
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(self.global_step)).tolist()
-        prompt_rows = batch.get("rows")  # dataset index of each prompt; completion i of the round is of prompt i // G
+        prompt_rows = batch.get("dataset_rows")  # each prompt's dataset index; completion i is of prompt i // G
         return GenerationRound(
             prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps,
             order=order, steps=shape.steps_per_generation,
@@ -285,21 +285,22 @@ class GRPOModule(AlignModule):
             reward_funcs={name: per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
         )
 
-    def old_logps(self, rollout, rows: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
-        """``(old log-probs, importance weights, sampling/* metrics)`` of a round's ``rows``. The old (sampling)
+    def old_logps(self, rollout, sequences: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+        """``(old log-probs, importance weights, sampling/* metrics)`` of a round's ``sequences`` (prompt ids and mask,
+        completion ids and mask). The old (sampling)
         policy's log-probs matter only when the policy moves before the round is used up
         (``RoundShape.needs_old_logps``): the engine's, or a forward pass. With vLLM's sampling corrected for, they
         are the training forward's (TRL) and the weights compare them with vLLM's."""
         if self.importance_sampling is not None:
-            old_logps = self.completion_logps(self.network, *rows)[0]
-            mask = rows[3]
+            old_logps = self.completion_logps(self.network, *sequences)[0]
+            mask = sequences[3]
             is_ratio = importance_sampling_ratio(old_logps, rollout.logps, mask, *self.importance_sampling)
             return old_logps, is_ratio, self.sampling_stats(old_logps, rollout.logps, mask, is_ratio)
         if not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches):
             return None, None, {}
         if rollout.logps is not None:
             return rollout.logps, None, {}
-        return self.completion_logps(self.network, *rows)[0], None, {}
+        return self.completion_logps(self.network, *sequences)[0], None, {}
 
     def sampling_stats(self, train_logps, sampling_logps, mask, is_ratio) -> dict[str, torch.Tensor]:
         """TRL's ``sampling/*`` metrics: how far vLLM's log-probs are from the training forward's, and the importance
@@ -380,18 +381,18 @@ class GRPOModule(AlignModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         if batch["round_pos"] == 0 or self.round is None:
             self.round = self.generate_round(batch)
-        rows = self.round.step_rows(batch["round_pos"])
-        mask = rows.loss_mask
-        logps, entropy = self.completion_logps(self.network, rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
-                                               rows.completion_mask, with_entropy=True,
+        step = self.round.step_batch(batch["round_pos"])
+        mask = step.loss_mask
+        logps, entropy = self.completion_logps(self.network, step.prompt_ids, step.prompt_mask, step.completion_ids,
+                                               step.completion_mask, with_entropy=True,
                                                padding_free=self.padding_free)
-        token_losses, info = grpo_token_losses(logps, rows.old_logps, rows.advantages, self.epsilon,
-                                               self.epsilon_high, rows.ref_logps, self.beta)
-        if rows.is_ratio is not None:  # the sampling engine's importance weights (vLLM)
-            token_losses = token_losses * rows.is_ratio
+        token_losses, info = grpo_token_losses(logps, step.old_logps, step.advantages, self.epsilon,
+                                               self.epsilon_high, step.ref_logps, self.beta)
+        if step.is_ratio is not None:  # the sampling engine's importance weights (vLLM)
+            token_losses = token_losses * step.is_ratio
         loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length,
                                    self.round.num_tokens)
-        loss = self.guard_loss(loss, (token_losses * mask).sum(1), batch_idx, rows.dataset_rows)
+        loss = self.guard_loss(loss, (token_losses * mask).sum(1), batch_idx, step.dataset_rows)
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
 
@@ -410,7 +411,7 @@ class GRPOModule(AlignModule):
         for name, value in [*zip(step_stats, values), *self.round.stats.items()]:
             self.log(f"train/{name}", value, prog_bar=name in ("loss", "reward"))
         self.log("train/generation_rounds", float(self.generation_rounds))
-        return {"loss": loss, "rows": rows, "logps": logps.detach()}  # callbacks see the step's rows (outputs)
+        return {"loss": loss, "step": step, "logps": logps.detach()}  # callbacks see the step's batch (outputs)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Held-out reward: one greedy completion per prompt."""

@@ -59,7 +59,7 @@ class GenerationProbe(L.Callback):
         if pl_module.generation_rounds > self._rounds:  # this step sampled a round
             self.generate_steps.append(self._step)
         self.old_logps_present.append(pl_module.round.old_logps is not None)
-        old = outputs["rows"].old_logps
+        old = outputs["step"].old_logps
         if old is None:
             self.ratios.append(None)
         else:  # the rollout's old log-probs are 0 past each completion's end: compare real tokens only
@@ -398,7 +398,7 @@ def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, 
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            rows, r = outputs["rows"], pl_module.round
+            rows, r = outputs["step"], pl_module.round
             seen.append((rows.prompt_ids.shape[1], rows.completion_ids.shape[1], int(rows.prompt_mask.sum(1).max()),
                          int(rows.completion_mask.sum(1).max()), r.prompt_ids.shape[1], r.completion_ids.shape[1]))
             valid = rows.old_logps != 0
