@@ -24,7 +24,7 @@ def make_round(old: bool = True) -> GenerationRound:
     )
 
 
-def test_step_rows_take_the_steps_slice_of_the_order_trimmed():
+def test_step_batch_takes_the_steps_slice_of_the_order_trimmed():
     r = make_round()
     first = r.step_batch(0)  # rows 1, 0: prompts of 2 real tokens, completions of at most 2
     assert first.prompt_ids.tolist() == [[6, 7], [2, 3]] and first.prompt_mask.tolist() == [[1, 1], [1, 1]]
