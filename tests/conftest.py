@@ -12,7 +12,7 @@ carry a suffix: ``losses/test_dpo_losses.py``, ``modules/test_base_module.py``, 
 ``generation/test_native_engine.py``, ``generation/test_base_sampling.py``, ...). Not mirrored by name: the
 ``__init__`` re-exports and ``__main__`` (run by tests/test_cli.py's subprocesses) and ``pipeline.py``
 (tests/e2e/test_pipeline.py). ``tests/e2e/`` runs ``lit-align fit`` end to end across modules.
-
+"""
 
 from __future__ import annotations
 
