@@ -8,6 +8,7 @@ and prompt-only rows with the ``answer`` column that reward functions read.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -209,4 +210,84 @@ class ArithmeticTask(GeneratedTask):
         })
 
 
-BUILTIN_TASKS = {"sort": SortTask, "arith": ArithmeticTask}
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+class AdditionTask(GeneratedTask):
+    """Add two numbers of ``min_digits``..``max_digits`` digits, with a tool: ``"4821+3907"`` -> ``"8728"``.
+
+    The tool task of the built-in models (GRPO's ``model.tools: [lit_align.data.tasks.add]``, ``chat_template:
+    builtin:tools``): carries along four digits are more than the tiny character-level model learns in a short run,
+    and copying digits into an ``add`` call and its result back out is not. Prompts are one user turn; the ``answer``
+    column is the sum (``lit_align.rewards.sort_exact`` scores the last turn). SFT rows demonstrate the tool on a
+    seeded ``tool_fraction`` of the problems (call, result, the result as the answer) and answer directly on the
+    others, so a model trained on them calls the tool sometimes: room for GRPO to learn when it pays. Their ``tools``
+    column holds the tool's schema, as the prompts are rendered in GRPO. No preference rows.
+    """
+
+    name = "add"
+    TOOLS = (add,)
+
+    def __init__(self, num_train: int = 2000, num_test: int = 100, min_digits: int = 3, max_digits: int = 4,
+                 tool_fraction: float = 0.5):
+        super().__init__(num_train, num_test)
+        self.min_digits, self.max_digits, self.tool_fraction = min_digits, max_digits, tool_fraction
+
+    def _number(self, rng: random.Random) -> int:
+        digits = rng.randint(self.min_digits, self.max_digits)
+        return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+    def _draw(self, n: int, seed: int, exclude: set) -> list[tuple[int, int]]:
+        rng = random.Random(seed)
+        out: list[tuple[int, int]] = []
+        seen = set(exclude)
+        while len(out) < n:
+            problem = (self._number(rng), self._number(rng))
+            if problem not in seen:
+                seen.add(problem)
+                out.append(problem)
+        return out
+
+    @staticmethod
+    def prompt(a: int, b: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"{a}+{b}"}]
+
+    @staticmethod
+    def tool_turns(a: int, b: int) -> list[dict]:
+        """The demonstration: call ``add``, get the sum, answer with it."""
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "add", "content": str(a + b)},
+                {"role": "assistant", "content": str(a + b)}]
+
+    def prompt_rows(self, split: str) -> Dataset:
+        problems = self._problems(split)
+        return Dataset.from_dict({"prompt": [self.prompt(a, b) for a, b in problems],
+                                  "answer": [str(a + b) for a, b in problems]})
+
+    def completion_rows(self, split: str) -> Dataset:
+        from transformers.utils import get_json_schema
+
+        rng = random.Random(200 + SPLIT_SEEDS[split])
+        problems = self._problems(split)
+        completions = [self.tool_turns(a, b) if rng.random() < self.tool_fraction
+                       else [{"role": "assistant", "content": str(a + b)}] for a, b in problems]
+        schemas = json.dumps([get_json_schema(tool) for tool in self.TOOLS])
+        return Dataset.from_dict({"prompt": [self.prompt(a, b) for a, b in problems],
+                                  "completion": completions,
+                                  "tools": [schemas] * len(problems)})
+
+    def preference_rows(self, split: str) -> Dataset:
+        from lit_align.errors import LitAlignError
+
+        raise LitAlignError("builtin:add has prompts (GRPO) and SFT rows, no preference pairs")
+
+
+BUILTIN_TASKS = {"sort": SortTask, "arith": ArithmeticTask, "add": AdditionTask}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -190,6 +191,20 @@ def tool_turn_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
         raise LitAlignError("model.tools: the chat template renders an assistant turn differently once tool turns "
                             "follow")
     return whole[len(start):]
+
+
+def turns_text(messages: list[dict]) -> str:
+    """A multi-turn completion as one text for tables: each call as ``name(arguments)``, each result as
+    ``-> result``, one turn a line."""
+    lines = []
+    for message in messages:
+        if message["role"] == "tool":
+            lines.append(f"-> {message['content']}")
+            continue
+        calls = [c.get("function", c) for c in message.get("tool_calls") or []]
+        lines.append(" ".join([message.get("content") or ""] + [
+            f"{c.get('name')}({json.dumps(c.get('arguments'))})" for c in calls]).strip())
+    return "\n".join(lines)
 
 
 # -- the loop ----------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ behind ``lit_align.generation``; the reference behind ``lit_align.reference``.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torchmetrics import MeanMetric
 from lit_align import layouts
 from lit_align.errors import LitAlignError
 from lit_align.generation import VLLMOptions, make_engine
+from lit_align.generation.tools import ToolLoop, load_tool, tool_schema, turns_text
 from lit_align.generation_round import GenerationRound, RoundShape
 from lit_align.logps import layout_logps
 from lit_align.losses.grpo import (
@@ -120,6 +122,13 @@ class GRPOModule(AlignModule):
             or ``token_mask``.
         vllm_importance_sampling_clip_min: lower bound of the ratio (None: none).
         vllm_importance_sampling_clip_max: upper bound of the ratio (TRL's cap; None: none).
+        tools: functions the model may call during its rollouts (TRL's ``tools``): dotted paths or
+            ``{class_path, init_args}`` objects, plain or ``async``, with type hints and a Google-style docstring
+            (their schemas go to the chat template). Completions then run as ``lit_align.generation.tools.ToolLoop``
+            does: tool turns appended token in token out and left out of the loss (``tool_mask``). Needs
+            conversational prompts and a chat template that renders tool calls (``builtin:tools`` for the
+            built-in models). None: one completion per sample, no tools.
+        max_tool_calling_iterations: rounds of tool calls per completion at most (TRL's; None: until no call).
     """
 
     def __init__(
@@ -152,6 +161,8 @@ class GRPOModule(AlignModule):
         vllm_importance_sampling_mode: str = "sequence_mask",
         vllm_importance_sampling_clip_min: float | None = None,
         vllm_importance_sampling_clip_max: float | None = 3.0,
+        tools: list[str | dict] | None = None,
+        max_tool_calling_iterations: int | None = None,
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
@@ -167,6 +178,12 @@ class GRPOModule(AlignModule):
             self.reference = choose_reference(ref_model, self.lora_config is not None)
         self.importance_sampling = None  # (mode, clip_min, clip_max) when vLLM's sampling is corrected for
         self.engine, self.greedy_engine = self.make_engines(engine, max_completion_length, temperature, top_p, top_k)
+        self.tools = [load_tool(spec) for spec in tools or []]
+        self.tool_schemas = [tool_schema(tool) for tool in self.tools]  # the data renders its prompts with them
+        if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
+            raise LitAlignError(f"model.max_tool_calling_iterations must be >= 0 or null, got "
+                                f"{max_tool_calling_iterations}")
+        self.tool_loop: ToolLoop | None = None  # built with the tokenizer (configure_model)
         self.round: GenerationRound | None = None
         self.reward_metrics: dict[str, list[float]] = {}  # what reward functions log this round (log_metric)
         self.reward_columns: dict[str, list] = {}  # and their completions-table columns (log_extra)
@@ -189,7 +206,7 @@ class GRPOModule(AlignModule):
 
     def data_settings(self) -> dict:
         """The data follows the round's shape too (``PromptDataModule.connect``)."""
-        return {**super().data_settings(), "round_shape": self.round_shape}
+        return {**super().data_settings(), "round_shape": self.round_shape, "tools": self.tool_schemas or None}
 
     def configure_model(self) -> None:
         super().configure_model()
@@ -197,6 +214,10 @@ class GRPOModule(AlignModule):
         for fn in self.reward_funcs:  # reward models load with the policy's settings (TRL: model_init_kwargs)
             if isinstance(fn, RewardModel):
                 fn.load(hp.dtype, hp.trust_remote_code, hp.model_init_kwargs)
+        if self.tools and self.tool_loop is None:  # refuses a template that cannot call tools, before training
+            self.tool_loop = ToolLoop(self.tools, self.tokenizer, self.max_completion_length,
+                                      hp.max_tool_calling_iterations,
+                                      getattr(self.network.config, "max_position_embeddings", None))
 
     def weights_version(self) -> int:
         """The policy weights' version, for engines that hold a copy of them (vllm): the optimizer steps taken."""
@@ -207,10 +228,13 @@ class GRPOModule(AlignModule):
         """``num_samples`` completions per prompt: the ``Rollout``, the prompts (repeated) and the completions (text,
         or an assistant message for conversational prompts)."""
         tok = self.tokenizer
-        rollout = engine.generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples,
-                                   eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
-        texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        generate = engine.generate if self.tool_loop is None else partial(self.tool_loop.generate, engine)
+        rollout = generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples,
+                           eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
         prompts = _repeat(batch["prompts"], num_samples)
+        if self.tool_loop is not None:  # the turns: assistant (with tool_calls), tool, assistant, ...
+            return rollout, prompts, rollout.messages
+        texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
         return rollout, prompts, completions
 
@@ -259,12 +283,13 @@ class GRPOModule(AlignModule):
         prompt_ids = batch["prompt_ids"].repeat_interleave(group, 0)
         prompt_mask = batch["prompt_mask"].repeat_interleave(group, 0)
         completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask
-        loss_mask = completion_mask
+        tool_mask = getattr(rollout, "tool_mask", None)  # 0 on tool turns: not the policy's tokens
+        loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
         if self.mask_truncated_completions:
-            loss_mask = completion_mask * (~rollout.truncated).unsqueeze(1)
+            loss_mask = loss_mask * (~rollout.truncated).unsqueeze(1)
         sequences = (prompt_ids, prompt_mask, completion_ids, completion_mask)
 
-        old_logps, is_ratio, sampling_stats = self.old_logps(rollout, sequences)
+        old_logps, is_ratio, sampling_stats = self.old_logps(rollout, sequences, loss_mask if tool_mask is not None else None)
         ref_logps = None
         if self.reference is not None:
             ref_logps = self.reference.logps(batch, lambda network: self.completion_logps(network, *sequences)[0])
@@ -279,21 +304,23 @@ class GRPOModule(AlignModule):
             order=order, steps=shape.steps_per_generation,
             num_tokens=shape.tokens_per_step(float(num_tokens), self.trainer.world_size),
             stats={**self.round_stats(rollout, per_func, rewards, all_rewards), **sampling_stats},
-            prompts=prompts, completions=[c if isinstance(c, str) else c[0]["content"] for c in completions],
+            prompts=prompts, completions=[c if isinstance(c, str) else turns_text(c) for c in completions],
             rewards=rewards.tolist(), dataset_rows=None if prompt_rows is None else _repeat(prompt_rows, group),
             extra={k: v for k, v in self.reward_columns.items() if len(v) == len(prompts)}, is_ratio=is_ratio,
             reward_funcs={name: per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
+            tool_mask=tool_mask,
         )
 
-    def old_logps(self, rollout, sequences: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+    def old_logps(self, rollout, sequences: tuple, sampled_mask: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """``(old log-probs, importance weights, sampling/* metrics)`` of a round's ``sequences`` (prompt ids and mask,
-        completion ids and mask). The old (sampling)
+        completion ids and mask; ``sampled_mask``: the sampled tokens among them, when tool turns are not). The old (sampling)
         policy's log-probs matter only when the policy moves before the round is used up
         (``RoundShape.needs_old_logps``): the engine's, or a forward pass. With vLLM's sampling corrected for, they
         are the training forward's (TRL) and the weights compare them with vLLM's."""
         if self.importance_sampling is not None:
             old_logps = self.completion_logps(self.network, *sequences)[0]
-            mask = sequences[3]
+            mask = sequences[3] if sampled_mask is None else sampled_mask
             is_ratio = importance_sampling_ratio(old_logps, rollout.logps, mask, *self.importance_sampling)
             return old_logps, is_ratio, self.sampling_stats(old_logps, rollout.logps, mask, is_ratio)
         if not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches):
@@ -321,7 +348,8 @@ class GRPOModule(AlignModule):
     def round_stats(self, rollout, per_func, rewards, all_rewards) -> dict[str, torch.Tensor]:
         """TRL's per-round metrics, averaged over ranks; std, min and max are over every rank's completions
         (gathered), not averages of per-rank values."""
-        lengths = rollout.completion_mask.sum(1).float()
+        tool_mask = getattr(rollout, "tool_mask", None)  # TRL counts the sampled tokens only
+        lengths = (rollout.completion_mask if tool_mask is None else rollout.completion_mask * tool_mask).sum(1).float()
         all_lengths = self.trainer.strategy.all_gather(lengths).reshape(-1)
         groups = rewards.view(-1, self.round_shape.num_generations)
         zero_std = (nanstd(groups, dim=1) < 1e-6).float()  # as the advantages see it
@@ -336,6 +364,12 @@ class GRPOModule(AlignModule):
             **{f"rewards/{n}/mean": per_func[:, i].nanmean() for i, n in enumerate(self.reward_names)},
             **{name: torch.tensor(sum(v) / len(v), device=self.device) for name, v in self.reward_metrics.items()},
         }
+        if tool_mask is not None:  # TRL's: calls per completion, and the failed share of the calls (all ranks)
+            calls, failures = self.trainer.strategy.reduce(
+                torch.tensor([rollout.tool_calls, rollout.tool_failures], dtype=torch.float32, device=self.device),
+                reduce_op="sum")
+            stats["tools/call_frequency"] = calls / (len(lengths) * self.trainer.world_size)
+            stats["tools/failure_frequency"] = failures / calls if calls > 0 else torch.zeros((), device=self.device)
         values = self.trainer.strategy.reduce(torch.stack(list(stats.values())), reduce_op="mean")
         return dict(zip(stats, values))
 
