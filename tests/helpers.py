@@ -361,3 +361,28 @@ def _no_cpu_offload():
         yield
     finally:
         lightning_fsdp._get_full_state_dict_context = real
+
+
+class ScriptedEngine:
+    """An ``Engine`` whose every ``generate`` call "samples" the next texts of ``script`` (one per row it is given),
+    with log-prob ``-(position + 1) / 100`` at each token; it records the prompts (unpadded) it was called with. Once
+    the script is used up, ``then`` (another engine) samples, if given: a first turn forced, the rest sampled."""
+
+    def __init__(self, tokenizer, script: list[list[str]], then=None):
+        self.tokenizer, self.script, self.prompts, self.then = tokenizer, list(script), [], then
+
+    def generate(self, model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id):
+        from lit_align.generation import Rollout
+
+        if not self.script and self.then is not None:
+            return self.then.generate(model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id)
+        texts = self.script.pop(0)
+        self.prompts.append([p[m.bool()].tolist() for p, m in zip(prompt_ids, prompt_mask)])
+        assert len(texts) == len(prompt_ids) * num_samples
+        ids = [self.tokenizer(t)["input_ids"] for t in texts]
+        width = max(map(len, ids))
+        completion_ids = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in ids])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
+        logps = -(torch.arange(width) + 1).float().expand(len(ids), width) / 100 * mask
+        truncated = torch.tensor([r[-1] not in eos_token_ids for r in ids])
+        return Rollout(completion_ids, mask, truncated, logps)

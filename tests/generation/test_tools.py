@@ -1,7 +1,7 @@
 """The tool loop: token-in-token-out completions, the tool mask, and every failure path (a tool that raises, an
 unknown tool, malformed calls, a tool turn past the budget, the iteration cap, templates that cannot call tools).
 
-The completions come from ``ScriptedEngine``, an ``Engine`` that "samples" given texts in order, so every path is
+The completions come from ``helpers.ScriptedEngine``, an ``Engine`` that "samples" given texts in order, so every path is
 exercised by exactly the output that triggers it; a last test runs the loop on the real engines with the tiny model.
 """
 
@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from lit_align.errors import LitAlignError
-from lit_align.generation import HFEngine, NativeEngine, Rollout
+from lit_align.generation import HFEngine, NativeEngine
 from lit_align.generation.tools import (
     RESPONSE_TEMPLATES, ToolLoop, call_tools, check_tool_template, load_tool, response_template, tool_schema,
     tool_turn_ids,
 )
+from helpers import ScriptedEngine
 from lit_align.models import CHAT_TEMPLATE, TOOL_CHAT_TEMPLATE, build_tokenizer, read_chat_template
 
 
@@ -57,26 +58,6 @@ def tok():
     tokenizer = build_tokenizer()
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     return tokenizer
-
-
-class ScriptedEngine:
-    """An ``Engine`` whose every ``generate`` call "samples" the next texts of ``script`` (one per row it is given),
-    with log-prob ``-(position + 1) / 100`` at each token; it records the prompts (unpadded) it was called with."""
-
-    def __init__(self, tokenizer, script: list[list[str]]):
-        self.tokenizer, self.script, self.prompts = tokenizer, list(script), []
-
-    def generate(self, model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id) -> Rollout:
-        texts = self.script.pop(0)
-        self.prompts.append([p[m.bool()].tolist() for p, m in zip(prompt_ids, prompt_mask)])
-        assert len(texts) == len(prompt_ids) * num_samples
-        ids = [self.tokenizer(t)["input_ids"] for t in texts]
-        width = max(map(len, ids))
-        completion_ids = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in ids])
-        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
-        logps = -(torch.arange(width) + 1).float().expand(len(ids), width) / 100 * mask
-        truncated = torch.tensor([r[-1] not in eos_token_ids for r in ids])
-        return Rollout(completion_ids, mask, truncated, logps)
 
 
 def prompt_batch(tok, questions: list[str]):
@@ -268,22 +249,11 @@ def test_the_loop_runs_on_the_real_engines(tiny_path, engine_class):
 
     tokenizer = load_tokenizer("builtin:tiny", chat_template="builtin:tools")
     model = load_model("builtin:tiny")
-    real = engine_class(max_new_tokens=5)
-
-    class FirstTurnScripted:
-        def __init__(self):
-            self.calls = 0
-
-        def generate(self, *args):
-            self.calls += 1
-            if self.calls == 1:
-                return ScriptedEngine(tokenizer, [[CALL, "7</s>"]]).generate(*args)
-            return real.generate(*args)
-
+    engine = ScriptedEngine(tokenizer, [[CALL, "7</s>"]], then=engine_class(max_new_tokens=5))
     loop = ToolLoop([add], tokenizer, max_completion_length=120)
     _, ids, mask = prompt_batch(tokenizer, ["add 12 30"])
     torch.manual_seed(0)
-    rollout = loop.generate(FirstTurnScripted(), model, ids, mask, 2, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+    rollout = loop.generate(engine, model, ids, mask, 2, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     first = encode(tokenizer, CALL)
     ids0, mask0, logps0 = row(rollout, 0)
     tool_turn = encode(tokenizer, "<|tool|>42\n") + [tokenizer.convert_tokens_to_ids("<|assistant|>")]
