@@ -261,3 +261,126 @@ def test_the_loop_runs_on_the_real_engines(tiny_path, engine_class):
     sampled = len(ids0) - len(first) - len(tool_turn)
     assert 1 <= sampled <= 5 and mask0[len(first) + len(tool_turn):] == [1] * sampled
     assert all(v < 0 for v in logps0[-sampled:])  # the engine's log-probs, not zeros
+
+
+# -- parity with TRL 1.16's _tool_call_loop, on the same sampled ids ------------------------------------------------------
+def echo(text: str) -> str:
+    """Say it back.
+
+    Args:
+        text: what to say
+    """
+    return text
+
+
+LONG = "x" * 100
+PARITY_TURNS = [  # per generate call, one text per row it is given
+    [CALL, "41</s>", '<tool_call>{"name": "nope", "arguments": {}}</tool_call></s>',
+     '<tool_call>{"name": "echo", "arguments": {"text": "' + LONG + '"}}</tool_call></s>'],
+    ["42</s>", CALL],  # rows 0 and 2 continue (row 3's result overflows: rolled back); row 2's turn is cut
+]
+PARITY_BUDGET = 160
+
+
+def trl_tool_loop(tok, prompt_rows: list[list[int]], questions: list[str]):
+    """TRL's ``GRPOTrainer._tool_call_loop`` on a stand-in ``self``, its generations replayed from ``PARITY_TURNS``
+    (the first turn parsed by TRL's own ``parse_response``, as its ``_generate`` does)."""
+    trl = pytest.importorskip("trl")
+    from types import SimpleNamespace
+
+    from trl.chat_template_utils import parse_response
+
+    tok.response_template = RESPONSE_TEMPLATES["builtin"]  # TRL reads it off the tokenizer
+    turns = [list(t) for t in PARITY_TURNS]
+
+    def replay(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        ids = [encode(tok, text) for text in turns.pop(0)]
+        return ids, [[-(k + 1) / 100 for k in range(len(r))] for r in ids]
+
+    tools = [add, echo]
+    fake = SimpleNamespace(
+        _sync_tool_dicts=[{t.__name__: t for t in tools}] * 4, _async_tool_dicts=[{}] * 4,
+        max_tool_calling_iterations=10**9, use_vllm=False, vllm_mode="colocate", _is_vlm=False, tools=tools,
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=512)),
+        max_completion_length=PARITY_BUDGET, environment_factories=None, _tokenizer=tok, processing_class=tok,
+        chat_template=None, chat_template_kwargs={}, _generate_single_turn=replay)
+    fake._get_tool_suffix_ids = lambda messages: trl.GRPOTrainer._get_tool_suffix_ids(fake, messages)
+    prompts = [[{"role": "user", "content": q}] for q in questions for _ in range(2)]
+    prompt_ids = [p for p in prompt_rows for _ in range(2)]
+    completion_ids, logprobs = replay(None, None, None, 2)
+    completions = [[parse_response(tok, ids, prefix=prompt_ids[i], tools=tools)] for i, ids in enumerate(completion_ids)]
+    out = trl.GRPOTrainer._tool_call_loop(fake, prompts, prompt_ids, completion_ids, completions, logprobs, None, {})
+    tool_mask, completions, completion_ids, logprobs, calls, failures, _ = out
+    return SimpleNamespace(tool_mask=tool_mask, completions=completions, completion_ids=completion_ids,
+                           logprobs=logprobs, calls=calls, failures=failures)
+
+
+def test_the_loop_matches_trls_tool_call_loop(tok):
+    """The same sampled ids through both loops: the same completion ids, tool mask, log-probs, turns and counts, with
+    a tool result, a direct answer, an unknown tool, a result rolled back past the budget and a turn cut to it."""
+    import copy
+
+    questions = ["add 12 30", "say x"]
+    rollout, engine, prompts = run(tok, PARITY_TURNS, tools=(add, echo), questions=questions,
+                                   max_completion_length=PARITY_BUDGET)
+    theirs = trl_tool_loop(copy.deepcopy(tok), prompts, questions)
+    ours = [row(rollout, i) for i in range(4)]
+    assert [ids for ids, _, _ in ours] == theirs.completion_ids
+    assert [mask for _, mask, _ in ours] == theirs.tool_mask
+    for (_, _, logps), trl_logps in zip(ours, theirs.logprobs):
+        assert logps == pytest.approx(trl_logps, abs=1e-7)  # float32 here, Python floats there
+    assert (rollout.tool_calls, rollout.tool_failures) == (theirs.calls, theirs.failures) == (3, 1)
+    assert rollout.messages == theirs.completions
+    # what each row went through: a tool turn; none; an error turn then a turn cut at the budget; a result rolled back
+    assert [m["role"] for m in rollout.messages[0]] == ["assistant", "tool", "assistant"]
+    assert [m["role"] for m in rollout.messages[2]] == ["assistant", "tool", "assistant"]
+    assert len(ours[2][0]) == PARITY_BUDGET and rollout.truncated.tolist() == [False, False, True, False]
+    assert ours[3][0] == encode(tok, PARITY_TURNS[0][3]) and rollout.messages[3][1:] == []
+
+
+def test_the_loss_over_a_tool_rollout_matches_trls(tok):
+    """TRL's ``_compute_loss`` with its ``tool_mask`` and lit_align's loss with ``loss_mask = completion_mask *
+    tool_mask`` (what ``GRPOModule.generate_round`` builds) on the parity rollout, float64: loss, entropy and KL
+    metrics; and TRL's mean length (the sum of its tool mask) is lit_align's ``completions/mean_length``."""
+    import copy
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from lit_align.losses.grpo import aggregate_grpo_loss, grpo_token_losses
+
+    trl = pytest.importorskip("trl")
+    questions = ["add 12 30", "say x"]
+    rollout, _, prompts = run(tok, PARITY_TURNS, tools=(add, echo), questions=questions,
+                              max_completion_length=PARITY_BUDGET)
+    mask, tool_mask = rollout.completion_mask.double(), rollout.tool_mask.double()
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * 3
+    logps = old + 0.3 * torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    ref = old + 0.2 * torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    entropy = torch.rand(mask.shape, generator=g, dtype=torch.float64)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
+    loss_mask = mask * tool_mask
+    metrics = {"train": defaultdict(list)}
+    fake = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropy, None), aux_loss_enabled=False,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level="token", beta=0.04,
+        loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28, use_vllm=False, vllm_importance_sampling_correction=False,
+        model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        max_completion_length=PARITY_BUDGET, _entropy_bonus_enabled=False,
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        accelerator=SimpleNamespace(num_processes=1, reduce=lambda t, reduction="sum": t, gather=lambda t: t),
+        _metrics=metrics)
+    inputs = {"prompt_ids": torch.zeros(4, 1, dtype=torch.long), "prompt_mask": torch.ones(4, 1),
+              "completion_ids": rollout.completion_ids, "completion_mask": mask, "tool_mask": tool_mask,
+              "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": loss_mask.sum()}  # TRL: the loss mask's tokens, tool mask applied
+    trl_loss = trl.GRPOTrainer._compute_loss(fake, None, inputs)
+    token_losses, info = grpo_token_losses(logps, old, advantages, 0.2, 0.28, ref, 0.04)
+    ours = aggregate_grpo_loss(token_losses, loss_mask, "dapo", PARITY_BUDGET, float(loss_mask.sum()))
+    assert float(ours) == pytest.approx(float(trl_loss), abs=1e-12)
+    masked_mean = lambda x: float((x * loss_mask).sum() / loss_mask.sum())  # noqa: E731 (GRPOModule's)
+    assert masked_mean(entropy) == pytest.approx(metrics["train"]["entropy"][-1], abs=1e-12)
+    assert masked_mean(info["kl"]) == pytest.approx(metrics["train"]["kl"][-1], abs=1e-12)
+    assert abs(masked_mean(entropy) - float((entropy * mask).sum() / mask.sum())) > 1e-3  # the tool mask matters
+    theirs = trl_tool_loop(copy.deepcopy(tok), prompts, questions)  # TRL's completion lengths: its tool mask's sums
+    assert loss_mask.sum(1).tolist() == [sum(m) for m in theirs.tool_mask]
