@@ -386,3 +386,31 @@ class ScriptedEngine:
         logps = -(torch.arange(width) + 1).float().expand(len(ids), width) / 100 * mask
         truncated = torch.tensor([r[-1] not in eos_token_ids for r in ids])
         return Rollout(completion_ids, mask, truncated, logps)
+
+
+class CounterEnvironment:
+    """A test environment (``model.environment_factory: helpers.CounterEnvironment``): a counter the model moves
+    with its ``increment`` tool; rewarded 1.0 when the counter ends at the row's ``answer``."""
+
+    def reset(self, **row) -> str:
+        self.target, self.count = int(row["answer"]), 0
+        return f" (reach {self.target})"
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: how much to add
+        """
+        self.count += by
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count == self.target)
+
+
+class BrokenEnvironment:
+    """A test environment whose ``reset`` raises."""
+
+    def reset(self, **row) -> None:
+        raise ValueError("no such level")

@@ -219,6 +219,9 @@ class ToolRollout(Rollout):
     messages: list[list[dict]] | None = None  # per row: the completion's turns (assistant, tool, assistant, ...)
     tool_calls: int = 0  # calls made in all rows
     tool_failures: int = 0  # of which failed (raised, unknown tool, not a function call)
+    prompt_ids: torch.Tensor | None = None  # [N, P] each row's prompt, where rows have their own (environments)
+    prompt_mask: torch.Tensor | None = None
+    environments: list | None = None  # each row's environment (``lit_align.generation.environments``)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from torchmetrics import MeanMetric
 from lit_align import layouts
 from lit_align.errors import LitAlignError
 from lit_align.generation import VLLMOptions, make_engine
+from lit_align.generation.environments import Environments
 from lit_align.generation.tools import ToolLoop, load_tool, tool_schema, turns_text
 from lit_align.generation_round import GenerationRound, RoundShape
 from lit_align.logps import layout_logps
@@ -59,8 +60,13 @@ def check_sampling(loss_type: str, scale_rewards: str, temperature: float, max_c
                             f"got {max_completion_length}")
 
 
-def load_rewards(specs: list[str | dict] | None, weights: list[float] | None) -> tuple[list, list[str], list[float]]:
-    """``(reward functions, their names, their weights)`` from ``model.reward_funcs`` / ``model.reward_weights``."""
+def load_rewards(specs: list[str | dict] | None, weights: list[float] | None,
+                 owned: list | None = None) -> tuple[list, list[str], list[float]]:
+    """``(reward functions, their names, their weights)`` from ``model.reward_funcs`` / ``model.reward_weights``, and
+    the rewards environments own (``owned``: weight 1, after them, as TRL)."""
+    owned = owned or []
+    if not specs and owned:
+        return owned, [reward_name(fn) for fn in owned], [1.0] * len(owned)
     if not specs:  # TRL requires them: a default reward would fit one dataset and silently score others
         raise LitAlignError("model.reward_funcs: none given; GRPO scores completions only with the reward functions "
                             "you name (TRL's reward_funcs): e.g. [lit_align.rewards.sort_accuracy] for the built-in "
@@ -69,7 +75,8 @@ def load_rewards(specs: list[str | dict] | None, weights: list[float] | None) ->
     weights = weights or [1.0] * len(funcs)
     if len(weights) != len(funcs):
         raise LitAlignError(f"model.reward_weights has {len(weights)} values for {len(funcs)} reward_funcs")
-    return funcs, [reward_name(fn) for fn in funcs], weights
+    funcs += owned
+    return funcs, [reward_name(fn) for fn in funcs], list(weights) + [1.0] * len(owned)
 
 
 class GRPOModule(AlignModule):
@@ -129,6 +136,10 @@ class GRPOModule(AlignModule):
             conversational prompts and a chat template that renders tool calls (``builtin:tools`` for the
             built-in models). None: one completion per sample, no tools.
         max_tool_calling_iterations: rounds of tool calls per completion at most (TRL's; None: until no call).
+        environment_factory: an environment class per rollout (TRL's): a class path, ``{class_path, init_args}``, or
+            a mapping of names to those picked per row by its ``environment`` column. Its ``reset(**row)`` may append
+            text to the prompt, its public methods are the rollout's tools, and a ``get_reward()`` makes it a reward
+            source (``reward_funcs`` may then be empty). See ``lit_align.generation.environments``.
     """
 
     def __init__(
@@ -163,12 +174,15 @@ class GRPOModule(AlignModule):
         vllm_importance_sampling_clip_max: float | None = 3.0,
         tools: list[str | dict] | None = None,
         max_tool_calling_iterations: int | None = None,
+        environment_factory: str | dict | None = None,
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
         self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, owner="model")
         check_sampling(loss_type, scale_rewards, temperature, max_completion_length)
-        self.reward_funcs, self.reward_names, weights = load_rewards(reward_funcs, reward_weights)
+        self.environments = None if environment_factory is None else Environments(environment_factory)
+        owned = [] if self.environments is None else self.environments.reward_functions()
+        self.reward_funcs, self.reward_names, weights = load_rewards(reward_funcs, reward_weights, owned)
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
         self.loss_type, self.beta = loss_type, beta
         self.epsilon, self.epsilon_high, self.scale_rewards = epsilon, epsilon_high, scale_rewards
@@ -214,7 +228,7 @@ class GRPOModule(AlignModule):
         for fn in self.reward_funcs:  # reward models load with the policy's settings (TRL: model_init_kwargs)
             if isinstance(fn, RewardModel):
                 fn.load(hp.dtype, hp.trust_remote_code, hp.model_init_kwargs)
-        if self.tools and self.tool_loop is None:  # refuses a template that cannot call tools, before training
+        if (self.tools or self.environments is not None) and self.tool_loop is None:  # refuses a template that cannot call tools, before training
             self.tool_loop = ToolLoop(self.tools, self.tokenizer, self.max_completion_length,
                                       hp.max_tool_calling_iterations,
                                       getattr(self.network.config, "max_position_embeddings", None))
@@ -228,9 +242,12 @@ class GRPOModule(AlignModule):
         """``num_samples`` completions per prompt: the ``Rollout``, the prompts (repeated) and the completions (text,
         or an assistant message for conversational prompts)."""
         tok = self.tokenizer
-        generate = engine.generate if self.tool_loop is None else partial(self.tool_loop.generate, engine)
-        rollout = generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples,
-                           eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+        eos_pad = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id}
+        if self.environments is not None:  # a fresh environment per rollout, its prompt rendered after its reset
+            rollout = self.environments.rollout(self.tool_loop, engine, self.policy, batch, num_samples, **eos_pad)
+        else:
+            generate = engine.generate if self.tool_loop is None else partial(self.tool_loop.generate, engine)
+            rollout = generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples, **eos_pad)
         prompts = _repeat(batch["prompts"], num_samples)
         if self.tool_loop is not None:  # the turns: assistant (with tool_calls), tool, assistant, ...
             return rollout, prompts, rollout.messages
@@ -247,6 +264,8 @@ class GRPOModule(AlignModule):
         extra = {"trainer_state": state, "log_metric": lambda name, value: self.reward_metrics.setdefault(
                      name, []).append(float(value)),
                  "log_extra": lambda column, values: self.reward_columns.setdefault(column, []).extend(values)}
+        if getattr(rollout, "environments", None) is not None:  # TRL: every reward function sees them
+            extra["environments"] = rollout.environments
         for fn in self.reward_funcs:
             if isinstance(fn, RewardModel):
                 fn.to(self.device)
@@ -282,6 +301,8 @@ class GRPOModule(AlignModule):
 
         prompt_ids = batch["prompt_ids"].repeat_interleave(group, 0)
         prompt_mask = batch["prompt_mask"].repeat_interleave(group, 0)
+        if getattr(rollout, "prompt_ids", None) is not None:  # each rollout's own prompt (environments)
+            prompt_ids, prompt_mask = rollout.prompt_ids, rollout.prompt_mask
         completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask
         tool_mask = getattr(rollout, "tool_mask", None)  # 0 on tool turns: not the policy's tokens
         loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
