@@ -414,3 +414,27 @@ class BrokenEnvironment:
 
     def reset(self, **row) -> None:
         raise ValueError("no such level")
+
+
+def replay_rollout(prompts, module):
+    """A test ``rollout_func``: each prompt rendered by the module's tokenizer, completion ``"<k>|env|ok</s>"`` for
+    the k-th prompt with ``|env|`` marked as not sampled (``env_mask`` 0), log-probs -0.5, and a ``score`` column
+    (k) for ``reward_score``."""
+    tok = module.tokenizer
+    prompt_ids = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) if isinstance(p, list)
+                  else tok(p)["input_ids"] for p in prompts]
+    parts = [[tok(f"{k}")["input_ids"], tok("|env|")["input_ids"], tok("ok</s>")["input_ids"]] for k in range(len(prompts))]
+    return {"prompt_ids": prompt_ids, "completion_ids": [a + b + c for a, b, c in parts],
+            "logprobs": [[-0.5] * (len(a) + len(b) + len(c)) for a, b, c in parts],
+            "env_mask": [[1] * len(a) + [0] * len(b) + [1] * len(c) for a, b, c in parts],
+            "score": [float(k) for k in range(len(prompts))]}
+
+
+def reward_score(completions, score, **_):
+    """Reads a rollout_func's own column."""
+    return list(score)
+
+
+def bad_rollout(prompts, module):
+    """A test ``rollout_func`` that returns the completions alone (no ids)."""
+    return ["12"] * len(prompts)

@@ -222,6 +222,7 @@ class ToolRollout(Rollout):
     prompt_ids: torch.Tensor | None = None  # [N, P] each row's prompt, where rows have their own (environments)
     prompt_mask: torch.Tensor | None = None
     environments: list | None = None  # each row's environment (``lit_align.generation.environments``)
+    extra: dict[str, list] | None = None  # per row: what a rollout_func returned besides the ids (reward kwargs)
 
 
 @dataclass
@@ -376,3 +377,41 @@ def _as_rollout(rows: list[_Row], truncated: list[bool], counts: list[int], pad:
         tool_calls=counts[0],
         tool_failures=counts[1],
     )
+
+
+ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
+
+
+def rollout_from_output(output: dict, name: str, rows: int, eos_token_ids: list[int], pad_token_id: int,
+                        device) -> ToolRollout:
+    """What a ``rollout_func`` (TRL's: ``f(prompts, module) -> dict``) returned, as a rollout: per row, its
+    ``prompt_ids``, ``completion_ids`` and ``logprobs`` (lists; ``logprobs`` may be None), an optional ``env_mask``
+    (0 on tokens the model did not sample: the tool mask) and any other keys, which reach the reward functions."""
+    where = f"model.rollout_func {name!r}"
+    if not isinstance(output, dict) or set(ROLLOUT_KEYS) - set(output):
+        got = sorted(output) if isinstance(output, dict) else type(output).__name__
+        raise LitAlignError(f"{where} returned {got}; expected a dict with keys {list(ROLLOUT_KEYS)} (and optionally "
+                            "env_mask and reward-function columns)")
+    prompts, completions, logps = output["prompt_ids"], output["completion_ids"], output["logprobs"]
+    mask = output.get("env_mask")
+    for key, values in (("prompt_ids", prompts), ("completion_ids", completions), ("logprobs", logps),
+                        ("env_mask", mask)):
+        if values is not None and len(values) != rows:
+            raise LitAlignError(f"{where}: {key} has {len(values)} rows for {rows} completions")
+    for i, ids in enumerate(completions):
+        if not ids:
+            raise LitAlignError(f"{where}: completion_ids[{i}] is empty")
+        for key, values in (("logprobs", logps), ("env_mask", mask)):
+            if values is not None and len(values[i]) != len(ids):
+                raise LitAlignError(f"{where}: {key}[{i}] has {len(values[i])} values for {len(ids)} completion ids")
+    ends = set(eos_token_ids) | {pad_token_id}
+    rows_ = [_Row(list(p), list(c), list(mask[i]) if mask is not None else [1] * len(c),
+                  None if logps is None else [float(v) for v in logps[i]], [])
+             for i, (p, c) in enumerate(zip(prompts, completions))]
+    rollout = _as_rollout(rows_, [c[-1] not in ends for c in completions], [0, 0], pad_token_id, device)
+    rollout.prompt_ids, rollout.prompt_mask = _left_pad([list(p) for p in prompts], pad_token_id, device)
+    rollout.messages = None
+    if mask is None:
+        rollout.tool_mask = None
+    rollout.extra = {k: v for k, v in output.items() if k not in (*ROLLOUT_KEYS, "env_mask")}
+    return rollout

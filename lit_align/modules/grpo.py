@@ -21,7 +21,7 @@ from lit_align import layouts
 from lit_align.errors import LitAlignError
 from lit_align.generation import VLLMOptions, make_engine
 from lit_align.generation.environments import Environments
-from lit_align.generation.tools import ToolLoop, load_tool, tool_schema, turns_text
+from lit_align.generation.tools import ToolLoop, load_tool, rollout_from_output, tool_schema, turns_text
 from lit_align.generation_round import GenerationRound, RoundShape
 from lit_align.logps import layout_logps
 from lit_align.losses.grpo import (
@@ -140,6 +140,11 @@ class GRPOModule(AlignModule):
             a mapping of names to those picked per row by its ``environment`` column. Its ``reset(**row)`` may append
             text to the prompt, its public methods are the rollout's tools, and a ``get_reward()`` makes it a reward
             source (``reward_funcs`` may then be empty). See ``lit_align.generation.environments``.
+        rollout_func: a dotted path to ``f(prompts, module) -> dict`` that makes the round's completions instead of
+            the engine (TRL's ``rollout_func``; ``prompts``: one per completion, each prompt ``num_generations``
+            times in a row): per completion its ``prompt_ids``, ``completion_ids`` and ``logprobs`` (lists; None:
+            computed by a forward), optionally ``env_mask`` (0 on tokens the model did not sample, as the tool mask)
+            and other keys, passed to the reward functions. Validation samples with the engine.
     """
 
     def __init__(
@@ -175,6 +180,7 @@ class GRPOModule(AlignModule):
         tools: list[str | dict] | None = None,
         max_tool_calling_iterations: int | None = None,
         environment_factory: str | dict | None = None,
+        rollout_func: str | None = None,
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
@@ -198,6 +204,7 @@ class GRPOModule(AlignModule):
             raise LitAlignError(f"model.max_tool_calling_iterations must be >= 0 or null, got "
                                 f"{max_tool_calling_iterations}")
         self.tool_loop: ToolLoop | None = None  # built with the tokenizer (configure_model)
+        self.rollout_func = None if rollout_func is None else load_tool(rollout_func, "model.rollout_func")
         self.round: GenerationRound | None = None
         self.reward_metrics: dict[str, list[float]] = {}  # what reward functions log this round (log_metric)
         self.reward_columns: dict[str, list] = {}  # and their completions-table columns (log_extra)
@@ -243,13 +250,17 @@ class GRPOModule(AlignModule):
         or an assistant message for conversational prompts)."""
         tok = self.tokenizer
         eos_pad = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id}
-        if self.environments is not None:  # a fresh environment per rollout, its prompt rendered after its reset
+        if self.rollout_func is not None and engine is self.engine:  # the user's rollouts (TRL's rollout_func)
+            output = self.rollout_func(_repeat(batch["prompts"], num_samples), self)
+            rollout = rollout_from_output(output, self.hparams.rollout_func, len(batch["prompts"]) * num_samples,
+                                          device=self.device, **eos_pad)
+        elif self.environments is not None:  # a fresh environment per rollout, its prompt rendered after its reset
             rollout = self.environments.rollout(self.tool_loop, engine, self.policy, batch, num_samples, **eos_pad)
         else:
             generate = engine.generate if self.tool_loop is None else partial(self.tool_loop.generate, engine)
             rollout = generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples, **eos_pad)
         prompts = _repeat(batch["prompts"], num_samples)
-        if self.tool_loop is not None:  # the turns: assistant (with tool_calls), tool, assistant, ...
+        if getattr(rollout, "messages", None) is not None:  # the turns: assistant (with tool_calls), tool, ...
             return rollout, prompts, rollout.messages
         texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
@@ -266,6 +277,7 @@ class GRPOModule(AlignModule):
                  "log_extra": lambda column, values: self.reward_columns.setdefault(column, []).extend(values)}
         if getattr(rollout, "environments", None) is not None:  # TRL: every reward function sees them
             extra["environments"] = rollout.environments
+        extra.update(getattr(rollout, "extra", None) or {})  # a rollout_func's own columns
         for fn in self.reward_funcs:
             if isinstance(fn, RewardModel):
                 fn.to(self.device)
@@ -385,7 +397,7 @@ class GRPOModule(AlignModule):
             **{f"rewards/{n}/mean": per_func[:, i].nanmean() for i, n in enumerate(self.reward_names)},
             **{name: torch.tensor(sum(v) / len(v), device=self.device) for name, v in self.reward_metrics.items()},
         }
-        if tool_mask is not None:  # TRL's: calls per completion, and the failed share of the calls (all ranks)
+        if self.tool_loop is not None:  # TRL's: calls per completion, and the failed share of the calls (all ranks)
             calls, failures = self.trainer.strategy.reduce(
                 torch.tensor([rollout.tool_calls, rollout.tool_failures], dtype=torch.float32, device=self.device),
                 reduce_op="sum")

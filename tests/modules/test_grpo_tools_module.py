@@ -140,3 +140,26 @@ def test_text_prompts_and_templates_without_tool_calls_are_refused(tmp_path, wri
     with pytest.raises(LitAlignError, match=r"model.max_tool_calling_iterations must be >= 0"):
         GRPOModule(tools=["lit_align.data.tasks.add"], max_tool_calling_iterations=-1,
                    reward_funcs=["helpers.reward_digit_fraction"])
+
+
+def test_a_rollout_func_makes_the_round(tmp_path, prompts_file, tiny_path):
+    """TRL's rollout_func: its ids are the round's, its env_mask is the tool mask (out of the loss and the lengths),
+    its other keys reach the reward functions; a malformed return is one error naming it."""
+    module = GRPOModule(model="builtin:tiny", chat_template="builtin:tools", rollout_func="helpers.replay_rollout",
+                        reward_funcs=["helpers.reward_score"], num_generations=2, max_completion_length=16,
+                        learning_rate=0.0)
+    data = PromptDataModule(path=prompts_file, val_split=None, batch_size=4, num_generations=2, shuffle=False,
+                            chat_template="builtin:tools")
+    fit(module, data, logger=CSVLogger(tmp_path, name="rf"))
+    rnd, tok = module.round, module.tokenizer
+    assert tok.decode(rnd.completion_ids[1][rnd.completion_mask[1].bool()]) == "1|env|ok</s>"
+    assert tok.decode(rnd.completion_ids[1][rnd.loss_mask[1].bool()]) == "1ok</s>"
+    assert tok.decode(rnd.prompt_ids[0][rnd.prompt_mask[0].bool()]).startswith("<|user|>")  # rendered by it
+    assert rnd.rewards == [0.0, 1.0, 2.0, 3.0]
+    metrics = read_metrics(tmp_path / "rf" / "version_0" / "metrics.csv")
+    assert metric_at(metrics, "train/completions/mean_length", 0) == 4.0  # "1", "ok", "</s>"
+    with pytest.raises(LitAlignError, match=r"model.rollout_func 'helpers.bad_rollout' returned list; expected a "
+                                            r"dict with keys \['prompt_ids', 'completion_ids', 'logprobs'\]"):
+        fit(GRPOModule(model="builtin:tiny", rollout_func="helpers.bad_rollout", num_generations=2,
+                       reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=8),
+            PromptDataModule(path=prompts_file, val_split=None, batch_size=4, num_generations=2))
