@@ -211,7 +211,8 @@ class GRPOModule(AlignModule):
         self.generation_rounds = 0
         self.generation_seed = torch.initial_seed()  # re-read at fit start (after ``seed_everything``)
         self.val_metrics = torch.nn.ModuleDict(
-            {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names)]})
+            {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names),
+                                             *(["tool_calls"] if tools or environment_factory else [])]})
 
     def make_engines(self, engine: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int):
         """The ``engine`` sampling the rounds and its greedy twin for validation. The vLLM engine's options, set
@@ -493,5 +494,9 @@ class GRPOModule(AlignModule):
             if not values.isnan().all():
                 metric.update(values[~values.isnan()])
                 self.log(f"val/rewards/{name}/mean", metric)
+        if "tool_calls" in self.val_metrics:  # tool calls per completion (TRL's tools/call_frequency)
+            calls = self.val_metrics["tool_calls"]
+            calls.update(torch.tensor(rollout.tool_calls / len(prompts), device=self.device), weight=len(prompts))
+            self.log("val/tools/call_frequency", calls)
 
     test_step = validation_step

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from lit_align.cli import run as cli
 from lit_align.data.tasks import ArithmeticTask
 from lit_align.rewards import arith_exact, arith_format, last_number_match
@@ -67,3 +69,26 @@ def test_lit_align_validates_a_model_on_the_arith_task(tmp_path, tiny_path):
     metrics = cli(args).trainer.callback_metrics
     assert float(metrics["val/rewards/arith_format/mean"]) == 0.0
     assert 0.0 <= float(metrics["val/rewards/last_number_match/mean"]) <= 1.0
+
+
+def test_add_task_demonstrates_its_tool_on_a_fraction_of_the_sft_rows():
+    import json
+
+    from lit_align.data.tasks import AdditionTask, add
+    from lit_align.errors import LitAlignError
+
+    task = AdditionTask(num_train=200, num_test=20)
+    train, test = task.prompt_rows("train"), task.prompt_rows("test")
+    assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in test}
+    for r in train:
+        a, b = map(int, r["prompt"][0]["content"].split("+"))
+        assert r["answer"] == str(a + b) == str(add(a, b)) and 100 <= min(a, b) and max(a, b) <= 9999
+    sft = task.completion_rows("train")
+    calls = [r for r in sft if len(r["completion"]) == 3]
+    assert 0.35 < len(calls) / len(sft) < 0.65  # tool_fraction 0.5, seeded
+    call, result, answer = calls[0]["completion"]
+    arguments = call["tool_calls"][0]["function"]["arguments"]
+    assert result["content"] == answer["content"] == str(arguments["a"] + arguments["b"])
+    assert json.loads(sft[0]["tools"])[0]["function"]["name"] == "add"
+    with pytest.raises(LitAlignError, match="builtin:add has prompts"):
+        task.preference_rows("train")
