@@ -220,20 +220,33 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-class AdditionTask(GeneratedTask):
-    """Add two numbers of ``min_digits``..``max_digits`` digits, with a tool: ``"4821+3907"`` -> ``"8728"``.
+class AdditionEnvironment:
+    """The add task's environment (GRPO's ``model.environment_factory: lit_align.data.tasks.AdditionEnvironment``):
+    a calculator that has read the question, so its one tool, ``compute``, takes no arguments."""
 
-    The tool task of the built-in models (GRPO's ``model.tools: [lit_align.data.tasks.add]``, ``chat_template:
-    builtin:tools``): carries along four digits are more than the tiny character-level model learns in a short run,
-    and copying digits into an ``add`` call and its result back out is not. Prompts are one user turn; the ``answer``
-    column is the sum (``lit_align.rewards.sort_exact`` scores the last turn). SFT rows demonstrate the tool on a
-    seeded ``tool_fraction`` of the problems (call, result, the result as the answer) and answer directly on the
-    others, so a model trained on them calls the tool sometimes: room for GRPO to learn when it pays. Their ``tools``
-    column holds the tool's schema, as the prompts are rendered in GRPO. No preference rows.
+    def reset(self, **row) -> None:
+        self.question = row["prompt"][-1]["content"]
+
+    def compute(self) -> int:
+        """Compute the answer to the question."""
+        a, b = self.question.split("+")
+        return int(a) + int(b)
+
+
+class AdditionTask(GeneratedTask):
+    """Add two numbers of ``min_digits``..``max_digits`` digits: ``"4821+3907"`` -> ``"8728"``, with a tool.
+
+    The tool task of the built-in models (``configs/grpo_tools.yaml``). Carries along four digits are more than the
+    tiny character-level model learns in a short run; calling the environment's ``compute`` tool
+    (``AdditionEnvironment``) and copying its result is not. Prompts are one user turn; the ``answer`` column is the
+    sum. SFT rows demonstrate the tool on a seeded ``tool_fraction`` of the problems (call, result, the result as
+    the answer) and answer directly on the others, so a model trained on them calls the tool on some prompts only:
+    room for GRPO to learn that it pays. Their ``tools`` column holds the tool's schema, rendered into the prompt as
+    GRPO renders it. ``add`` (two arguments) is the same tool for ``model.tools``, where the model must also copy the
+    numbers into its call. No preference rows.
     """
 
     name = "add"
-    TOOLS = (add,)
 
     def __init__(self, num_train: int = 2000, num_test: int = 100, min_digits: int = 3, max_digits: int = 4,
                  tool_fraction: float = 0.5):
@@ -261,10 +274,10 @@ class AdditionTask(GeneratedTask):
 
     @staticmethod
     def tool_turns(a: int, b: int) -> list[dict]:
-        """The demonstration: call ``add``, get the sum, answer with it."""
-        call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+        """The demonstration: call ``compute``, get the sum, answer with it."""
+        call = {"type": "function", "function": {"name": "compute", "arguments": {}}}
         return [{"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "name": "add", "content": str(a + b)},
+                {"role": "tool", "name": "compute", "content": str(a + b)},
                 {"role": "assistant", "content": str(a + b)}]
 
     def prompt_rows(self, split: str) -> Dataset:
@@ -279,7 +292,7 @@ class AdditionTask(GeneratedTask):
         problems = self._problems(split)
         completions = [self.tool_turns(a, b) if rng.random() < self.tool_fraction
                        else [{"role": "assistant", "content": str(a + b)}] for a, b in problems]
-        schemas = json.dumps([get_json_schema(tool) for tool in self.TOOLS])
+        schemas = json.dumps([get_json_schema(AdditionEnvironment().compute)])
         return Dataset.from_dict({"prompt": [self.prompt(a, b) for a, b in problems],
                                   "completion": completions,
                                   "tools": [schemas] * len(problems)})

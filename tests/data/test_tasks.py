@@ -74,7 +74,7 @@ def test_lit_align_validates_a_model_on_the_arith_task(tmp_path, tiny_path):
 def test_add_task_demonstrates_its_tool_on_a_fraction_of_the_sft_rows():
     import json
 
-    from lit_align.data.tasks import AdditionTask, add
+    from lit_align.data.tasks import AdditionEnvironment, AdditionTask, add
     from lit_align.errors import LitAlignError
 
     task = AdditionTask(num_train=200, num_test=20)
@@ -86,9 +86,12 @@ def test_add_task_demonstrates_its_tool_on_a_fraction_of_the_sft_rows():
     sft = task.completion_rows("train")
     calls = [r for r in sft if len(r["completion"]) == 3]
     assert 0.35 < len(calls) / len(sft) < 0.65  # tool_fraction 0.5, seeded
-    call, result, answer = calls[0]["completion"]
-    arguments = call["tool_calls"][0]["function"]["arguments"]
-    assert result["content"] == answer["content"] == str(arguments["a"] + arguments["b"])
-    assert json.loads(sft[0]["tools"])[0]["function"]["name"] == "add"
+    for row in calls:
+        call, result, answer = row["completion"]
+        assert call["tool_calls"][0]["function"]["name"] == "compute"
+        environment = AdditionEnvironment()
+        environment.reset(prompt=row["prompt"], answer=None)
+        assert result["content"] == answer["content"] == str(environment.compute())
+    assert json.loads(sft[0]["tools"])[0]["function"]["name"] == "compute"
     with pytest.raises(LitAlignError, match="builtin:add has prompts"):
         task.preference_rows("train")
