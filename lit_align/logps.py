@@ -20,6 +20,7 @@ policy under FSDP is chunked: its head lives in the root unit, whole during ``tr
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -234,9 +235,15 @@ def chunked_token_logps(
     return logps.view(shape), {name: v.view(shape) for name, v in zip(stats, values)}
 
 
-def plain_token_stats(logits: torch.Tensor, stats: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The ``stats`` of ``chunked_token_logps`` from full (already scaled) logits, without gradient."""
+def plain_token_stats(logits: torch.Tensor, stats: tuple[str, ...],
+                      entropy_grad: bool = False) -> dict[str, torch.Tensor]:
+    """The ``stats`` of ``chunked_token_logps`` from full (already scaled) logits, without gradient, but for the
+    entropy with ``entropy_grad`` (an entropy bonus trains on it)."""
     out = {}
+    if entropy_grad and "entropy" in stats:
+        full = logits.to(compute_dtype(logits.dtype))
+        out["entropy"] = torch.logsumexp(full, -1) - (full.softmax(-1) * full).sum(-1)
+        stats = tuple(name for name in stats if name != "entropy")
     with torch.no_grad():
         logits = logits.detach()
         if "entropy" in stats:
@@ -295,6 +302,7 @@ def next_token_logps(
     stats: tuple[str, ...] = (),
     source: torch.Tensor | None = None,
     targets: torch.Tensor | None = None,
+    entropy_grad: bool = False,
     **forward_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Log-probs ``[N, L - start]`` (fp32) of ``input_ids[:, start:]``, each given the tokens before it.
@@ -304,7 +312,8 @@ def next_token_logps(
     ``L - start + 1`` positions only (``logits_to_keep``). ``stats``: as in ``chunked_token_logps``, on the same
     tempered logits. ``source`` (``[N, L - start]``): the position whose output predicts each label, when it is not
     the one just before it (DPO's shared-prompt rows, packed rows). ``targets`` (``[S]``, flat positions into
-    ``[N * L]``): score these tokens only, ``source`` then flat too; log-probs ``[1, S]``. ``forward_kwargs``
+    ``[N * L]``): score these tokens only, ``source`` then flat too; log-probs ``[1, S]``. ``entropy_grad``: the
+    ``entropy`` stat keeps its gradient (the plain path only: refused where the head is chunked). ``forward_kwargs``
     (``attention_mask``, ``position_ids``, ...) go to the model.
     """
     start = max(int(start), 1)
@@ -326,10 +335,16 @@ def next_token_logps(
     # backward where they are small (``KEEP_LOGITS_BYTES``), an explicit ``chunk_size`` never keeping them
     parts = chunkable_head(model) if chunk_size or source is not None else None
     if parts is not None:
+        if entropy_grad:
+            raise LitAlignError("the entropy's gradient is computed from full logits only: not with logps_chunk_size "
+                                "or a packed (padding_free) layout")
         decoder, head, scale = parts
         hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
-        return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size or DEFAULT_CHUNK_ROWS,
-                                   scale / temperature, stats, keep_logits=chunk_size is None)
+        fp32 = getattr(head, "fp32_matmul", False)  # ``lit_align.models.cast_lm_head_to_fp32``
+        with torch.autocast(hidden.device.type, enabled=False) if fp32 else nullcontext():
+            return chunked_token_logps(hidden.float() if fp32 else hidden, head.weight, labels, head.bias,
+                                       chunk_size or DEFAULT_CHUNK_ROWS, scale / temperature, stats,
+                                       keep_logits=chunk_size is None)
     if not takes_logits_to_keep(model):
         logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
     elif source is None:  # the logits of the last L - start + 1 positions
@@ -340,7 +355,7 @@ def next_token_logps(
         logits = logits[rows, torch.searchsorted(keep, source)]
     if temperature != 1.0:
         logits = logits / temperature
-    return token_logps(logits, labels), plain_token_stats(logits, stats)
+    return token_logps(logits, labels), plain_token_stats(logits, stats, entropy_grad)
 
 
 class TokenLogps(NamedTuple):
@@ -349,11 +364,11 @@ class TokenLogps(NamedTuple):
     tokens: torch.Tensor  # log-prob of each scored token (fp32, fp64 for fp64 models; 0 where ``mask`` is 0)
     mask: torch.Tensor  # bool: which grid positions are scored tokens
     labels: torch.Tensor  # the token ids scored (arbitrary where ``mask`` is 0)
-    stats: dict[str, torch.Tensor]  # the asked ``STATS`` per token, without gradient
+    stats: dict[str, torch.Tensor]  # the asked ``STATS`` per token, without gradient (but ``entropy_grad``'s)
 
 
 def layout_logps(model: torch.nn.Module, layout, stats: tuple[str, ...] = (), chunk_size: int | None = None,
-                 temperature: float = 1.0) -> TokenLogps:
+                 temperature: float = 1.0, entropy_grad: bool = False) -> TokenLogps:
     """The log-probs (and ``stats``) of a ``lit_align.layouts.Layout``'s scored tokens: one forward of ``model``.
 
     Every recipe's log-probs come from here: SFT's rows, DPO's pairs (plain or shared-prompt), GRPO's completions
@@ -373,7 +388,8 @@ def layout_logps(model: torch.nn.Module, layout, stats: tuple[str, ...] = (), ch
     if layout.position_ids is not None:
         kwargs["position_ids"] = layout.position_ids
     tokens, values = next_token_logps(model, layout.input_ids, layout.start, chunk_size, temperature, stats=stats,
-                                      source=layout.source, targets=layout.targets, **kwargs)
+                                      source=layout.source, targets=layout.targets, entropy_grad=entropy_grad,
+                                      **kwargs)
     labels = layout.to_grid(layout.labels())
     return TokenLogps(layout.to_grid(tokens).masked_fill(~layout.mask, 0), layout.mask, labels,
                       {name: layout.to_grid(v) for name, v in values.items()})
