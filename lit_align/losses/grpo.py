@@ -94,7 +94,7 @@ def grpo_token_losses(
     The policy term is multiplied by ``token_weights`` (the off-policy and high-entropy masks) and, but for ``vespo``,
     by ``is_ratio`` (the sampling engine's importance weights); the KL ``exp(ref - logps) - (ref - logps) - 1`` is added
     after, times ``w`` with ``use_bias_correction_kl`` (DeepSeek-V3.2's unbiased KL gradient). Diagnostics: ``kl``;
-    ``low_clipped``/``high_clipped`` (clip family, as TRL counts them: ``w`` outside the band on the side where clipping
+    ``low_clipped``/``high_clipped`` (clip family, as TRL counts them: ``w'`` outside the band on the side where clipping
     binds), ``cispo_clipped`` (``w > epsilon_high`` with ``A > 0``), ``phi_seq`` (``vespo``).
     """
     if loss_type not in GRPO_LOSS_TYPES:
@@ -117,7 +117,7 @@ def grpo_token_losses(
         losses = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps
         info["cispo_clipped"] = ((ratio > epsilon_high) & (adv > 0)).to(logps.dtype)
     elif loss_type == "sapo":
-        tau = torch.where(adv > 0, sapo_temperatures[0], sapo_temperatures[1])
+        tau = torch.where(adv > 0, adv.new_tensor(sapo_temperatures[0]), adv.new_tensor(sapo_temperatures[1]))
         losses = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
     elif loss_type == "vespo":
         phi = vespo_gamma_weights(adv, log_ratio.detach(), mask, is_ratio, *vespo_params)
@@ -127,8 +127,9 @@ def grpo_token_losses(
         clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
         unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
         losses = -torch.min(unclipped * adv, clipped * adv)
-        info["low_clipped"] = ((ratio < 1 - epsilon) & (adv < 0)).to(logps.dtype)
-        info["high_clipped"] = ((ratio > 1 + epsilon_high) & (adv > 0)).to(logps.dtype)
+        # counted on the delta-capped ratio, as TRL counts them
+        info["low_clipped"] = ((unclipped < 1 - epsilon) & (adv < 0)).to(logps.dtype)
+        info["high_clipped"] = ((unclipped > 1 + epsilon_high) & (adv > 0)).to(logps.dtype)
     if token_weights is not None:
         losses = losses * token_weights
     if is_ratio is not None and loss_type != "vespo":
@@ -162,8 +163,8 @@ def vespo_gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask:
             seq = seq + torch.log(is_ratio).clamp(low, 20.0).sum(-1, keepdim=True)
         log_w = seq.clamp(low, 20.0)
         nonneg = advantages >= 0
-        k = torch.where(nonneg, k_pos, k_neg)
-        lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)
+        k = torch.where(nonneg, log_w.new_tensor(k_pos), log_w.new_tensor(k_neg))
+        lam = torch.where(nonneg, log_w.new_tensor(lambda_pos), log_w.new_tensor(lambda_neg)).clamp(min=1e-4)
         return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from lit_align.errors import LitAlignError
 from lit_align.losses.grpo import (
     GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, aggregate_grpo_loss,
-    grpo_token_losses,
+    grpo_token_losses, high_entropy_mask, masked_mean, off_policy_mask,
 )
 
 
@@ -92,18 +93,45 @@ class GRPOLoss:
         """Whether the loss subtracts ``entropy_coef`` times the mean entropy (adaptive: always, as TRL)."""
         return self.entropy_coef != 0.0 or self.use_adaptive_entropy
 
-    def token_losses(self, logps, old_logps, advantages, mask, ref_logps=None, token_weights=None, is_ratio=None):
-        """``grpo_token_losses`` with these settings."""
-        return grpo_token_losses(
+    def __call__(self, logps, old_logps, advantages, mask, *, max_completion_length: int, num_tokens: float,
+                 ref_logps=None, entropy=None, entropy_pool=None, sampling_logps=None, is_ratio=None,
+                 entropy_coef: float = 0.0) -> StepLoss:
+        """One step's loss, as TRL's ``GRPOTrainer._compute_loss``: the masks (``top_entropy_quantile`` over
+        ``entropy``, its threshold from ``entropy_pool``: every rank's loss tokens' entropies; the off-policy mask
+        against ``sampling_logps``, default the old log-probs), the per-token losses, their reduction, minus
+        ``entropy_coef`` times the mean ``entropy`` over the trained tokens when the bonus is on."""
+        mask = mask.to(logps.dtype)
+        entropy_mask, token_weights = None, None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = high_entropy_mask(entropy.detach(), mask, self.top_entropy_quantile, entropy_pool)
+            token_weights = entropy_mask = entropy_mask.to(logps.dtype)
+        if self.off_policy_mask_threshold is not None:
+            old = logps.detach() if old_logps is None else old_logps
+            opsm = off_policy_mask(advantages, logps, old if sampling_logps is None else sampling_logps, mask,
+                                   self.off_policy_mask_threshold)
+            token_weights = opsm if token_weights is None else token_weights * opsm
+        token_losses, info = grpo_token_losses(
             logps, old_logps, advantages, self.epsilon, self.epsilon_high, ref_logps, self.beta,
             loss_type=self.loss_type, mask=mask, importance_sampling_level=self.importance_sampling_level,
             delta=self.delta, sapo_temperatures=(self.sapo_temperature_pos, self.sapo_temperature_neg),
             vespo_params=(self.vespo_k_pos, self.vespo_lambda_pos, self.vespo_k_neg, self.vespo_lambda_neg),
             token_weights=token_weights, is_ratio=is_ratio, use_bias_correction_kl=self.use_bias_correction_kl)
+        loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, max_completion_length, num_tokens)
+        policy_loss = loss.detach()
+        trained = mask if entropy_mask is None else mask * entropy_mask  # the entropy bonus's tokens (TRL's)
+        if self.entropy_bonus:  # a mean over the tokens, whatever the policy term's reduction
+            loss = loss - entropy_coef * masked_mean(entropy, trained)
+        return StepLoss(loss, policy_loss, token_losses, info, trained)
 
-    def reduce(self, token_losses, mask, max_completion_length: int, num_tokens: float) -> torch.Tensor:
-        """``aggregate_grpo_loss`` with this ``loss_type``."""
-        return aggregate_grpo_loss(token_losses, mask, self.loss_type, max_completion_length, num_tokens)
+
+class StepLoss(NamedTuple):
+    """``GRPOLoss``'s answer for one step."""
+
+    loss: torch.Tensor  # what backward runs on
+    policy_loss: torch.Tensor  # the policy term alone (TRL's ``policy_loss`` metric under an entropy bonus)
+    token_losses: torch.Tensor  # [N, C] or [N, 1], before the reduction
+    info: dict[str, torch.Tensor]  # grpo_token_losses' diagnostics
+    trained: torch.Tensor  # [N, C] the tokens the entropy bonus averages over (the loss mask, high-entropy only)
 
 
 @dataclass

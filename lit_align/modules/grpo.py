@@ -24,8 +24,7 @@ from lit_align.logps import layout_logps
 from lit_align.models import cast_lm_head_to_fp32
 from lit_align.callbacks import RefModelSync
 from lit_align.losses.grpo import (
-    decoupled_advantages, group_advantages, high_entropy_mask, importance_sampling_ratio, masked_mean, nanstd,
-    off_policy_mask,
+    decoupled_advantages, group_advantages, importance_sampling_ratio, masked_mean, nanstd,
 )
 from lit_align.losses.grpo_loss import EntropyControl, GRPOLoss
 from lit_align.modules.base import AlignModule
@@ -487,43 +486,28 @@ class GRPOModule(AlignModule):
         logps, entropy = self.completion_logps(self.network, rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
                                                rows.completion_mask, with_entropy=True, packed=self.padding_free,
                                                entropy_grad=settings.entropy_bonus)
-        token_mask = self.token_mask(rows, logps, entropy.detach())
-        token_losses, info = settings.token_losses(logps, rows.old_logps, rows.advantages, mask, rows.ref_logps,
-                                                   token_mask, rows.is_ratio)
-        loss = settings.reduce(token_losses, mask, self.max_completion_length, self.round.num_tokens)
-        policy_loss = loss.detach()
-        if settings.entropy_bonus:  # over the tokens the policy term trains on, whatever its reduction (TRL)
-            trained = mask if token_mask is None else mask * token_mask
-            loss = loss - self.entropy_control.applied() * masked_mean(entropy, trained)
-            if settings.use_adaptive_entropy:
-                window = torch.stack([(entropy.detach() * trained).sum(), trained.sum()])
-                self.entropy_window = window if self.entropy_window is None else self.entropy_window + window
-        loss = self.guard_loss(loss, (token_losses * mask).sum(1), batch_idx, rows.dataset_rows)
+        step = settings(logps, rows.old_logps, rows.advantages, mask, ref_logps=rows.ref_logps, entropy=entropy,
+                        entropy_pool=self.entropy_pool(entropy, mask) if settings.top_entropy_quantile < 1 else None,
+                        sampling_logps=rows.sampling_logps, is_ratio=rows.is_ratio,
+                        max_completion_length=self.max_completion_length, num_tokens=self.round.num_tokens,
+                        entropy_coef=self.entropy_control.applied())
+        if settings.use_adaptive_entropy:  # this accumulation window's entropy, for the coefficient's update
+            window = torch.stack([(entropy.detach() * step.trained).sum(), step.trained.sum()])
+            self.entropy_window = window if self.entropy_window is None else self.entropy_window + window
+        loss = self.guard_loss(step.loss, (step.token_losses * mask).sum(1), batch_idx, rows.dataset_rows)
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
-        self.log_step(loss, policy_loss, entropy.detach(), info, mask)
+        self.log_step(loss, step.policy_loss, entropy.detach(), step.info, mask)
         return {"loss": loss, "rows": rows, "logps": logps.detach()}  # callbacks see the step's rows (outputs)
 
-    def token_mask(self, rows, logps: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor | None:
-        """The product of the masks that leave tokens out of the policy term (None: none is on): the highest-entropy
-        tokens only (``top_entropy_quantile``, its threshold over every rank's loss tokens), and the off-policy
-        sequence mask (``off_policy_mask_threshold``), as TRL computes them."""
-        settings, mask, weights = self.loss_fn, rows.loss_mask, None
-        if settings.top_entropy_quantile < 1.0:
-            pool = entropy[mask.bool()].float()
-            sizes = self.trainer.strategy.all_gather(torch.tensor(len(pool), device=self.device)).reshape(-1)
-            padded = torch.full((int(sizes.max()),), -1.0, device=self.device)  # entropy >= 0: -1 marks padding
-            padded[: len(pool)] = pool
-            gathered = self.trainer.strategy.all_gather(padded).reshape(-1)
-            weights = high_entropy_mask(entropy, mask, settings.top_entropy_quantile, gathered[gathered >= 0])
-            weights = weights.to(logps.dtype)
-        if settings.off_policy_mask_threshold is not None:
-            old = logps.detach() if rows.old_logps is None else rows.old_logps
-            sampling = old if rows.sampling_logps is None else rows.sampling_logps
-            opsm = off_policy_mask(rows.advantages, logps, sampling, mask.to(logps.dtype),
-                                   settings.off_policy_mask_threshold)
-            weights = opsm if weights is None else weights * opsm
-        return weights
+    def entropy_pool(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Every rank's loss tokens' entropies (``top_entropy_quantile``'s threshold is their quantile, as TRL's)."""
+        mine = entropy.detach()[mask.bool()].float()
+        sizes = self.trainer.strategy.all_gather(torch.tensor(len(mine), device=self.device)).reshape(-1)
+        padded = torch.full((int(sizes.max()),), -1.0, device=self.device)  # entropies are >= 0: -1 marks padding
+        padded[: len(mine)] = mine
+        gathered = self.trainer.strategy.all_gather(padded).reshape(-1)
+        return gathered[gathered >= 0]
 
     def log_step(self, loss, policy_loss, entropy, info: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
         """TRL's per-step metrics (rank-averaged; ``clip_ratio/low_min`` and ``high_max`` over every rank's
