@@ -171,3 +171,24 @@ def test_soft_capped_models_fall_back_to_the_plain_path(tiny_path):
     logps, _ = next_token_logps(model, input_ids, 1, chunk_size=4)  # silently the plain path
     plain = token_logps(model(input_ids).logits[:, :-1], input_ids[:, 1:])
     assert_rounding_close(logps, plain, terms=model.config.vocab_size)
+
+
+def test_entropy_with_its_gradient_on_the_plain_path_only(tiny_path):
+    """``entropy_grad`` (GRPO's entropy bonus trains on it): the same entropy, with the gradient of
+    ``-sum p log p`` of the tempered logits (float64: a formula); the chunked head has none to give and refuses."""
+    from lit_align.errors import LitAlignError
+    from lit_align.models import load_model
+
+    model = load_model("builtin:tiny", dtype="float64")
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    _, plain = next_token_logps(model, ids, 3, temperature=0.7, stats=("entropy",))
+    _, trained = next_token_logps(model, ids, 3, temperature=0.7, stats=("entropy",), entropy_grad=True)
+    assert not plain["entropy"].requires_grad and trained["entropy"].requires_grad
+    torch.testing.assert_close(trained["entropy"], plain["entropy"], rtol=1e-12, atol=1e-12)
+    (got,) = torch.autograd.grad(trained["entropy"].sum(), [model.lm_head.weight])
+    logits = model(input_ids=ids).logits[:, 2:-1] / 0.7
+    direct = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    (want,) = torch.autograd.grad(direct.sum(), [model.lm_head.weight])
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    with pytest.raises(LitAlignError, match="entropy's gradient is computed from full logits only"):
+        next_token_logps(model, ids, 3, chunk_size=4, stats=("entropy",), entropy_grad=True)

@@ -222,6 +222,25 @@ def test_group_advantages_match_trl_formula(float64_default):
         close(group_advantages(rewards, 4, scale), torch.nan_to_num(trl_adv, nan=0.0))
 
 
+def test_decoupled_advantages_match_trl_formula(float64_default):
+    """TRL's ``normalize_then_sum`` (GDPO) advantages, written as ``_generate_and_score_completions`` computes them,
+    with its own ``nanstd``."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    g = torch.Generator().manual_seed(3)
+    per_func = torch.randn(12, 3, generator=g, dtype=torch.float64)
+    per_func[2, 1] = per_func[7, 0] = nan  # a function that did not apply to a completion
+    per_func[9] = nan  # one no function scored
+    weights = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    grouped = per_func.view(-1, 4, 3)
+    reward_k = (grouped - grouped.nanmean(1, keepdim=True)) / (trl_utils.nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+    rewards = (reward_k.view(-1, 3) * weights).nansum(1)
+    rewards[per_func.isnan().all(1)] = nan
+    trl_adv = (rewards - rewards.nanmean()) / (trl_utils.nanstd(rewards) + 1e-4)
+    ours = decoupled_advantages(per_func, weights, 4)
+    close(ours, trl_adv.nan_to_num(0.0))
+    assert not torch.allclose(ours, group_advantages((per_func * weights).nansum(1), 4, "group"))  # not GRPO's
+
+
 def _trl_compute_loss(loss_type, logps, old, ref, advantages, mask, beta, eps, eps_high, num_items, spg,
                       entropies=None, trainer=None, args=None, inputs=None):
     """Run TRL's ``GRPOTrainer._compute_loss`` on fixed per-token log-probs (and entropies); return (loss, TRL's
