@@ -514,3 +514,33 @@ def test_trl_loss_options_are_accepted_by_lit_align_fit_and_move_their_metrics(t
     # each round's synced reference is the policy it trains
     assert metric_at(synced, "train/kl", 2) == pytest.approx(0.0, abs=1e-9)
     assert metric_at(unsynced, "train/kl", 2) > 1e-6
+
+
+def test_readme_lists_every_grpo_config_field():
+    """The README's "GRPOConfig fields" table names every field TRL's ``GRPOConfig`` adds to ``TrainingArguments``, each
+    with what it is here; every ``model.`` option it names is one of ``GRPOModule``'s (the table cannot rot either
+    way)."""
+    import dataclasses
+    import inspect
+    import re
+
+    import transformers
+    import trl
+
+    text = (REPO / "README.md").read_text()
+    table = text.split("### GRPOConfig fields", 1)[1].split("\n#", 1)[0]
+    body = table.split("|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split(" | ") for line in body.splitlines()]
+    listed = {name for first, _ in rows for name in re.findall(r"`(\w+)`", first)}
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)} - base
+    assert sorted(theirs - listed) == [], "GRPOConfig fields missing from the README table"
+    assert sorted(listed - theirs) == [], "README table rows that are not GRPOConfig fields"
+    options = set(inspect.signature(GRPOModule.__init__).parameters) | set(
+        inspect.signature(GRPOModule.__mro__[1].__init__).parameters)
+    for first, second in rows:
+        assert second.strip(" |"), f"{first}: nothing said"
+        named = re.findall(r"`model\.(\w+)`", second)
+        if "`model.` the same names" in second:
+            named += re.findall(r"`(\w+)`", first)
+        assert set(named) <= options, f"{first}: {sorted(set(named) - options)} are not GRPOModule options"
