@@ -1,4 +1,6 @@
-"""GRPO's pure tensor math: group-relative advantages, the clipped per-token surrogate, TRL's loss aggregations.
+"""GRPO's pure tensor math: group-relative advantages (and GDPO's), the per-token policy terms of TRL 1.16's eight
+loss types with their masks (high-entropy tokens, off-policy sequences) and KL, TRL's loss reductions, and the
+sampling engine's importance weights. Their settings, checked once, are ``lit_align.losses.grpo_loss.GRPOLoss``.
 
 Shapes: ``N`` completions (``num_generations`` consecutive ones per prompt), ``C`` completion positions.
 """
