@@ -119,8 +119,8 @@ class GRPOModule(AlignModule):
             policy (its log-probs: vLLM's, else the old policy's) exceeds this (DeepSeek-V3.2; None: off).
         use_bias_correction_kl: multiply the KL term by the importance ratio (its gradient then is the unbiased
             reverse-KL one, even on-policy where the ratio is 1).
-        entropy_coef: subtract this times the mean entropy of the loss tokens from the loss (an exploration bonus;
-            0: off). Needs the entropy's gradient: the padded training forward without ``logps_chunk_size``.
+        entropy_coef: subtract this times the mean entropy of the loss tokens from the loss (an exploration bonus,
+            trained through the entropy's gradient; 0: off).
         use_adaptive_entropy: adapt ``entropy_coef`` every optimizer step (Skywork-OR1): up by ``entropy_coef_delta``
             when the last step's entropy was at most ``entropy_target`` (the bonus then applies), down otherwise.
         entropy_coef_min: lower bound of the adaptive coefficient.
@@ -229,10 +229,6 @@ class GRPOModule(AlignModule):
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
         self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
         self.temperature, self.padding_free = temperature, padding_free
-        if self.loss_fn.entropy_bonus and (padding_free or self.logps_chunk_size is not None):
-            raise LitAlignError("model.entropy_coef / model.use_adaptive_entropy need the entropy's gradient, which "
-                                "the chunked LM head (model.padding_free, model.logps_chunk_size) does not give: "
-                                "use the padded forward without logps_chunk_size")
         lora = self.lora_config is not None
         if sync_ref_model and (beta == 0.0 or lora):
             raise LitAlignError("model.sync_ref_model mixes the policy into the reference model: it needs model.beta "
