@@ -81,8 +81,8 @@ def grpo_token_losses(
     nothing is per token), and per-token diagnostics.
 
     The importance weight ``w = exp(logps - old_logps)`` per token, or per sequence (``importance_sampling_level:
-    sequence``, GSPO: the exp of the completion's mean log-ratio over ``mask``); ``old_logps`` None: on-policy, ``w = 1``
-    with gradient. Policy terms, ``A`` the advantage:
+    sequence``, GSPO: the exp of the completion's mean log-ratio over ``mask``); ``old_logps`` None: on-policy,
+    ``w = 1`` with gradient. Policy terms, ``A`` the advantage:
 
     - ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: ``-min(w' A, clip(w, 1 - epsilon, 1 + epsilon_high) A)``,
       ``w' = min(w, delta)`` with ``delta`` (two-sided clipping, INTELLECT-2), else ``w``;
@@ -96,8 +96,8 @@ def grpo_token_losses(
     The policy term is multiplied by ``token_weights`` (the off-policy and high-entropy masks) and, but for ``vespo``,
     by ``is_ratio`` (the sampling engine's importance weights); the KL ``exp(ref - logps) - (ref - logps) - 1`` is added
     after, times ``w`` with ``use_bias_correction_kl`` (DeepSeek-V3.2's unbiased KL gradient). Diagnostics: ``kl``;
-    ``low_clipped``/``high_clipped`` (clip family, as TRL counts them: ``w'`` outside the band on the side where clipping
-    binds), ``cispo_clipped`` (``w > epsilon_high`` with ``A > 0``), ``phi_seq`` (``vespo``).
+    ``low_clipped``/``high_clipped`` (clip family, as TRL counts them: ``w'`` outside the band on the side where
+    clipping binds), ``cispo_clipped`` (``w > epsilon_high`` with ``A > 0``), ``phi_seq`` (``vespo``).
     """
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"unknown GRPO loss_type {loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
@@ -151,7 +151,8 @@ def grpo_token_losses(
 def vespo_gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
                         is_ratio: torch.Tensor | None = None, k_pos: float = 2.0, lambda_pos: float = 3.0,
                         k_neg: float = 3.0, lambda_neg: float = 2.0) -> torch.Tensor:
-    """VESPO's per-sequence weight ``phi(w) = exp(lambda) w^k exp(-lambda w)`` (1 at ``w = 1``): ``[N, 1]``, no gradient.
+    """VESPO's per-sequence weight ``phi(w) = exp(lambda) w^k exp(-lambda w)`` (1 at ``w = 1``): ``[N, 1]``, no
+    gradient.
 
     ``w`` is the sequence's importance ratio ``exp(sum over mask of log_ratio)`` (token log-ratios clamped to
     [-20, 20]), times the sampling engine's token weights ``is_ratio`` (their logs summed, clamped to
@@ -190,6 +191,14 @@ def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logp
     kl = (sampling_logps - logps.detach()).nan_to_num(0.0)
     mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
     return ((advantages.unsqueeze(1) >= 0) | (mean_kl <= threshold)).to(logps.dtype)
+
+
+def sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each completion's mean of ``values`` over ``mask`` (``[N, 1]`` values: as they are), NaN where it has none
+    (TRL's ``clip_ratio/low_min`` and ``high_max`` are their extremes)."""
+    if values.shape[-1] == 1:
+        return values.squeeze(-1)
+    return (values * mask).sum(-1) / mask.sum(-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

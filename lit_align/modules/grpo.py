@@ -17,16 +17,16 @@ import torch
 from torchmetrics import MeanMetric
 
 from lit_align import layouts
+from lit_align.callbacks import RefModelSync
 from lit_align.errors import LitAlignError
 from lit_align.generation import VLLMOptions, make_engine
 from lit_align.generation_round import GenerationRound, RoundShape
 from lit_align.logps import layout_logps
-from lit_align.models import cast_lm_head_to_fp32
-from lit_align.callbacks import RefModelSync
 from lit_align.losses.grpo import (
-    decoupled_advantages, group_advantages, importance_sampling_ratio, masked_mean, nanstd,
+    decoupled_advantages, group_advantages, importance_sampling_ratio, masked_mean, nanstd, sequence_means,
 )
 from lit_align.losses.grpo_loss import EntropyControl, GRPOLoss
+from lit_align.models import cast_lm_head_to_fp32
 from lit_align.modules.base import AlignModule
 from lit_align.reference import FrozenReference, choose_reference
 from lit_align.rewards import RewardModel, RewardState, load_reward, reward_name, score_all
@@ -34,13 +34,6 @@ from lit_align.rewards import RewardModel, RewardState, load_reward, reward_name
 
 def _repeat(values: list, times: int) -> list:
     return [v for v in values for _ in range(times)]
-
-
-def sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each completion's mean of ``values`` over ``mask`` (``[N, 1]`` values: as they are), NaN where it has none."""
-    if values.shape[-1] == 1:
-        return values.squeeze(-1)
-    return (values * mask).sum(-1) / mask.sum(-1)
 
 
 def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
@@ -512,7 +505,8 @@ class GRPOModule(AlignModule):
         per_sequence = {}
         if "low_clipped" in info:
             low, high = info["low_clipped"], info["high_clipped"]
-            step_stats |= {"clip_ratio/low_mean": masked_mean(low, mask), "clip_ratio/high_mean": masked_mean(high, mask),
+            step_stats |= {"clip_ratio/low_mean": masked_mean(low, mask),
+                           "clip_ratio/high_mean": masked_mean(high, mask),
                            "clip_ratio/region_mean": masked_mean(low + high, mask)}
             per_sequence = {"clip_ratio/low_min": sequence_means(low, mask),
                             "clip_ratio/high_max": sequence_means(high, mask)}
