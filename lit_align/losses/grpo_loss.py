@@ -2,8 +2,8 @@
 controller (``EntropyControl``).
 
 The formulas are in ``lit_align.losses.grpo``; ``GRPOModule`` builds one ``GRPOLoss`` from its flat options (TRL's
-``GRPOConfig`` names) and asks it for the per-token losses and their reduction. Refused, as TRL refuses them: unknown
-names. Warned about, as TRL warns: ``luspo`` without sequence-level weights, ``vespo`` with them, and sequence-level
+``GRPOConfig`` names) and calls it for each step's loss (``GRPOLoss.__call__``: TRL's ``_compute_loss``, term for
+term). Refused, as TRL refuses them: unknown names. Warned about, as TRL warns: ``luspo`` without sequence-level weights, ``vespo`` with them, and sequence-level
 weights under the token-summing reductions (``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``). Refused beyond TRL, where a
 value could only fail later or mean nothing: non-positive SAPO temperatures (they divide), a
 ``top_entropy_quantile`` outside [0, 1], adaptive bounds in the wrong order, negative thresholds and steps.
