@@ -543,3 +543,17 @@ def test_readme_lists_every_grpo_config_field():
         if "`model.` the same names" in second:
             named += re.findall(r"`(\w+)`", first)
         assert set(named) <= options, f"{first}: {sorted(set(named) - options)} are not GRPOModule options"
+
+
+def test_the_adaptive_entropy_coefficient_is_saved_and_restored():
+    """A resume continues the controller where it was (TRL saves it beside the checkpoint too)."""
+    settings = {"reward_funcs": REWARDS, "use_adaptive_entropy": True, "entropy_coef": 0.1}
+    saved = GRPOModule(**settings)
+    saved.entropy_control.step(0.05)  # below the default target 0.2: up by 0.005
+    checkpoint = {"hyper_parameters": dict(saved.hparams)}
+    saved.on_save_checkpoint(checkpoint)
+    resumed = GRPOModule(**settings)
+    assert resumed.entropy_control.coef == 0.1 and resumed.entropy_control.applied() == 0.0
+    resumed.on_load_checkpoint(checkpoint)
+    assert resumed.entropy_control.coef == pytest.approx(0.105) and resumed.entropy_control.last_entropy == 0.05
+    assert resumed.entropy_control.applied() == pytest.approx(0.105)
