@@ -423,7 +423,8 @@ def replay_rollout(prompts, module):
     tok = module.tokenizer
     prompt_ids = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) if isinstance(p, list)
                   else tok(p)["input_ids"] for p in prompts]
-    parts = [[tok(f"{k}")["input_ids"], tok("|env|")["input_ids"], tok("ok</s>")["input_ids"]] for k in range(len(prompts))]
+    parts = [[tok(f"{k}")["input_ids"], tok("|env|")["input_ids"], tok("ok</s>")["input_ids"]]
+             for k in range(len(prompts))]
     return {"prompt_ids": prompt_ids, "completion_ids": [a + b + c for a, b, c in parts],
             "logprobs": [[-0.5] * (len(a) + len(b) + len(c)) for a, b, c in parts],
             "env_mask": [[1] * len(a) + [0] * len(b) + [1] * len(c) for a, b, c in parts],

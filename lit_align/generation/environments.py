@@ -62,7 +62,8 @@ class Environments:
             probe = factory()  # one instance, to read its class: its reset, tools and reward
             cls = type(probe)
             if not callable(getattr(probe, "reset", None)):
-                raise LitAlignError(f"{WHERE}: {cls.__name__} has no reset method (expected reset(**row) -> str | None)")
+                raise LitAlignError(f"{WHERE}: {cls.__name__} has no reset method "
+                                    "(expected reset(**row) -> str | None)")
             for method in _methods(cls):
                 tool_schema(getattr(probe, method), where=f"{WHERE} ({cls.__name__})")
             self.factories[name], self.classes[name] = factory, cls

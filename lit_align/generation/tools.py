@@ -92,7 +92,8 @@ def check_tool_template(tokenizer, name: str) -> dict:
     whole = tokenizer.apply_chat_template(exchange, tokenize=True, return_dict=False, add_generation_prompt=True)
     if whole[: len(start)] != start:
         raise LitAlignError(f"model.tools: the chat template of {name!r} renders an assistant turn differently once a "
-                            f"tool turn follows, so the tool turns' tokens cannot be appended to what was sampled; {fix}")
+                            f"tool turn follows, so the tool turns' tokens cannot be appended to what was sampled; "
+                            f"{fix}")
     return response_template(tokenizer)
 
 

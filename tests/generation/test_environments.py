@@ -81,8 +81,8 @@ def test_grpo_with_an_environment_that_owns_the_reward(tmp_path, write_jsonl, ti
 
     class Force(L.Callback):
         def on_fit_start(self, trainer, pl_module):
-            pl_module.engine = ScriptedEngine(pl_module.tokenizer, [[increment(3), "no</s>", increment(1), increment(2)]],
-                                              then=pl_module.engine)
+            first_turns = [increment(3), "no</s>", increment(1), increment(2)]
+            pl_module.engine = ScriptedEngine(pl_module.tokenizer, [first_turns], then=pl_module.engine)
 
     path = write_jsonl([{"prompt": [{"role": "user", "content": f"count to {a}"}], "answer": str(a)} for a in (3, 2)])
     torch.manual_seed(0)

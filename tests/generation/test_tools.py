@@ -1,8 +1,8 @@
 """The tool loop: token-in-token-out completions, the tool mask, and every failure path (a tool that raises, an
 unknown tool, malformed calls, a tool turn past the budget, the iteration cap, templates that cannot call tools).
 
-The completions come from ``helpers.ScriptedEngine``, an ``Engine`` that "samples" given texts in order, so every path is
-exercised by exactly the output that triggers it; a last test runs the loop on the real engines with the tiny model.
+The completions come from ``helpers.ScriptedEngine``, an ``Engine`` that "samples" given texts in order, so every
+path is exercised by exactly the output that triggers it; a last test runs the loop on the real engines with the tiny model.
 """
 
 from __future__ import annotations
@@ -216,7 +216,8 @@ def test_a_qwen_style_template_parses_with_the_chatml_response_template(tok):
     qwen = build_tokenizer()
     qwen.chat_template = "{# <tool_call> #}{% for m in messages %}<|im_start|>{{ m.role }}\n{% endfor %}"
     assert response_template(qwen) == RESPONSE_TEMPLATES["chatml"]
-    text = '<think>\nsum</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "2"}}\n</tool_call><|im_end|>'
+    text = ('<think>\nsum</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "2"}}\n</tool_call>'
+            "<|im_end|>")
     parsed = qwen.parse_response(text, RESPONSE_TEMPLATES["chatml"], prefix="<|im_start|>assistant\n",
                                  tools=[tool_schema(add)])
     assert parsed["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
@@ -263,7 +264,7 @@ def test_the_loop_runs_on_the_real_engines(tiny_path, engine_class):
     assert all(v < 0 for v in logps0[-sampled:])  # the engine's log-probs, not zeros
 
 
-# -- parity with TRL 1.16's _tool_call_loop, on the same sampled ids ------------------------------------------------------
+# -- parity with TRL 1.16's _tool_call_loop, on the same sampled ids --------------------------------------------------
 def echo(text: str) -> str:
     """Say it back.
 
@@ -308,7 +309,8 @@ def trl_tool_loop(tok, prompt_rows: list[list[int]], questions: list[str]):
     prompts = [[{"role": "user", "content": q}] for q in questions for _ in range(2)]
     prompt_ids = [p for p in prompt_rows for _ in range(2)]
     completion_ids, logprobs = replay(None, None, None, 2)
-    completions = [[parse_response(tok, ids, prefix=prompt_ids[i], tools=tools)] for i, ids in enumerate(completion_ids)]
+    completions = [[parse_response(tok, ids, prefix=prompt_ids[i], tools=tools)]
+                   for i, ids in enumerate(completion_ids)]
     out = trl.GRPOTrainer._tool_call_loop(fake, prompts, prompt_ids, completion_ids, completions, logprobs, None, {})
     tool_mask, completions, completion_ids, logprobs, calls, failures, _ = out
     return SimpleNamespace(tool_mask=tool_mask, completions=completions, completion_ids=completion_ids,
