@@ -439,3 +439,13 @@ def reward_score(completions, score, **_):
 def bad_rollout(prompts, module):
     """A test ``rollout_func`` that returns the completions alone (no ids)."""
     return ["12"] * len(prompts)
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers (a test tool: ``model.tools: [helpers.add]``).
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b

@@ -71,27 +71,29 @@ def test_lit_align_validates_a_model_on_the_arith_task(tmp_path, tiny_path):
     assert 0.0 <= float(metrics["val/rewards/last_number_match/mean"]) <= 1.0
 
 
-def test_add_task_demonstrates_its_tool_on_a_fraction_of_the_sft_rows():
+def test_modsum_task_demonstrates_its_tool_on_a_fraction_of_the_sft_rows():
     import json
 
-    from lit_align.data.tasks import AdditionEnvironment, AdditionTask, add
+    from lit_align.data.tasks import ModSumEnvironment, ModSumTask
     from lit_align.errors import LitAlignError
 
-    task = AdditionTask(num_train=200, num_test=20)
+    task = ModSumTask(num_train=400, num_test=20)
     train, test = task.prompt_rows("train"), task.prompt_rows("test")
     assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in test}
     for r in train:
-        a, b = map(int, r["prompt"][0]["content"].split("+"))
-        assert r["answer"] == str(a + b) == str(add(a, b)) and 100 <= min(a, b) and max(a, b) <= 9999
+        a, b = map(int, r["prompt"][0]["content"].removesuffix(" mod 7").split("+"))
+        assert r["answer"] == str((a + b) % 7) and 100 <= min(a, b) and max(a, b) <= 9999
+        environment = ModSumEnvironment()
+        environment.reset(**r)
+        assert str(environment.compute()) == r["answer"]
     sft = task.completion_rows("train")
     calls = [r for r in sft if len(r["completion"]) == 3]
-    assert 0.35 < len(calls) / len(sft) < 0.65  # tool_fraction 0.5, seeded
+    assert 0.08 < len(calls) / len(sft) < 0.22  # tool_fraction 0.15, seeded
     for row in calls:
         call, result, answer = row["completion"]
-        assert call["tool_calls"][0]["function"]["name"] == "compute"
-        environment = AdditionEnvironment()
-        environment.reset(prompt=row["prompt"], answer=None)
-        assert result["content"] == answer["content"] == str(environment.compute())
+        assert call["tool_calls"][0]["function"] == {"name": "compute", "arguments": {}}
+        a, b = map(int, row["prompt"][0]["content"].removesuffix(" mod 7").split("+"))
+        assert result["content"] == answer["content"] == str((a + b) % 7)
     assert json.loads(sft[0]["tools"])[0]["function"]["name"] == "compute"
-    with pytest.raises(LitAlignError, match="builtin:add has prompts"):
+    with pytest.raises(LitAlignError, match="builtin:modsum has prompts"):
         task.preference_rows("train")

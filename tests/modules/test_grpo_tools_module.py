@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_align.data import PromptDataModule
-from lit_align.data.tasks import AdditionTask
+from lit_align.data.tasks import ModSumTask
 from lit_align.errors import LitAlignError
 from lit_align.modules.grpo import GRPOModule, completion_token_logps
 
@@ -31,7 +31,7 @@ FIRST_TURNS = [CALL, "5</s>", UNKNOWN, CALL]
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tool_prompts") / "prompts.jsonl"
-    AdditionTask(num_train=8, num_test=2).prompt_rows("train").to_json(path)
+    ModSumTask(num_train=8, num_test=2).prompt_rows("train").to_json(path)
     return str(path)
 
 
@@ -54,7 +54,7 @@ class KeepSteps(L.Callback):
 def fit_tools(root: Path, prompts: str, max_steps: int = 1, model: dict | None = None, spg: int = 1,
               callbacks=(), **trainer_kwargs):
     torch.manual_seed(0)
-    module = GRPOModule(model="builtin:tiny", chat_template="builtin:tools", tools=["lit_align.data.tasks.add"],
+    module = GRPOModule(model="builtin:tiny", chat_template="builtin:tools", tools=["helpers.add"],
                         reward_funcs=["helpers.reward_digit_fraction"], num_generations=2, steps_per_generation=spg,
                         max_completion_length=128, **{"learning_rate": 0.0, **(model or {})})
     data = PromptDataModule(path=prompts, val_split=None, batch_size=4 // spg, num_generations=2,
@@ -125,12 +125,12 @@ def test_a_round_with_tool_turns_resumes_exactly_mid_round(tmp_path, prompts_fil
 
 def test_text_prompts_and_templates_without_tool_calls_are_refused(tmp_path, write_jsonl, prompts_file, tiny_path):
     text = write_jsonl([{"prompt": "1+2", "answer": "3"}] * 4)
-    module = GRPOModule(model="builtin:tiny", chat_template="builtin:tools", tools=["lit_align.data.tasks.add"],
+    module = GRPOModule(model="builtin:tiny", chat_template="builtin:tools", tools=["helpers.add"],
                         reward_funcs=["helpers.reward_digit_fraction"], num_generations=2, max_completion_length=8)
     with pytest.raises(LitAlignError, match=r"row 0: field 'prompt' is text, but model.tools needs conversational"):
         fit(module, PromptDataModule(path=text, val_split=None, batch_size=2, num_generations=2,
                                      chat_template="builtin:tools"))
-    module = GRPOModule(model="builtin:tiny", tools=["lit_align.data.tasks.add"], num_generations=2,
+    module = GRPOModule(model="builtin:tiny", tools=["helpers.add"], num_generations=2,
                         reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=8)
     with pytest.raises(LitAlignError, match=r"model.tools: the chat template of .* cannot render a tool-calling "
                                             r"conversation .*builtin:tools"):
@@ -138,7 +138,7 @@ def test_text_prompts_and_templates_without_tool_calls_are_refused(tmp_path, wri
     with pytest.raises(LitAlignError, match=r"model.tools: 'lit_align.no_such_tool': cannot import it"):
         GRPOModule(tools=["lit_align.no_such_tool"], reward_funcs=["helpers.reward_digit_fraction"])
     with pytest.raises(LitAlignError, match=r"model.max_tool_calling_iterations must be >= 0"):
-        GRPOModule(tools=["lit_align.data.tasks.add"], max_tool_calling_iterations=-1,
+        GRPOModule(tools=["helpers.add"], max_tool_calling_iterations=-1,
                    reward_funcs=["helpers.reward_digit_fraction"])
 
 
