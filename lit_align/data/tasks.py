@@ -228,17 +228,17 @@ class ModSumTask(GeneratedTask):
 
     The tool task of the built-in models (``configs/grpo_tools.yaml``). The tiny character-level model does not learn
     this arithmetic in a short run (a guess is right one time in seven); calling the environment's ``compute`` tool
-    (``ModSumEnvironment``) and copying its one-digit result is easy. Prompts are one user turn; the ``answer`` column
-    is the result. SFT rows demonstrate the tool on a seeded ``tool_fraction`` of the problems (call, result, the
-    result as the answer) and answer directly on the others, so a model trained on them calls the tool on few prompts:
-    room for GRPO to learn that it pays. Their ``tools`` column holds the tool's schema, rendered into the prompt as
-    GRPO renders it. No preference rows.
+    (``ModSumEnvironment``) and copying its one-digit result is within its reach. Prompts are one user turn; the
+    ``answer`` column is the result. SFT rows demonstrate the tool on a seeded ``tool_fraction`` of the problems
+    (call, result, the result as the answer) and answer directly on the others, so a model trained on them samples a
+    call about that often: room for GRPO to learn that calling, and copying the result, pays. Their ``tools`` column
+    holds the tool's schema, rendered into the prompt as GRPO renders it. No preference rows.
     """
 
     name = "modsum"
 
     def __init__(self, num_train: int = 2000, num_test: int = 100, min_digits: int = 3, max_digits: int = 4,
-                 tool_fraction: float = 0.15):
+                 tool_fraction: float = 0.5):
         super().__init__(num_train, num_test)
         self.min_digits, self.max_digits, self.tool_fraction = min_digits, max_digits, tool_fraction
 

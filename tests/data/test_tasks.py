@@ -88,7 +88,7 @@ def test_modsum_task_demonstrates_its_tool_on_a_fraction_of_the_sft_rows():
         assert str(environment.compute()) == r["answer"]
     sft = task.completion_rows("train")
     calls = [r for r in sft if len(r["completion"]) == 3]
-    assert 0.08 < len(calls) / len(sft) < 0.22  # tool_fraction 0.15, seeded
+    assert 0.4 < len(calls) / len(sft) < 0.6  # tool_fraction 0.5, seeded
     for row in calls:
         call, result, answer = row["completion"]
         assert call["tool_calls"][0]["function"] == {"name": "compute", "arguments": {}}
