@@ -35,5 +35,5 @@ def reward_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, to
     ``margin`` (mean ``r_c - r_r``), ``min_reward`` / ``mean_reward`` / ``max_reward`` over every sequence."""
     chosen, rejected = chosen.detach(), rejected.detach()
     rewards = torch.cat([chosen, rejected])
-    return {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean(),
+    return {"accuracy": (chosen > rejected).to(chosen.dtype).mean(), "margin": (chosen - rejected).mean(),
             "min_reward": rewards.min(), "mean_reward": rewards.mean(), "max_reward": rewards.max()}

@@ -429,7 +429,7 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
                                torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), packed=True)
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "dpo", "sft"])
+@pytest.mark.parametrize("recipe", ["grpo", "dpo", "sft", "reward"])
 def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     """Every option named as in TRL defaults as in TRL, but the differences the README gives reasons for."""
     import dataclasses
@@ -437,17 +437,22 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     import trl
 
     from lit_align.hub import recipe_defaults
-    from lit_align.modules import DPOModule, SFTModule
+    from lit_align.data import RewardDataModule
+    from lit_align.modules import DPOModule, RewardModule, SFTModule
 
     module, config = {"grpo": (GRPOModule, trl.GRPOConfig), "dpo": (DPOModule, trl.DPOConfig),
-                      "sft": (SFTModule, trl.SFTConfig)}[recipe]
+                      "sft": (SFTModule, trl.SFTConfig), "reward": (RewardModule, trl.RewardConfig)}[recipe]
     theirs = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
     ours = recipe_defaults(module)
     differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and v != theirs[k]}
     listed = {"gradient_checkpointing": (False, True), "optim": ("adamw_torch", "adamw_torch_fused")}
     listed |= {"grpo": {"disable_dropout": (True, False), "steps_per_generation": (1, None)},  # None: 1 in TRL too
-               "sft": {"completion_only_loss": (True, None)}, "dpo": {}}[recipe]  # None: on for prompt-completion rows
+               "sft": {"completion_only_loss": (True, None)}, "dpo": {}, "reward": {}}[recipe]  # None: on for p/c rows
     assert differ == listed
+    if recipe == "reward":  # the reward model's data options are TRL's too
+        data = recipe_defaults(RewardDataModule)
+        assert {k: data[k] for k in ("max_length", "num_proc")} == {"max_length": theirs["max_length"],
+                                                                   "num_proc": theirs["dataset_num_proc"]}
 
 
 # -- settings flow one way, model -> data -----------------------------------------------------------------------------
