@@ -1,16 +1,16 @@
 """The offline three-stage main jobs, measured: SFT -> DPO -> GRPO (or SFT -> reward model -> GRPO scored by it), each
 stage's held-out figure before and after.
 
-    python -m lit_align.pipeline                            # the toy job on the built-in sort task; runs/pipeline/curves.png
-    python -m lit_align.pipeline --quick                    # a few steps per stage (what CI runs)
-    python -m lit_align.pipeline --recipe smollm2           # SmolLM2-135M-Instruct on the built-in arith task (make demo-real)
-    python -m lit_align.pipeline --recipe learned-reward    # SFT -> reward model -> GRPO with the learned reward
+    python -m lit_align.pipeline                          # the toy job on the sort task; runs/pipeline/curves.png
+    python -m lit_align.pipeline --quick                  # a few steps per stage (what CI runs)
+    python -m lit_align.pipeline --recipe smollm2         # SmolLM2-135M-Instruct on the arith task (make demo-real)
+    python -m lit_align.pipeline --recipe learned-reward  # SFT -> reward model -> GRPO with the learned reward
 
 Each stage is an ordinary ``lit-align fit -c configs/<stage>.yaml`` (run in this process through ``cli.run``) whose
 model starts from the previous stage's export, or from the exports its recipe's ``inputs`` name; after each policy
 stage, ``lit-align validate -c <the recipe's eval config>`` measures held-out greedy accuracy on the task's test
-prompts, with the task's own score whatever reward the stage trained on. Nothing here computes anything a stage does not: this
-file only chains configs, reads their logged metrics and plots them.
+prompts, with the task's own score whatever reward the stage trained on. Nothing here computes anything a stage does
+not: this file only chains configs, reads their logged metrics and plots them.
 """
 
 from __future__ import annotations
@@ -108,7 +108,14 @@ RECIPES = {
         eval_config="configs/eval_sort.yaml",
         columns={"held-out exact": "val/rewards/sort_exact/mean", "partial credit": "val/rewards/sort_accuracy/mean"},
         root="runs/learned-reward",
-        inputs={"grpo": {"--model.init_args.model": "{sft}", "--model.init_args.reward_funcs": "[{reward}]"}},
+        # the task's exact match rides along at weight 0: logged at every validation, never trained on
+        inputs={"grpo": {"--model.init_args.model": "{sft}",
+                         "--model.init_args.reward_funcs": "[{reward}, lit_align.rewards.sort_exact]",
+                         "--model.init_args.reward_weights": "[1.0, 0.0]"}},
+        # 800 steps (3.2 epochs): held-out pair accuracy 0.975 (200 steps: 0.915); GRPO with the KL term (beta 0.1)
+        # to the SFT model, which the learned reward alone pulls away from the task (README, "Reward modelling")
+        overrides={"reward": ["--trainer.max_steps", "800", "--trainer.val_check_interval", "200"],
+                   "grpo": ["--model.init_args.beta", "0.1"]},
         measured=("sft", "grpo"),
         held_out={"reward": ("val/accuracy", "reward model held-out pair accuracy")},
         quick=["--trainer.max_steps", "4", "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "1"],
@@ -117,7 +124,7 @@ RECIPES = {
                ("reward", "train/loss", "reward model train loss"),
                ("reward", "val/accuracy", "reward model held-out pair accuracy"),
                ("grpo", "train/reward", "GRPO train reward (learned)"),
-               ("grpo", "val/reward", "GRPO held-out learned reward (greedy)")],
+               ("grpo", "val/rewards/sort_exact/mean", "GRPO held-out exact match (greedy, not trained on)")],
     ),
 }
 

@@ -1,5 +1,6 @@
 """lit_align's reward modelling against TRL's RewardTrainer: same tokens in the three row formats, same loss and
-metrics on the same batch from the same weights, with and without a ``margin`` column and ``center_rewards_coefficient``.
+metrics on the same batch from the same weights, with and without a ``margin`` column and
+``center_rewards_coefficient``.
 
 Both sides start from one sequence classifier (the tiny model with a seeded score head, saved once), so the random
 head TRL would draw is not a difference. TRL's numbers come from its own dataset preparation, collator and
