@@ -1,7 +1,8 @@
 """Exact resume and determinism: a run interrupted at step k and resumed with ``ckpt_path`` logs the same per-step
 losses and ends with the same weights as the uninterrupted run (CPU, fp32, seeded), for DPO (mid-epoch, across an
 epoch boundary), the reward model (mid-epoch, its random score head restored from the checkpoint) and GRPO
-(mid-round: the round's buffer comes from the checkpoint; later rounds regenerate the same completions). Two runs of one seeded config give one loss trajectory.
+(mid-round: the round's buffer comes from the checkpoint; later rounds regenerate the same completions). Two runs
+of one seeded config give one loss trajectory.
 """
 
 from __future__ import annotations
