@@ -112,9 +112,10 @@ RECIPES = {
         inputs={"grpo": {"--model.init_args.model": "{sft}",
                          "--model.init_args.reward_funcs": "[{reward}, lit_align.rewards.sort_exact]",
                          "--model.init_args.reward_weights": "[1.0, 0.0]"}},
-        # 800 steps (3.2 epochs): held-out pair accuracy 0.975 (200 steps: 0.915); GRPO with the KL term (beta 0.1)
-        # to the SFT model, which the learned reward alone pulls away from the task (README, "Reward modelling")
-        overrides={"reward": ["--trainer.max_steps", "800", "--trainer.val_check_interval", "200"],
+        # 3 epochs (750 steps), validated at each epoch's end: held-out pair accuracy 0.97 (200 steps: 0.915); GRPO
+        # with the KL term (beta 0.1) to the SFT model, which the learned reward alone pulls away from the task
+        # (README, "Reward modelling")
+        overrides={"reward": ["--trainer.max_steps", "750", "--trainer.val_check_interval", "250"],
                    "grpo": ["--model.init_args.beta", "0.1"]},
         measured=("sft", "grpo"),
         held_out={"reward": ("val/accuracy", "reward model held-out pair accuracy")},
