@@ -115,7 +115,7 @@ class KTOModule(AlignModule):
         if self.loss_fn.uses_kl:
             with torch.no_grad():
                 policy_kl = self.sequence_logps(self.network, batch, "KL_")
-            kl = self.trainer.strategy.reduce(kl_estimate(policy_kl, ref[n:]), reduce_op="mean").clamp(min=0)
+            kl = self.reduce(kl_estimate(policy_kl, ref[n:]), "mean").clamp(min=0)
         losses, rewards = self.loss_fn(logps, ref[:n], batch["label"], kl)
         return {"losses": losses, "rewards": rewards, "logps": logps.detach(), "kl": kl, "mask": policy.mask,
                 "mean_logit": policy.stats["mean_logit"], "entropy": policy.stats["entropy"]}
@@ -135,26 +135,35 @@ class KTOModule(AlignModule):
         sums["entropy"] = ((out["entropy"] * mask).sum(), mask.sum().to(out["logps"].dtype))
         return sums
 
+    def reduce(self, value: torch.Tensor, op: str) -> torch.Tensor:
+        """``value`` reduced over ranks (``mean`` or ``sum``); itself outside a trainer."""
+        return value if self._trainer is None else self.trainer.strategy.reduce(value, reduce_op=op)
+
+    def step_metrics(self, batch: dict[str, torch.Tensor], out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The step's metrics as TRL logs them: every sum and count over ranks before dividing (one all-reduce), a
+        side without rows on any rank left out, and ``num_tokens``: the attended tokens of the step, all ranks."""
+        sums = self.batch_sums(batch, out)
+        values = [v.detach().float() for pair in sums.values() for v in pair]
+        values = self.reduce(torch.stack(values + [batch["attention_mask"].sum().float()]), "sum")
+        metrics = {"loss": self.reduce(out["losses"].detach().mean().float(), "mean"), "kl": out["kl"].float()}
+        for i, name in enumerate(sums):
+            total, count = values[2 * i], values[2 * i + 1]
+            if count > 0:
+                metrics[name] = total / count
+        if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        metrics["num_tokens"] = values[-1]
+        return metrics
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.row_outputs(batch)
         loss = self.guard_loss(out["losses"].mean(), out["losses"], batch_idx, batch.get("rows"))
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
-        sums = self.batch_sums(batch, out)
-        # one all-reduce: every sum and count over ranks (TRL gathers them before dividing), the tokens attended
-        values = [v.detach().float() for pair in sums.values() for v in pair]
-        values.append(batch["attention_mask"].sum().float())
-        values = self.trainer.strategy.reduce(torch.stack(values), reduce_op="sum")
-        self.log("train/loss", self.trainer.strategy.reduce(loss.detach(), reduce_op="mean"), prog_bar=True)
-        self.log("train/kl", out["kl"].float())
-        for i, name in enumerate(sums):
-            total, count = values[2 * i], values[2 * i + 1]
-            if count > 0:
-                self.log(f"train/{name}", total / count)
-        chosen, rejected = values[1], values[5]  # the desirable and undesirable rows' counts
-        if chosen > 0 and rejected > 0:
-            self.log("train/rewards/margins", values[0] / chosen - values[4] / rejected)
-        self.num_tokens += float(values[-1])
+        metrics = self.step_metrics(batch, out)
+        self.num_tokens += float(metrics.pop("num_tokens"))
+        for name, value in metrics.items():
+            self.log(f"train/{name}", value, prog_bar=name == "loss")
         self.log("train/num_tokens", self.num_tokens)
         return loss
 
