@@ -104,6 +104,7 @@ RECIPE_METRICS = {
 }
 
 
+@pytest.mark.slow  # ~10 s each; the modules' own tests train them in-process in the default suite
 @pytest.mark.parametrize("recipe", RECIPE_METRICS)
 def test_kto_cpo_orpo_yamls_train_and_export(recipe, tmp_path, capfd, tiny_path):
     code, _, err = run_main([

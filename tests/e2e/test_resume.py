@@ -109,8 +109,8 @@ def test_dpo_resume_from_an_epoch_end_checkpoint(tmp_path, pairs_file, tiny_path
 
 @pytest.mark.parametrize("module_cls,data_cls,batch_size", [
     (KTOModule, UnpairedPreferenceDataModule, 6),  # 36 unpaired rows: 6 batches an epoch, the KL batch at collate
-    (CPOModule, PreferenceDataModule, 4),
-    (ORPOModule, PreferenceDataModule, 4),
+    pytest.param(CPOModule, PreferenceDataModule, 4, marks=pytest.mark.slow),  # DPO's pairs and loader, tested above
+    pytest.param(ORPOModule, PreferenceDataModule, 4, marks=pytest.mark.slow),
 ], ids=["kto", "cpo", "orpo"])
 def test_kto_cpo_orpo_resume_mid_epoch_is_exact(module_cls, data_cls, batch_size, tmp_path, pairs_file, tiny_path):
     data = {"path": pairs_file, "batch_size": batch_size, "max_length": 32}

@@ -49,6 +49,7 @@ CASES = {"sigmoid": {}, "hinge": {"loss_type": "hinge"}, "ipo": {"loss_type": "i
          "alphapo": {"loss_type": "alphapo", "alpha": 0.2}, "sigmoid-alpha": {"alpha": 0.1, "cpo_alpha": 0.5}}
 
 
+@pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
 @pytest.mark.parametrize("case", CASES)
 def test_loss_metrics_and_gradients_match_trl(case, batch, tiny_path, tmp_path):
     trainer = trl_cpo(tiny_path, tmp_path, **CASES[case])

@@ -81,6 +81,7 @@ def test_paired_rows_are_unpaired_and_tokenized_as_trl_does(setup, tmp_path):
     assert data.train_data["label"] == [True] * ROWS + [False] * ROWS  # TRL's order: a block's chosen sides first
 
 
+@pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
 def test_loss_metrics_and_gradients_match_trl(setup, tmp_path):
     trainer = trl_trainer(setup, setup["unpaired"], tmp_path)
     data = lit_data(setup, "unpaired.jsonl")

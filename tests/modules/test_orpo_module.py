@@ -36,6 +36,7 @@ def orpo_scales(ours, beta=BETA):
     return pair_metric_scales(ours, beta) | {"log_odds_ratio": 1.0, "log_odds_chosen": 1.0}
 
 
+@pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
 @pytest.mark.parametrize("beta", [BETA, 0.5])
 def test_loss_metrics_and_gradients_match_trl(beta, batch, tiny_path, tmp_path):
     orpo = pytest.importorskip("trl.experimental.orpo")
