@@ -391,3 +391,24 @@ def pair_metric_scales(ours: dict[str, float], beta: float) -> dict[str, float]:
     return {"loss": beta * s + abs(ours["loss"]) + abs(ours["nll_loss"]), "rewards/accuracies": 1.0,
             "logps/chosen": s, "logps/rejected": s, "nll_loss": max(abs(ours["nll_loss"]), 1.0),
             **{name: beta * s for name in ("rewards/chosen", "rewards/rejected", "rewards/margins")}}
+
+
+class LoggedSteps(L.Callback):
+    """What training logged after each batch: ``steps[i]`` is ``trainer.callback_metrics`` after batch ``i``."""
+
+    def __init__(self):
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module, positions: int) -> None:
+    """Every parameter's gradient in ``model`` equals ``reference``'s up to fp32 rounding of what each weight's
+    gradient sums (``positions`` positions' products over the tiny model's longest reduction), and is not zero."""
+    from numerics import TINY_TERMS, assert_rounding_close
+
+    theirs = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert theirs[name].grad.abs().max() > 0, name
+        assert_rounding_close(param.grad, theirs[name].grad, terms=positions * TINY_TERMS, msg=f"{name} gradient")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import fit, pair_metric_scales, pair_metrics, trl_pair_batch
+from helpers import LoggedSteps, assert_same_gradients, fit, pair_metric_scales, pair_metrics, trl_pair_batch
 from lit_align.data import PreferenceDataModule
 from lit_align.data.tasks import SortTask
 from lit_align.modules import CPOModule
@@ -68,11 +68,7 @@ def test_loss_metrics_and_gradients_match_trl(case, batch, tiny_path, tmp_path):
     for name in COMPARED:
         assert_rounding_close(ours[name], theirs[name], scale=size[name], terms=TINY_TERMS, msg=name)
     assert abs(ours["rewards/margins"]) > 1e-4
-    theirs_params = dict(trainer.model.named_parameters())
-    positions = int(batch["attention_mask"].sum())
-    for name, param in module.policy.named_parameters():
-        assert theirs_params[name].grad.abs().max() > 0, name
-        assert_rounding_close(param.grad, theirs_params[name].grad, terms=positions * TINY_TERMS, msg=f"{name} grad")
+    assert_same_gradients(module.policy, trainer.model, int(batch["attention_mask"].sum()))
 
 
 @pytest.mark.parametrize("layout", [{"share_prompt": False}, {"padding_free": True}])
@@ -89,20 +85,12 @@ def test_the_layouts_give_the_shared_prompt_rows_values(layout, batch):
 
 
 def test_training_moves_the_policy_and_lifts_the_chosen(tmp_path, tiny_path):
-    import lightning as L
-    from transformers import AutoModelForCausalLM
-
-    seen = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append({k: float(v) for k, v in trainer.callback_metrics.items()})
-
+    record = LoggedSteps()
     module = CPOModule(model="builtin:tiny", learning_rate=1e-3)
     data = PreferenceDataModule(path="builtin:sort", batch_size=8, max_length=32, val_split=None)
-    fit(module, data, tmp_path, max_steps=8, callbacks=[Record()])
+    fit(module, data, tmp_path, max_steps=8, callbacks=[record])
     before = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
     after = module.policy.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert set(f"train/{name}" for name in CPOModule.metrics) <= set(seen[-1])
-    assert seen[-1]["train/nll_loss"] < seen[0]["train/nll_loss"]  # the behaviour-cloning term learns
+    assert set(f"train/{name}" for name in CPOModule.metrics) <= set(record.steps[-1])
+    assert record.steps[-1]["train/nll_loss"] < record.steps[0]["train/nll_loss"]  # the behaviour-cloning term learns

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import fit
+from helpers import LoggedSteps, assert_same_gradients, fit
 from lit_align.data import UnpairedPreferenceDataModule
 from lit_align.data.tasks import SortTask
 from lit_align.errors import LitAlignError
@@ -111,11 +111,7 @@ def test_loss_metrics_and_gradients_match_trl(setup, tmp_path):
         assert_rounding_close(ours[name], theirs[name], scale=size, terms=TINY_TERMS, msg=name)
     assert ours["kl"] > 0.01 and abs(ours["rewards/margins"]) > 1e-4  # the reference differs: not trivially zero
     assert ours["num_tokens"] == float(lit_batch["attention_mask"].sum())
-    trl_params = dict(trainer.model.named_parameters())
-    positions = int(lit_batch["attention_mask"].sum())
-    for name, param in module.policy.named_parameters():
-        assert trl_params[name].grad.abs().max() > 0, name
-        assert_rounding_close(param.grad, trl_params[name].grad, terms=positions * TINY_TERMS, msg=f"{name} grad")
+    assert_same_gradients(module.policy, trainer.model, int(lit_batch["attention_mask"].sum()))
 
 
 def test_step0_loss_is_half_with_the_reference_a_copy_of_the_policy():
@@ -135,21 +131,14 @@ def test_step0_loss_is_half_with_the_reference_a_copy_of_the_policy():
 
 
 def test_training_moves_the_policy_and_logs_trls_metrics(tmp_path, tiny_path):
-    import lightning as L
-
-    seen = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")})
-
+    record = LoggedSteps()
     module = KTOModule(model="builtin:tiny", learning_rate=1e-3)
     data = UnpairedPreferenceDataModule(path="builtin:sort", batch_size=8, max_length=32, val_split=None)
     before = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
-    fit(module, data, tmp_path, max_steps=6, callbacks=[Record()])
+    fit(module, data, tmp_path, max_steps=6, callbacks=[record])
     after = module.policy.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    last = seen[-1]
+    last = record.steps[-1]
     for name in ("train/loss", "train/kl", "train/rewards/chosen", "train/rewards/rejected", "train/rewards/margins",
                  "train/logps/chosen", "train/logps/rejected", "train/logits/chosen", "train/entropy",
                  "train/num_tokens"):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import fit, pair_metric_scales, pair_metrics, trl_pair_batch
+from helpers import LoggedSteps, assert_same_gradients, fit, pair_metric_scales, pair_metrics, trl_pair_batch
 from lit_align.data import PreferenceDataModule
 from lit_align.data.tasks import SortTask
 from lit_align.errors import LitAlignError
@@ -61,11 +61,7 @@ def test_loss_metrics_and_gradients_match_trl(beta, batch, tiny_path, tmp_path):
     # the NLL covers the chosen rows' prompts: it differs from the completion-only one by far more than rounding
     completion_only = -(out["logps/chosen"]).mean()  # per-token averages of the chosen completions
     assert abs(ours["nll_loss"] - float(completion_only)) > 1e-2
-    theirs_params = dict(trainer.model.named_parameters())
-    positions = int(batch["attention_mask"].sum())
-    for name, param in module.policy.named_parameters():
-        assert theirs_params[name].grad.abs().max() > 0, name
-        assert_rounding_close(param.grad, theirs_params[name].grad, terms=positions * TINY_TERMS, msg=f"{name} grad")
+    assert_same_gradients(module.policy, trainer.model, int(batch["attention_mask"].sum()))
 
 
 def test_padding_free_gives_the_plain_batch_values(batch):
@@ -80,22 +76,14 @@ def test_padding_free_gives_the_plain_batch_values(batch):
 
 
 def test_training_moves_the_policy_and_logs_trls_metrics(tmp_path, tiny_path):
-    import lightning as L
-    from transformers import AutoModelForCausalLM
-
-    seen = []
-
-    class Record(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.append({k: float(v) for k, v in trainer.callback_metrics.items()})
-
+    record = LoggedSteps()
     module = ORPOModule(model="builtin:tiny", learning_rate=1e-3)
     fit(module, PreferenceDataModule(path="builtin:sort", batch_size=8, max_length=32, val_split=None), tmp_path,
-        max_steps=8, callbacks=[Record()])
+        max_steps=8, callbacks=[record])
     before = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
     assert any(not torch.equal(before[k], v) for k, v in module.policy.state_dict().items())
-    assert set(f"train/{name}" for name in ORPOModule.metrics) <= set(seen[-1])
-    assert seen[-1]["train/loss"] < seen[0]["train/loss"]
+    assert set(f"train/{name}" for name in ORPOModule.metrics) <= set(record.steps[-1])
+    assert record.steps[-1]["train/loss"] < record.steps[0]["train/loss"]
 
 
 @pytest.mark.parametrize("settings,message", [
