@@ -57,7 +57,7 @@ def collate_unpaired(rows: list[dict[str, Any]], pad_token_id: int, max_length: 
     """Stack ``B`` unpaired rows, right-padded, each cut to its first ``max_length`` tokens.
 
     Returns ``input_ids``, ``attention_mask``, ``completion_mask`` (``[B, T]``), ``label`` (``[B]`` bool) and the
-    dataset ``rows``; with ``kl`` also ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask``: each row's
+    ``dataset_rows``; with ``kl`` also ``KL_input_ids``, ``KL_attention_mask``, ``KL_completion_mask``: each row's
     prompt followed by the previous row's completion (cyclically), TRL's mismatched pairs.
     """
     completions = [row["completion_ids"] for row in rows]
@@ -75,7 +75,7 @@ def collate_unpaired(rows: list[dict[str, Any]], pad_token_id: int, max_length: 
         batch[f"{prefix}completion_mask"] = pad_sequence(masks, batch_first=True)
     batch["label"] = torch.tensor([row["label"] for row in rows], dtype=torch.bool)
     if "row" in rows[0]:
-        batch["rows"] = torch.tensor([row["row"] for row in rows])
+        batch["dataset_rows"] = torch.tensor([row["row"] for row in rows])
     return batch
 
 

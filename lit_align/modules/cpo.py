@@ -63,7 +63,7 @@ class CPOModule(PairModule):
 
     def pair_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Per-pair losses and statistics ``[B]``, and the weights of the per-token ones (``logits/*``)."""
-        policy = self.token_logps(self.network, batch, ("mean_logit",))
+        policy = self.pair_token_logps(self.network, batch, ("mean_logit",))
         lengths = policy.mask.sum(1)
         logps = policy.tokens.sum(1)
         if self.loss_fn.averaged:

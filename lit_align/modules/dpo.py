@@ -63,8 +63,8 @@ class PairModule(AlignModule):
         self.share_prompt, self.padding_free = share_prompt, padding_free
         self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in self.metrics})
 
-    def token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor],
-                    stats: tuple[str, ...] = ()) -> TokenLogps:
+    def pair_token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor],
+                         stats: tuple[str, ...] = ()) -> TokenLogps:
         """Per-token completion log-probs ``[2B, T]`` of the batch's pairs, in the layout ``network`` runs best."""
         return layout_logps(network, layouts.pairs(batch, network, self.share_prompt, self.padding_free), stats,
                             self.logps_chunk_size)
@@ -76,7 +76,7 @@ class PairModule(AlignModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out, weights = self.pair_outputs(batch)
-        loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("rows"))
+        loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("dataset_rows"))
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
         # one all-reduce for every metric (mean over ranks of per-rank means) and the token count (a sum)
@@ -168,10 +168,10 @@ class DPOModule(PairModule):
         if isinstance(self.reference, PrecomputedReference) and isinstance(datamodule, PreferenceDataModule):
             datamodule.add_reference_logps(partial(self.reference.annotate, self))
 
-    # -- log-probs: ``token_logps``, the same function for the policy, the reference and the precompute pass ------
+    # -- log-probs: ``pair_token_logps``, the same function for the policy, the reference and the precompute pass ------
     def pair_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed (LD-DPO-weighted) completion log-probs ``[2B]``: what the reference contributes to the loss."""
-        out = self.token_logps(network, batch)
+        out = self.pair_token_logps(network, batch)
         return sequence_logps(out.tokens, out.mask, self.loss_fn.ld_alpha)
 
     def reference_settings(self) -> dict:
@@ -185,7 +185,7 @@ class DPOModule(PairModule):
         over chosen tokens, as TRL does)."""
         use_weighting = self.loss_fn.use_weighting
         stats = ("mean_logit", "entropy", "argmax") + (("log_sum_sq_probs",) if use_weighting else ())
-        policy = self.token_logps(self.network, batch, stats)
+        policy = self.pair_token_logps(self.network, batch, stats)
         chosen, rejected = sequence_logps(policy.tokens, policy.mask, self.loss_fn.ld_alpha).chunk(2)
         ref_chosen, ref_rejected = self.reference.logps(batch, lambda net: self.pair_logps(net, batch)).chunk(2)
         lengths = batch["completion_mask"].sum(1)

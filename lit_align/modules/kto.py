@@ -84,8 +84,8 @@ class KTOModule(AlignModule):
         return {**super().data_settings(), "kl_pairs": self.loss_fn.uses_kl}
 
     # -- log-probs ----------------------------------------------------------------------------------------------------
-    def token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor], prefix: str = "",
-                    stats: tuple[str, ...] = ()) -> TokenLogps:
+    def row_token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor], prefix: str = "",
+                        stats: tuple[str, ...] = ()) -> TokenLogps:
         """Per-token completion log-probs ``[B, T]`` of the batch's rows (``prefix="KL_"``: of its mismatched pairs)."""
         layout = layouts.padded(batch[f"{prefix}input_ids"], batch[f"{prefix}attention_mask"],
                                 batch[f"{prefix}completion_mask"])
@@ -93,7 +93,7 @@ class KTOModule(AlignModule):
 
     def sequence_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
         """Summed completion log-probs ``[B]``."""
-        return self.token_logps(network, batch, prefix).tokens.sum(1)
+        return self.row_token_logps(network, batch, prefix).tokens.sum(1)
 
     def reference_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference's ``[B]`` summed log-probs of the rows, followed by those of the mismatched pairs (``[2B]``)
@@ -107,7 +107,7 @@ class KTOModule(AlignModule):
     def row_outputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-row losses, rewards and log-probs ``[B]``, the KL estimate (a scalar, averaged over ranks) and the
         per-token statistics of the completions (``[B, T]``, with their ``mask``)."""
-        policy = self.token_logps(self.network, batch, stats=("mean_logit", "entropy"))
+        policy = self.row_token_logps(self.network, batch, stats=("mean_logit", "entropy"))
         logps = policy.tokens.sum(1)
         n = len(logps)
         ref = self.reference.logps(batch, lambda net: self.reference_logps(net, batch))
@@ -157,7 +157,7 @@ class KTOModule(AlignModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out = self.row_outputs(batch)
-        loss = self.guard_loss(out["losses"].mean(), out["losses"], batch_idx, batch.get("rows"))
+        loss = self.guard_loss(out["losses"].mean(), out["losses"], batch_idx, batch.get("dataset_rows"))
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
         metrics = self.step_metrics(batch, out)

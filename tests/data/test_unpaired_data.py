@@ -63,7 +63,7 @@ def test_collate_rotates_the_completions_for_the_mismatched_pairs():
     assert batch["KL_input_ids"].tolist() == [[10, 11, 23, 0], [12, 20, 0, 0], [13, 14, 15, 21]]
     assert batch["KL_completion_mask"].tolist() == [[0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1]]
     assert batch["KL_attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
-    assert torch.equal(batch["label"], torch.tensor([True, False, True])) and batch["rows"].tolist() == [0, 1, 2]
+    assert torch.equal(batch["label"], torch.tensor([True, False, True])) and batch["dataset_rows"].tolist() == [0, 1, 2]
     assert "KL_input_ids" not in collate_unpaired(rows, 0, None, kl=False)
 
 
