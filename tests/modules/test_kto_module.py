@@ -114,10 +114,13 @@ def test_loss_metrics_and_gradients_match_trl(setup, tmp_path):
     assert_same_gradients(module.policy, trainer.model, int(lit_batch["attention_mask"].sum()))
 
 
-def test_step0_loss_is_half_with_the_reference_a_copy_of_the_policy():
-    """At step 0 the reference is the policy, so every log-ratio and the KL estimate are 0: each row's loss is
-    ``1 - sigmoid(0) = 0.5`` times its weight."""
-    module = KTOModule(model="builtin:tiny", desirable_weight=1.5, undesirable_weight=0.5)
+@pytest.mark.parametrize("reference", [{}, {"peft_config": {"r": 2, "target_modules": "all-linear"}}],
+                         ids=["frozen-copy", "adapters-off"])
+def test_step0_loss_is_half_with_the_reference_a_copy_of_the_policy(reference):
+    """At step 0 the reference is the policy (a frozen copy, or under LoRA the policy with its freshly initialized
+    adapters off), so every log-ratio and the KL estimate are 0: each row's loss is ``1 - sigmoid(0) = 0.5`` times
+    its weight."""
+    module = KTOModule(model="builtin:tiny", desirable_weight=1.5, undesirable_weight=0.5, **reference)
     module.configure_model()
     data = UnpairedPreferenceDataModule(path="builtin:sort", tokenizer="builtin:tiny", batch_size=ROWS,
                                         max_length=32, val_split=None)
