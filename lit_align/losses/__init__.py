@@ -2,7 +2,9 @@
 
 ``lit_align.losses.dpo``: TRL's DPO family (``dpo_loss``, its settings ``DPOLoss``, LD-DPO sums, WPO weights).
 ``lit_align.losses.grpo``: group advantages, the clipped surrogate, TRL's GRPO loss aggregations.
-Token log-probs, which both take as input, come from ``lit_align.logps``.
+``lit_align.losses.kto``: TRL's KTO losses (``kto_loss``, ``KTOLoss``) and the KL estimate.
+``lit_align.losses.preference_free``: CPO, SimPO and AlphaPO (``cpo_loss``, ``CPOLoss``) and ORPO (``odds_ratio_loss``).
+Token log-probs, which all of them take as input, come from ``lit_align.logps``.
 """
 
 from lit_align.losses.dpo import DPO_LOSS_TYPES, DPOLoss, dpo_loss, sequence_logps, sft_nll, wpo_weights
@@ -14,8 +16,11 @@ from lit_align.losses.grpo import (
     grpo_token_losses,
     nanstd,
 )
+from lit_align.losses.kto import KTO_LOSS_TYPES, KTOLoss, kl_estimate, kto_loss
+from lit_align.losses.preference_free import CPO_LOSS_TYPES, CPOLoss, cpo_loss, odds_ratio_loss
 
 __all__ = [
-    "DPO_LOSS_TYPES", "DPOLoss", "GRPO_LOSS_TYPES", "SCALE_REWARDS", "aggregate_grpo_loss", "dpo_loss",
+    "CPO_LOSS_TYPES", "CPOLoss", "DPO_LOSS_TYPES", "DPOLoss", "GRPO_LOSS_TYPES", "KTO_LOSS_TYPES", "KTOLoss",
+    "cpo_loss", "kl_estimate", "kto_loss", "odds_ratio_loss", "SCALE_REWARDS", "aggregate_grpo_loss", "dpo_loss",
     "group_advantages", "grpo_token_losses", "nanstd", "sequence_logps", "sft_nll", "wpo_weights",
 ]
