@@ -1,7 +1,7 @@
 """A GRPO generation round: what was sampled, scored and computed once, for the training steps it feeds.
 
 ``GRPOModule.generate_round`` builds one at the round's first step; every step of the round then trains on
-``round.step_rows(k)``, its share of the completions in a shuffled order. The round also goes into checkpoints, so a
+``round.step_batch(k)``, its share of the completions in a shuffled order. The round also goes into checkpoints, so a
 run resumed mid-round trains on the completions the interrupted run sampled.
 
 Its shape (``num_generations`` completions per prompt, ``steps_per_generation`` steps fed by one round,
@@ -73,7 +73,7 @@ class RoundShape:
 
 
 @dataclass
-class StepRows:
+class StepBatch:
     """One training step's completions, without the columns that are padding in all of them."""
 
     prompt_ids: torch.Tensor  # [n, P'] left-padded
@@ -86,6 +86,7 @@ class StepRows:
     ref_logps: torch.Tensor | None  # [n, C'] the reference's, when beta != 0
     dataset_rows: list[int] | None  # the dataset index of each completion's prompt
     is_ratio: torch.Tensor | None = None  # [n, C'] or [n, 1]: the sampling engine's importance weights (vLLM)
+    sampling_logps: torch.Tensor | None = None  # [n, C'] vLLM's, when the off-policy mask compares them
 
 
 @dataclass
@@ -111,8 +112,9 @@ class GenerationRound:
     extra: dict[str, list] = field(default_factory=dict)  # per row: columns reward functions logged (log_extra)
     reward_funcs: dict[str, list[float]] = field(default_factory=dict)  # per row: each reward function's value
     is_ratio: torch.Tensor | None = None  # [N, C] or [N, 1]: importance weights for the sampling engine (vLLM)
+    sampling_logps: torch.Tensor | None = None  # [N, C] vLLM's log-probs, kept for the off-policy mask
 
-    def step_rows(self, position: int) -> StepRows:
+    def step_batch(self, position: int) -> StepBatch:
         """The rows of the round's ``position``-th step (passes repeat: ``position`` counts modulo ``steps``).
 
         The round is as wide as its longest prompt and completion; a step's rows usually need less, and pad columns
@@ -127,12 +129,12 @@ class GenerationRound:
         def completions(values: torch.Tensor | None) -> torch.Tensor | None:
             return None if values is None else values[rows][:, :width]
 
-        return StepRows(
+        return StepBatch(
             self.prompt_ids[rows][:, start:], self.prompt_mask[rows][:, start:],
             completions(self.completion_ids), completions(self.completion_mask), completions(self.loss_mask),
             self.advantages[rows], completions(self.old_logps), completions(self.ref_logps),
             None if self.dataset_rows is None else [self.dataset_rows[i] for i in rows.tolist()],
-            None if self.is_ratio is None else self.is_ratio[rows][:, :width],
+            None if self.is_ratio is None else self.is_ratio[rows][:, :width], completions(self.sampling_logps),
         )
 
     def to(self, device: torch.device | str) -> GenerationRound:

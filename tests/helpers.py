@@ -245,13 +245,13 @@ def digit_fraction(completions, **_):
 
 
 class ReplayRollouts(L.Callback):
-    """Record what GRPO's sampler returns on this rank (``record_dir``), or replay recorded rounds (``replay_dir``).
+    """Record what GRPO's engine returns on this rank (``record_dir``), or replay recorded rounds (``replay_dir``).
 
     Replaying, each round's completions come from the recording of whichever rank sampled that prompt in that round,
     in the order of this run's prompts (rewards are recomputed from them): a one-process run then trains on exactly
     the completions a DDP run sampled, so their losses can be compared (sampling itself depends on each rank's
-    random stream). Both work through the engine interface: the module's ``sampler`` is replaced by one that
-    records or replays (``lit_align.generation.Sampler``).
+    random stream). Both work through the engine interface: the module's ``engine`` is replaced by one that
+    records or replays (``lit_align.generation.Engine``).
 
     Args:
         record_dir: write ``<record_dir>/rank<R>.pt`` at the end of training.
@@ -264,9 +264,9 @@ class ReplayRollouts(L.Callback):
 
     def setup(self, trainer, pl_module, stage) -> None:
         if self.replay_dir is None:
-            pl_module.sampler = _RecordingSampler(pl_module.sampler, self.rounds)
+            pl_module.engine = _RecordingEngine(pl_module.engine, self.rounds)
         else:
-            pl_module.sampler = _ReplayingSampler([torch.load(p) for p in sorted(Path(self.replay_dir).glob("rank*.pt"))])
+            pl_module.engine = _ReplayingEngine([torch.load(p) for p in sorted(Path(self.replay_dir).glob("rank*.pt"))])
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.record_dir is not None:
@@ -278,7 +278,7 @@ def _prompt_keys(prompt_ids, prompt_mask) -> list[str]:
     return [json.dumps(ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
 
 
-class _RecordingSampler:
+class _RecordingEngine:
     def __init__(self, inner, rounds: list[dict]):
         self.inner, self.rounds = inner, rounds
 
@@ -292,7 +292,7 @@ class _RecordingSampler:
         return rollout
 
 
-class _ReplayingSampler:
+class _ReplayingEngine:
     def __init__(self, recorded: list[list[dict]]):
         self.by_round = [{} for _ in recorded[0]]  # round -> prompt -> its recorded completions
         for rank in recorded:
@@ -361,3 +361,54 @@ def _no_cpu_offload():
         yield
     finally:
         lightning_fsdp._get_full_state_dict_context = real
+
+
+def trl_pair_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A lit_align ``[chosen; rejected]`` batch in the format TRL's experimental CPO and ORPO trainers read
+    (``chosen_input_ids``, ``chosen_attention_mask``, ``chosen_labels``: -100 outside the completion, rejected
+    alike), so both sides run the same tokens."""
+    pairs = len(batch["input_ids"]) // 2
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    out = {}
+    for side, rows in (("chosen", slice(0, pairs)), ("rejected", slice(pairs, None))):
+        out[f"{side}_input_ids"] = batch["input_ids"][rows]
+        out[f"{side}_attention_mask"] = batch["attention_mask"][rows]
+        out[f"{side}_labels"] = labels[rows]
+    return out
+
+
+def pair_metrics(module, batch) -> dict[str, float]:
+    """The batch's metrics as ``training_step`` logs them (pair means)."""
+    out, weights = module.pair_outputs(batch)
+    out = {name: value.detach() for name, value in out.items()}
+    return {name: float(out[name].mean() if name not in weights else
+                        (out[name] * weights[name]).sum() / weights[name].sum()) for name in module.metrics}
+
+
+def pair_metric_scales(ours: dict[str, float], beta: float) -> dict[str, float]:
+    """The magnitude of what enters each metric of a reference-free pair recipe (``tests/numerics.py`` rule 3)."""
+    s = max(abs(ours["logps/chosen"]), abs(ours["logps/rejected"]))
+    return {"loss": beta * s + abs(ours["loss"]) + abs(ours["nll_loss"]), "rewards/accuracies": 1.0,
+            "logps/chosen": s, "logps/rejected": s, "nll_loss": max(abs(ours["nll_loss"]), 1.0),
+            **{name: beta * s for name in ("rewards/chosen", "rewards/rejected", "rewards/margins")}}
+
+
+class LoggedSteps(L.Callback):
+    """What training logged after each batch: ``steps[i]`` is ``trainer.callback_metrics`` after batch ``i``."""
+
+    def __init__(self):
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module, positions: int) -> None:
+    """Every parameter's gradient in ``model`` equals ``reference``'s up to fp32 rounding of what each weight's
+    gradient sums (``positions`` positions' products over the tiny model's longest reduction), and is not zero."""
+    from numerics import TINY_TERMS, assert_rounding_close
+
+    theirs = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert theirs[name].grad.abs().max() > 0, name
+        assert_rounding_close(param.grad, theirs[name].grad, terms=positions * TINY_TERMS, msg=f"{name} gradient")

@@ -7,7 +7,7 @@ import torch
 from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
 
 
-class HFSampler:
+class HFEngine:
     """Sample with ``model.generate``.
 
     Args: ``SamplingConfig``'s (``return_logps``: from the raw logits generate already computed).

@@ -37,7 +37,7 @@ REWARDS = ["lit_align.rewards.sort_accuracy", "helpers.reward_digit_fraction"]
 
 
 class GenerationProbe(L.Callback):
-    """Counts the sampler's ``generate`` calls (with the global step of each) and records the prompts of each round;
+    """Counts the engine's ``generate`` calls (with the global step of each) and records the prompts of each round;
     with ``out_dir``, writes them to ``<out_dir>/rank<R>.json`` at the end (used by the DDP run through the CLI)."""
 
     def __init__(self, out_dir: str | None = None):
@@ -59,7 +59,7 @@ class GenerationProbe(L.Callback):
         if pl_module.generation_rounds > self._rounds:  # this step sampled a round
             self.generate_steps.append(self._step)
         self.old_logps_present.append(pl_module.round.old_logps is not None)
-        old = outputs["rows"].old_logps
+        old = outputs["step"].old_logps
         if old is None:
             self.ratios.append(None)
         else:  # the rollout's old log-probs are 0 past each completion's end: compare real tokens only
@@ -175,7 +175,7 @@ def test_old_logps_used_and_round_start_ratio_is_one(run_a, run_b):
             assert metric(run, "train/clip_ratio/region_mean", step) == 0.0
 
 
-class LogpsSampler:
+class LogpsEngine:
     """4 completions of 3 tokens (rows 0 and 2 truncated), with sampling log-probs."""
 
     def __init__(self):
@@ -187,12 +187,12 @@ class LogpsSampler:
 
 
 def stub_round(tokenizer, spg: int = 1, iterations: int = 1, accumulate: int = 1, all_gather=lambda t: t,
-               sampler=None, **options):
+               engine=None, **options):
     """``(module, round)``: ``generate_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device
     Trainer."""
     module = GRPOModule(reward_funcs=["helpers.reward_digit_fraction"], num_generations=2,
                         steps_per_generation=spg, num_iterations=iterations, **options)
-    module.tokenizer, module.sampler = tokenizer, sampler or LogpsSampler()
+    module.tokenizer, module.engine = tokenizer, engine or LogpsEngine()
     module._trainer = SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
                                       strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t,
                                                                 all_gather=all_gather))
@@ -215,7 +215,7 @@ def test_old_logps_computed_only_when_the_policy_moves_within_a_round(tokenizer,
     module, r = stub_round(tokenizer, spg, iterations, accumulate)
     assert (r.old_logps is not None) == needed
     if needed:
-        assert torch.equal(r.old_logps, module.sampler.rollout.logps)  # the sampler's, no extra forward
+        assert torch.equal(r.old_logps, module.engine.rollout.logps)  # the engine's, no extra forward
     assert r.num_tokens == 12 / spg  # dapo's normalizer: the round's 12 tokens spread over its spg steps
 
 
@@ -297,6 +297,10 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path, prompts_file, ti
     ({"engine": "vllm", "vllm_importance_sampling_mode": "tokens"}, "model.vllm_importance_sampling_mode 'tokens'"),
     ({"engine": "vllm", "vllm_tensor_parallel_size": 2}, "model.vllm_tensor_parallel_size 2: only 1"),
     ({"engine": "vllm", "vllm_gpu_memory_utilization": 1.5}, "model.vllm_gpu_memory_utilization must be in"),
+    ({"engine": "vllm", "loss_type": "vespo"}, "model.vllm_importance_sampling_mode 'sequence_mask': loss_type 'vespo'"),
+    ({"sync_ref_model": True}, "model.sync_ref_model mixes the policy into the reference model: it needs model.beta"),
+    ({"sync_ref_model": True, "beta": 0.1, "peft_config": {"r": 2}}, "model.sync_ref_model mixes the policy"),
+    ({"importance_sampling_level": "seq"}, "model.importance_sampling_level 'seq'"),
 ])
 def test_bad_settings_raise(kwargs, match):
     with pytest.raises(LitAlignError, match=match):
@@ -365,10 +369,10 @@ def test_advantages_are_normalized_over_every_ranks_rewards(tokenizer, scale_rew
     """As TRL: rewards are gathered before the advantages, so ``batch`` divides by the global batch's std (groups
     never span ranks, so ``group`` is unchanged); each rank keeps its own rows."""
     other = torch.tensor([0.0, 3.0, 1.0, 5.0])  # another rank's rewards, spread wider than this rank's
-    sampler = LogpsSampler()
+    engine = LogpsEngine()
     digit, letter = tokenizer.convert_tokens_to_ids(["1", "a"])
-    sampler.rollout.completion_ids = torch.tensor([[digit] * 3, [letter] * 3, [digit, letter, letter], [letter] * 3])
-    _, r = stub_round(tokenizer, all_gather=lambda t: torch.stack([t, other.to(t)]), sampler=sampler,
+    engine.rollout.completion_ids = torch.tensor([[digit] * 3, [letter] * 3, [digit, letter, letter], [letter] * 3])
+    _, r = stub_round(tokenizer, all_gather=lambda t: torch.stack([t, other.to(t)]), engine=engine,
                       scale_rewards=scale_rewards)
     mine = torch.tensor(r.rewards)
     assert mine.unique().numel() == 3  # rewards 1, 0, 1/3, 0: non-zero advantages
@@ -380,7 +384,7 @@ def test_advantages_are_normalized_over_every_ranks_rewards(tokenizer, scale_rew
 
 def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, prompts_file, tokenizer):
     """A round is as wide as its longest prompt and completion; each step's forward gets its own rows' widths, and
-    its log-probs are still the sampler's at the round's first step (the ratio is 1)."""
+    its log-probs are still the engine's at the round's first step (the ratio is 1)."""
     torch.manual_seed(0)
     module = GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, max_completion_length=12, learning_rate=1e-3,
                         num_generations=2, steps_per_generation=4)
@@ -398,7 +402,7 @@ def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, 
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            rows, r = outputs["rows"], pl_module.round
+            rows, r = outputs["step"], pl_module.round
             seen.append((rows.prompt_ids.shape[1], rows.completion_ids.shape[1], int(rows.prompt_mask.sum(1).max()),
                          int(rows.completion_mask.sum(1).max()), r.prompt_ids.shape[1], r.completion_ids.shape[1]))
             valid = rows.old_logps != 0
@@ -410,7 +414,7 @@ def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, 
         assert (prompt_width, width) == (longest_prompt, longest)  # no column is padding in every row
     assert any(width < round_width for _, width, _, _, _, round_width in seen)
     assert any(prompt_width < round_width for prompt_width, _, _, _, round_width, _ in seen)
-    assert max(ratios[0], ratios[4]) < 1e-4  # round starts: the trimmed forward gives the sampler's log-probs
+    assert max(ratios[0], ratios[4]) < 1e-4  # round starts: the trimmed forward gives the engine's log-probs
 
 
 def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, tiny_path):
@@ -426,28 +430,34 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(LitAlignError, match="padding_free needs sdpa or eager attention"):
         completion_token_logps(model, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
-                               torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), packed=True)
+                               torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), padding_free=True)
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "dpo", "sft", "reward"])
+@pytest.mark.parametrize("recipe", ["grpo", "dpo", "sft", "kto", "cpo", "orpo", "reward"])
 def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     """Every option named as in TRL defaults as in TRL, but the differences the README gives reasons for."""
     import dataclasses
 
     import trl
 
+    from trl.experimental.cpo import CPOConfig
+    from trl.experimental.orpo import ORPOConfig
+
     from lit_align.hub import recipe_defaults
     from lit_align.data import RewardDataModule
-    from lit_align.modules import DPOModule, RewardModule, SFTModule
+    from lit_align.modules import CPOModule, DPOModule, KTOModule, ORPOModule, RewardModule, SFTModule
 
     module, config = {"grpo": (GRPOModule, trl.GRPOConfig), "dpo": (DPOModule, trl.DPOConfig),
-                      "sft": (SFTModule, trl.SFTConfig), "reward": (RewardModule, trl.RewardConfig)}[recipe]
+                      "sft": (SFTModule, trl.SFTConfig), "kto": (KTOModule, trl.KTOConfig),
+                      "cpo": (CPOModule, CPOConfig), "orpo": (ORPOModule, ORPOConfig),
+                      "reward": (RewardModule, trl.RewardConfig)}[recipe]
     theirs = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
     ours = recipe_defaults(module)
     differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and v != theirs[k]}
     listed = {"gradient_checkpointing": (False, True), "optim": ("adamw_torch", "adamw_torch_fused")}
     listed |= {"grpo": {"disable_dropout": (True, False), "steps_per_generation": (1, None)},  # None: 1 in TRL too
-               "sft": {"completion_only_loss": (True, None)}, "dpo": {}, "reward": {}}[recipe]  # None: on for p/c rows
+               "sft": {"completion_only_loss": (True, None)},  # None: on for prompt-completion rows
+               "dpo": {}, "kto": {}, "cpo": {}, "orpo": {}, "reward": {}}[recipe]
     assert differ == listed
     if recipe == "reward":  # the reward model's data options are TRL's too
         data = recipe_defaults(RewardDataModule)
@@ -467,3 +477,94 @@ def test_in_python_the_round_is_set_once_on_the_module_and_the_data_follows_it(t
     assert dm.round_shape is module.round_shape and dm.prompts_per_round == 6  # 4 x 3 completions / 2 per prompt
     assert dm.tokenizer.name_or_path == module.tokenizer.name_or_path
     assert probe.generate_steps == [0]  # one round serves the 3 steps
+
+
+# -- TRL 1.16's loss options through `lit-align fit` ------------------------------------------------------------------------
+def test_trl_loss_options_are_accepted_by_lit_align_fit_and_move_their_metrics(tmp_path, prompts_file, capfd,
+                                                                               tiny_path):
+    """CISPO with GDPO's advantages, the adaptive entropy bonus on the high-entropy tokens, the off-policy mask and an
+    fp32 LM head (padding-free rows), with and without a reference synced to the policy after every step (alpha 1): the entropy
+    coefficient climbs by its delta every step and, applied from the second step on, moves the loss away from the
+    policy term; CISPO logs its clip ratio; the synced reference leaves no KL while the unsynced one does."""
+    from helpers import run_main
+
+    def run(name: str, *options: str):
+        code, _, err = run_main([
+            "fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model", "builtin:tiny",
+            "--model.init_args.reward_funcs", json.dumps(REWARDS), "--model.init_args.max_completion_length", "4",
+            "--model.init_args.beta", "0.04", "--model.init_args.learning_rate", "1e-2",
+            "--model.init_args.warmup_steps", "0", *options,
+            "--data.init_args.path", prompts_file, "--data.init_args.val_split", "null",
+            "--data.init_args.batch_size", "4", "--data.init_args.num_generations", "2",
+            "--data.init_args.steps_per_generation", "1", "--trainer.max_steps", "3",
+            "--trainer.val_check_interval", "1.0", "--trainer.num_sanity_val_steps", "0",
+            "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+            "--trainer.callbacks", "[]", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+            "--trainer.logger.save_dir", str(tmp_path), "--trainer.logger.name", name,
+            "--trainer.default_root_dir", str(tmp_path), "--export.enabled", "false"], capfd)
+        assert code == 0, err
+        return read_metrics(tmp_path / name / "version_0")
+
+    options = ["--model.init_args.loss_type", "cispo", "--model.init_args.epsilon_high", "5.0",
+               "--model.init_args.multi_objective_aggregation", "normalize_then_sum",
+               "--model.init_args.use_adaptive_entropy", "true", "--model.init_args.entropy_coef", "0.1",
+               "--model.init_args.entropy_target", "100.0", "--model.init_args.top_entropy_quantile", "0.5",
+               "--model.init_args.off_policy_mask_threshold", "0.5", "--model.init_args.cast_lm_head_to_fp32", "true",
+               "--model.init_args.padding_free", "true"]  # the entropy's gradient through the chunked head
+    synced = run("synced", *options, "--model.init_args.sync_ref_model", "true",
+                 "--model.init_args.ref_model_sync_steps", "1", "--model.init_args.ref_model_mixup_alpha", "1.0")
+    unsynced = run("unsynced", *options)
+    for metrics in (synced, unsynced):
+        assert [metric_at(metrics, "train/entropy_coef", s) for s in range(3)] == pytest.approx([0.105, 0.11, 0.115])
+        assert metric_at(metrics, "train/loss", 0) == metric_at(metrics, "train/policy_loss", 0)  # none applied yet
+        assert metric_at(metrics, "train/loss", 1) < metric_at(metrics, "train/policy_loss", 1) - 1e-3
+        assert 0.0 <= metric_at(metrics, "train/cispo_clip_ratio", 0) <= 1.0
+        assert "train/clip_ratio/low_mean" not in metrics[0]  # CISPO's metric instead of the clip family's
+    # the first update is the bonus's at step 1 (rewards are flat on the tiny model): the policy moves from there, and
+    # each round's synced reference is the policy it trains
+    assert metric_at(synced, "train/kl", 2) == pytest.approx(0.0, abs=1e-9)
+    assert metric_at(unsynced, "train/kl", 2) > 1e-6
+
+
+def test_readme_lists_every_grpo_config_field():
+    """The README's "GRPOConfig fields" table names every field TRL's ``GRPOConfig`` adds to ``TrainingArguments``, each
+    with what it is here; every ``model.`` option it names is one of ``GRPOModule``'s (the table cannot rot either
+    way)."""
+    import dataclasses
+    import inspect
+    import re
+
+    import transformers
+    import trl
+
+    text = (REPO / "README.md").read_text()
+    table = text.split("### GRPOConfig fields", 1)[1].split("\n#", 1)[0]
+    body = table.split("|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split(" | ") for line in body.splitlines()]
+    listed = {name for first, _ in rows for name in re.findall(r"`(\w+)`", first)}
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)} - base
+    assert sorted(theirs - listed) == [], "GRPOConfig fields missing from the README table"
+    assert sorted(listed - theirs) == [], "README table rows that are not GRPOConfig fields"
+    options = set(inspect.signature(GRPOModule.__init__).parameters) | set(
+        inspect.signature(GRPOModule.__mro__[1].__init__).parameters)
+    for first, second in rows:
+        assert second.strip(" |"), f"{first}: nothing said"
+        named = re.findall(r"`model\.(\w+)`", second)
+        if "`model.` the same names" in second:
+            named += re.findall(r"`(\w+)`", first)
+        assert set(named) <= options, f"{first}: {sorted(set(named) - options)} are not GRPOModule options"
+
+
+def test_the_adaptive_entropy_coefficient_is_saved_and_restored():
+    """A resume continues the controller where it was (TRL saves it beside the checkpoint too)."""
+    settings = {"reward_funcs": REWARDS, "use_adaptive_entropy": True, "entropy_coef": 0.1}
+    saved = GRPOModule(**settings)
+    saved.entropy_control.step(0.05)  # below the default target 0.2: up by 0.005
+    checkpoint = {"hyper_parameters": dict(saved.hparams)}
+    saved.on_save_checkpoint(checkpoint)
+    resumed = GRPOModule(**settings)
+    assert resumed.entropy_control.coef == 0.1 and resumed.entropy_control.applied() == 0.0
+    resumed.on_load_checkpoint(checkpoint)
+    assert resumed.entropy_control.coef == pytest.approx(0.105) and resumed.entropy_control.last_entropy == 0.05
+    assert resumed.entropy_control.applied() == pytest.approx(0.105)
