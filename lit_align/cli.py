@@ -43,11 +43,15 @@ class AlignParser(LightningArgumentParser):
         super().error(message, ex)
 
 
-def one_owner(owner: str, follower: str, name: str, default: Any = None) -> Callable[[Any, Any], Any]:
+def one_owner(owner: str, follower: str, name: str, default: Any = None) -> Callable[..., Any]:
     """A link ``<owner>.<name> -> <follower>.<name>`` for a setting two sections read but one owns. A value set under
     the follower that differs from the owner's is refused rather than silently replaced; None or ``default`` (the
-    setting's default on either side) counts as not set."""
-    def follow(owned: Any, followed: Any) -> Any:
+    setting's default on either side) counts as not set. Given the follower's ``class_path`` too (a third source),
+    the default is that class's (RLOO's ``num_generations`` is 2, GRPO's 8)."""
+    def follow(owned: Any, followed: Any, class_path: str | None = None) -> Any:
+        nonlocal default
+        if class_path is not None:
+            default = class_default(class_path, name, default)
         owned = default if owned is None else owned
         if followed not in (None, default) and followed != owned:
             raise LitAlignError(f"{follower}.{name} is set by {owner}.{name} ({owner}: owns it; {follower}: follows "
@@ -55,6 +59,19 @@ def one_owner(owner: str, follower: str, name: str, default: Any = None) -> Call
         return owned
 
     return follow
+
+
+def class_default(class_path: str, name: str, fallback: Any) -> Any:
+    """The ``__init__`` default of ``name`` in the class ``class_path`` (its bases' included), else ``fallback``."""
+    import importlib
+
+    from lit_align.hub import recipe_defaults
+
+    module, _, attr = class_path.rpartition(".")
+    try:
+        return recipe_defaults(getattr(importlib.import_module(module), attr)).get(name, fallback)
+    except (ImportError, AttributeError, ValueError):
+        return fallback
 
 
 class AlignCLI(LightningCLI):
@@ -79,8 +96,9 @@ class AlignCLI(LightningCLI):
         # a GRPO round's shape: set under `data:` (the batches show it), linked to the module, which owns the
         # `RoundShape` and hands it to the data; unset under `data:`: the default
         for name, default in ROUND_SETTINGS.items():
-            parser.link_arguments((f"data.init_args.{name}", f"model.init_args.{name}"), f"model.init_args.{name}",
-                                  compute_fn=one_owner("data", "model", name, default), apply_on="parse")
+            parser.link_arguments((f"data.init_args.{name}", f"model.init_args.{name}", "model.class_path"),
+                                  f"model.init_args.{name}", compute_fn=one_owner("data", "model", name, default),
+                                  apply_on="parse")
         # owned by the model: the export carries the chat template; the loss reads assistant_only_loss (the data
         # drops the rows whose cut leaves no assistant token)
         for name, default in (("chat_template", None), ("assistant_only_loss", False)):

@@ -3,6 +3,7 @@
 from lit_align.modules.base import AlignModule
 from lit_align.modules.dpo import DPOModule
 from lit_align.modules.grpo import GRPOModule
+from lit_align.modules.rloo import RLOOModule
 from lit_align.modules.sft import SFTModule
 
-__all__ = ["AlignModule", "DPOModule", "GRPOModule", "SFTModule"]
+__all__ = ["AlignModule", "DPOModule", "GRPOModule", "RLOOModule", "SFTModule"]

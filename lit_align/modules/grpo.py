@@ -232,10 +232,13 @@ class GRPOModule(AlignModule):
         per_func = score_all(self.reward_funcs, prompts, completions, ids, columns, extra)
         return torch.tensor(per_func, dtype=torch.float32, device=self.device).T.reshape(len(prompts), -1)
 
-    def advantages(self, per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def advantages(self, per_func: torch.Tensor, old_logps: torch.Tensor | None = None,
+                   ref_logps: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rewards [N], advantages [N], every rank's rewards)``. As TRL: advantages over every rank's rewards (the
         same per group: a group stays on one rank; ``scale_rewards: batch`` divides by the global batch's std),
-        then this rank's rows."""
+        then this rank's rows. The round's log-probs are for recipes that put the KL in the reward (RLOO); GRPO's
+        KL is in the loss."""
         weighted = per_func * self.reward_weights
         rewards = torch.where(per_func.isnan().all(1), torch.nan, weighted.nansum(1))
         all_rewards = self.trainer.strategy.all_gather(rewards).reshape(-1)
@@ -257,7 +260,6 @@ class GRPOModule(AlignModule):
         with self.round_rng():
             rollout, prompts, completions = self.sample(self.sampler, batch, group)
         per_func = self.score(batch, rollout, prompts, completions, group)
-        rewards, advantages, all_rewards = self.advantages(per_func)
 
         prompt_ids = batch["prompt_ids"].repeat_interleave(group, 0)
         prompt_mask = batch["prompt_mask"].repeat_interleave(group, 0)
@@ -271,6 +273,7 @@ class GRPOModule(AlignModule):
         ref_logps = None
         if self.reference is not None:
             ref_logps = self.reference.logps(batch, lambda network: self.completion_logps(network, *rows)[0])
+        rewards, advantages, all_rewards = self.advantages(per_func, old_logps, ref_logps, loss_mask)
 
         # dapo: every token of the round weighs the same; normalized by the loss tokens per step (all ranks)
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
@@ -408,11 +411,15 @@ class GRPOModule(AlignModule):
         }
         if "kl" in info:
             step_stats["kl"] = masked_mean(info["kl"])
+        self.log_step(step_stats)
+        return {"loss": loss, "rows": rows, "logps": logps.detach()}  # callbacks see the step's rows (outputs)
+
+    def log_step(self, step_stats: dict[str, torch.Tensor]) -> None:
+        """Log a step's metrics (rank-averaged) and its round's, as ``train/<TRL's name>``."""
         values = self.trainer.strategy.reduce(torch.stack(list(step_stats.values())), reduce_op="mean")
         for name, value in [*zip(step_stats, values), *self.round.stats.items()]:
             self.log(f"train/{name}", value, prog_bar=name in ("loss", "reward"))
         self.log("train/generation_rounds", float(self.generation_rounds))
-        return {"loss": loss, "rows": rows, "logps": logps.detach()}  # callbacks see the step's rows (outputs)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Held-out reward: one greedy completion per prompt."""
