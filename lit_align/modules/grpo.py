@@ -99,6 +99,14 @@ class GRPOModule(AlignModule):
         temperature: sampling temperature; the training log-probs use the same temperature, as TRL does.
         top_p: nucleus sampling (1.0: off).
         top_k: top-k sampling (0: off).
+        min_p: keep only tokens at least ``min_p`` times as likely as the most likely one (None: off).
+        repetition_penalty: divide the logits of tokens already in the prompt or completion by it where positive,
+            multiply where negative (transformers' and vLLM's; 1.0: off); greedy validation too.
+        generation_kwargs: more keywords for the engine's own sampler, overriding the settings above, as TRL:
+            transformers' ``generate`` (``engine: hf``) or vLLM's ``SamplingParams`` (``engine: vllm``); ``native``
+            has none and refuses them. Validation's sampler gets them too.
+        num_generations_eval: completions per validation prompt, sampled as in training (TRL's); None (lit_align's
+            default): one greedy completion. ``val/reward`` is their mean.
         engine: sampler: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or
             ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with ``vllm_mode: colocate``; its own
             environment, see the README).
@@ -123,6 +131,8 @@ class GRPOModule(AlignModule):
             or ``token_mask``.
         vllm_importance_sampling_clip_min: lower bound of the ratio (None: none).
         vllm_importance_sampling_clip_max: upper bound of the ratio (TRL's cap; None: none).
+        vllm_structured_outputs_regex: with ``engine: vllm``, constrain every completion to this regular expression
+            (vLLM's structured outputs; None: free text).
     """
 
     def __init__(
@@ -144,6 +154,10 @@ class GRPOModule(AlignModule):
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        generation_kwargs: dict | None = None,
+        num_generations_eval: int | None = None,
         engine: str = "hf",
         padding_free: bool = False,
         vllm_mode: str = "colocate",
@@ -155,6 +169,7 @@ class GRPOModule(AlignModule):
         vllm_importance_sampling_mode: str = "sequence_mask",
         vllm_importance_sampling_clip_min: float | None = None,
         vllm_importance_sampling_clip_max: float | None = 3.0,
+        vllm_structured_outputs_regex: str | None = None,
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
@@ -169,7 +184,13 @@ class GRPOModule(AlignModule):
         if beta != 0.0:
             self.reference = choose_reference(ref_model, self.lora_config is not None)
         self.importance_sampling = None  # (mode, clip_min, clip_max) when vLLM's sampling is corrected for
-        self.sampler, self.greedy = self.make_samplers(engine, max_completion_length, temperature, top_p, top_k)
+        if num_generations_eval is not None and num_generations_eval < 1:
+            raise LitAlignError(f"model.num_generations_eval must be >= 1 or null (one greedy completion), "
+                                f"got {num_generations_eval}")
+        self.num_generations_eval = num_generations_eval
+        self.sampler, self.greedy = self.make_samplers(
+            engine, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs)
         self.round: GenerationRound | None = None
         self.reward_metrics: dict[str, list[float]] = {}  # what reward functions log this round (log_metric)
         self.reward_columns: dict[str, list] = {}  # and their completions-table columns (log_extra)
@@ -178,17 +199,18 @@ class GRPOModule(AlignModule):
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names)]})
 
-    def make_samplers(self, engine: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int):
-        """The ``engine``'s sampler for the rounds and its greedy one for validation. The vLLM engine's options, set
-        flat as in TRL (``model.vllm_*``), are routed to it, which checks them (``VLLMOptions``)."""
-        engine_settings = {}
+    def make_samplers(self, engine: str, temperature: float, **sampling):
+        """The ``engine``'s sampler for the rounds and its greedy one for validation (``SamplingConfig``'s settings;
+        greedy keeps the repetition penalty and ``generation_kwargs``). The vLLM engine's options, set flat as in TRL
+        (``model.vllm_*``), are routed to it, which checks them (``VLLMOptions``)."""
+        engine_settings, options = {}, None
         if engine == "vllm":
             options = VLLMOptions.from_flat(self.hparams)
-            self.importance_sampling = options.importance_sampling(top_k, top_p)
             engine_settings = {**options.engine_settings(), "weights_version": self.weights_version}
-        return (make_sampler(engine, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             **engine_settings),
-                make_sampler(engine, max_new_tokens=max_new_tokens, temperature=0.0, **engine_settings))
+        sampler = make_sampler(engine, temperature=temperature, **sampling, **engine_settings)
+        if options is not None:
+            self.importance_sampling = options.importance_sampling(sampler.config)
+        return sampler, make_sampler(engine, temperature=0.0, **sampling, **engine_settings)
 
     def data_settings(self) -> dict:
         """The data follows the round's shape too (``PromptDataModule.connect``)."""
@@ -422,9 +444,12 @@ class GRPOModule(AlignModule):
         self.log("train/generation_rounds", float(self.generation_rounds))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Held-out reward: one greedy completion per prompt."""
-        rollout, prompts, completions = self.sample(self.greedy, batch, 1)
-        per_func = self.score(batch, rollout, prompts, completions, 1)
+        """Held-out reward: one greedy completion per prompt, or with ``num_generations_eval`` that many sampled
+        ones (the training sampler's settings), averaged."""
+        sampler, num = (self.greedy, 1) if self.num_generations_eval is None else (self.sampler,
+                                                                                   self.num_generations_eval)
+        rollout, prompts, completions = self.sample(sampler, batch, num)
+        per_func = self.score(batch, rollout, prompts, completions, num)
         rewards = (per_func * self.reward_weights).nansum(1)
         self.val_metrics["reward"].update(rewards)
         self.log("val/reward", self.val_metrics["reward"], prog_bar=True)
