@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_align.callbacks import HFExport, SigtermCheckpoint
 from lit_align.checkpoint_io import AtomicCheckpointIO
 from lit_align.errors import LitAlignError
-from lit_align.generation_round import ROUND_SETTINGS
+from lit_align.generation_round import ROUND_SETTINGS, steps_per_generation_for
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process the signal ended: the run is not finished
 
@@ -59,6 +59,36 @@ def one_owner(owner: str, follower: str, name: str, default: Any = None) -> Call
         return owned
 
     return follow
+
+
+def round_steps(follow: Callable[..., Any]) -> Callable[..., Any]:
+    """The link for ``steps_per_generation``: ``data.generation_batch_size`` (TRL's alternative, the round's
+    completions on every device), when set, is ``steps_per_generation`` times ``data.batch_size`` times the world
+    size the trainer's settings give; then the data owns it as ``follow`` says."""
+    def link(steps, followed, class_path, generation_batch_size, batch_size, devices, num_nodes, accelerator):
+        if generation_batch_size is not None and batch_size is not None:
+            world = world_size(devices, num_nodes, accelerator)
+            steps = steps_per_generation_for(generation_batch_size, batch_size, world)
+        return follow(steps, followed, class_path)
+
+    return link
+
+
+def world_size(devices: Any, num_nodes: Any, accelerator: Any) -> int:
+    """The processes ``trainer.devices`` and ``trainer.num_nodes`` start, read the way Lightning reads them:
+    a number, a list of device indices, or ``auto`` / -1 (every GPU there is, one process on CPU)."""
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        count = len([d for d in devices.split(",") if d.strip()])
+    elif str(devices).lstrip("-").isdigit() and int(devices) > 0:
+        count = int(devices)
+    else:  # auto or -1
+        import torch
+
+        on_cpu = str(accelerator).lower() == "cpu" or not torch.cuda.is_available()
+        count = 1 if on_cpu else torch.cuda.device_count()
+    return count * int(num_nodes or 1)
 
 
 def class_default(class_path: str, name: str, fallback: Any) -> Any:
@@ -96,9 +126,13 @@ class AlignCLI(LightningCLI):
         # a GRPO round's shape: set under `data:` (the batches show it), linked to the module, which owns the
         # `RoundShape` and hands it to the data; unset under `data:`: the default
         for name, default in ROUND_SETTINGS.items():
-            parser.link_arguments((f"data.init_args.{name}", f"model.init_args.{name}", "model.class_path"),
-                                  f"model.init_args.{name}", compute_fn=one_owner("data", "model", name, default),
-                                  apply_on="parse")
+            sources = (f"data.init_args.{name}", f"model.init_args.{name}", "model.class_path")
+            follow = one_owner("data", "model", name, default)
+            if name == "steps_per_generation":  # or TRL's generation_batch_size, over the world's devices
+                sources += ("data.init_args.generation_batch_size", "data.init_args.batch_size", "trainer.devices",
+                            "trainer.num_nodes", "trainer.accelerator")
+                follow = round_steps(follow)
+            parser.link_arguments(sources, f"model.init_args.{name}", compute_fn=follow, apply_on="parse")
         # owned by the model: the export carries the chat template; the loss reads assistant_only_loss (the data
         # drops the rows whose cut leaves no assistant token)
         for name, default in (("chat_template", None), ("assistant_only_loss", False)):

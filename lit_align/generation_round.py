@@ -67,9 +67,23 @@ class RoundShape:
         ``gradient_accumulation_steps % generate_every``)."""
         return accumulate_grad_batches % self.steps != 0
 
+    def generation_batch_size(self, batch_size: int, world_size: int) -> int:
+        """TRL's ``generation_batch_size``: the completions of one round on every device."""
+        return batch_size * world_size * self.steps_per_generation
+
     def tokens_per_step(self, round_tokens: float, world_size: int) -> float:
         """dapo's normalizer: the loss tokens of a round on every rank, per rank and step."""
         return round_tokens / (world_size * self.steps_per_generation)
+
+
+def steps_per_generation_for(generation_batch_size: int, batch_size: int, world_size: int) -> int:
+    """TRL's alternative to ``steps_per_generation``: the round's completions on every device, ``batch_size *
+    world_size * steps_per_generation``; it must be a positive multiple of the global batch."""
+    per_step = batch_size * world_size
+    if generation_batch_size < 1 or generation_batch_size % per_step:
+        raise LitAlignError(f"data.generation_batch_size {generation_batch_size} must be a positive multiple of the "
+                            f"global batch size (data.batch_size {batch_size} x {world_size} devices = {per_step})")
+    return generation_batch_size // per_step
 
 
 @dataclass

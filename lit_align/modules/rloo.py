@@ -7,9 +7,8 @@
 other completions of its prompt (optionally normalized over the batch), and the loss is a PPO-clipped surrogate with
 one ratio per completion, averaged over completions. The math is ``lit_align.losses.rloo``.
 
-Left out, as GRPO's are: TRL's ``sync_ref_model`` / ``ref_model_mixup_alpha`` / ``ref_model_sync_steps`` (the README
-lists every RLOOConfig field and what became of it). GRPO options RLOO does not have (``loss_type``,
-``scale_rewards``, the ``vllm_importance_sampling_*`` correction) are not RLOO's options either.
+GRPO options RLOO does not have (``loss_type``, ``scale_rewards``, the ``vllm_importance_sampling_*`` correction)
+are not RLOO's options either; the README lists every RLOOConfig field and what became of it.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lit_align.callbacks import RefModelSync
 from lit_align.errors import LitAlignError
 from lit_align.generation_round import GenerationRound
 from lit_align.losses.grpo import nanstd
@@ -39,6 +39,11 @@ class RLOOModule(GRPOModule):
         normalize_advantages: scale the advantages to mean 0 and std 1 over the batch (every rank's completions).
         reward_clip_range: ``[min, max]`` the summed rewards are clamped to before the KL penalty (None: none).
         epsilon / epsilon_high: the clipping band of each completion's ratio, ``[1 - epsilon, 1 + epsilon_high]``.
+        sync_ref_model: every ``ref_model_sync_steps`` optimizer steps, ``ref <- ref_model_mixup_alpha * policy +
+            (1 - ref_model_mixup_alpha) * ref`` (TRL's; ``lit_align.callbacks.RefModelSync``); needs ``beta > 0``
+            and full fine-tuning.
+        ref_model_mixup_alpha: the policy's weight in that mix (TRL's default 0.6).
+        ref_model_sync_steps: optimizer steps between two mixes (TRL's default 512).
 
     The other options are ``GRPOModule``'s (sampling, engines, rewards, round shape, ``mask_truncated_completions``).
     """
@@ -55,6 +60,9 @@ class RLOOModule(GRPOModule):
         epsilon_high: float | None = None,
         normalize_advantages: bool = False,
         reward_clip_range: tuple[float, float] | None = None,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: float = 0.6,
+        ref_model_sync_steps: int = 512,
         **kwargs,
     ):
         if reward_clip_range is not None and (len(reward_clip_range) != 2 or reward_clip_range[0] > reward_clip_range[1]):
@@ -68,6 +76,13 @@ class RLOOModule(GRPOModule):
             self.hparams.pop(name, None)
         self.normalize_advantages = normalize_advantages
         self.reward_clip_range = None if reward_clip_range is None else tuple(reward_clip_range)
+        if sync_ref_model and (beta == 0.0 or self.lora_config is not None):
+            raise LitAlignError("model.sync_ref_model needs a reference model in memory: beta > 0 (with beta 0 there "
+                                "is none) and no peft_config (the reference is then the adapters-off policy)")
+        self.ref_sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
+
+    def configure_callbacks(self):
+        return [self.ref_sync] if self.ref_sync is not None else []
 
     # -- the round: the KL goes into the rewards, the baseline is the other completions' mean -----------------------------
     def old_logps(self, rollout, rows: tuple) -> tuple[torch.Tensor | None, None, dict]:

@@ -462,3 +462,25 @@ def test_in_python_the_round_is_set_once_on_the_module_and_the_data_follows_it(t
     assert dm.round_shape is module.round_shape and dm.prompts_per_round == 6  # 4 x 3 completions / 2 per prompt
     assert dm.tokenizer.name_or_path == module.tokenizer.name_or_path
     assert probe.generate_steps == [0]  # one round serves the 3 steps
+
+
+# -- validation ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_generations_eval", [None, 3])
+def test_num_generations_eval_samples_that_many_completions_per_validation_prompt(num_generations_eval, prompts_file):
+    """None (lit_align's default): one greedy completion per prompt; n: n sampled with the training settings (TRL's
+    num_generations_eval), val/reward their mean."""
+    from helpers import _RecordingSampler, digit_fraction, trainer
+
+    module = GRPOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=4,
+                        num_generations=2, num_generations_eval=num_generations_eval)
+    dm = PromptDataModule(path=prompts_file, val_path=prompts_file, val_split="train", batch_size=4,
+                          val_batch_size=5)
+    rounds: list[dict] = []
+    module.greedy, module.sampler = _RecordingSampler(module.greedy, rounds), _RecordingSampler(module.sampler, rounds)
+    metrics = trainer(limit_val_batches=2).validate(module, dm)[0]
+    assert len(rounds) == 2 and len(rounds[0]["prompts"]) == 5 * (num_generations_eval or 1)
+    completions = [[{"role": "assistant", "content": module.tokenizer.decode(ids, skip_special_tokens=True)}]
+                   for rnd in rounds for ids in rnd["ids"]]
+    assert metrics["val/reward"] == pytest.approx(sum(digit_fraction(completions)) / len(completions), abs=1e-6)
+    with pytest.raises(LitAlignError, match="model.num_generations_eval must be >= 1"):
+        GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, num_generations_eval=0)

@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lit_align.cli import run
 from lit_align.data import PromptDataModule
+from lit_align.errors import LitAlignError
 from lit_align.hub import recipe_defaults
 from lit_align.models import load_model
 from lit_align.modules.base import disable_dropout
@@ -87,6 +88,20 @@ def test_readme_table_names_every_rloo_config_field():
     section = README.read_text().split("\n## RLOO\n", 1)[1].split("\n## ", 1)[0]
     missing = [name for name in own if f"| `{name}` |" not in section]
     assert not missing, f"RLOOConfig fields missing from the README's RLOO table: {missing}"
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
+    prompts = write_sort_rows(tmp_path / "prompts.jsonl", 16, "prompts")
+    module = RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=4,
+                        learning_rate=1e-3, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
+    dm = PromptDataModule(path=prompts, val_split=None, batch_size=4, num_generations=2)
+    fit(module, dm, max_steps=3)
+    assert module.ref_sync.synced_at == [2]
+    before = load_model("builtin:tiny").state_dict()
+    reference = module.reference.model.state_dict()
+    assert any(not torch.equal(before[k], reference[k]) for k in before)  # no longer the initial policy
+    with pytest.raises(LitAlignError, match="model.sync_ref_model needs a reference model in memory: beta > 0"):
+        RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], beta=0.0, sync_ref_model=True)
 
 
 # -- one step against TRL's RLOOTrainer ---------------------------------------------------------------------------------
