@@ -53,7 +53,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_PY) -c "import vllm, lit_align"
 	touch $@
 
-test-vllm: $(VLLM_VENV)/.installed  ## engine: vllm's tests, and the samplers' on vLLM's older transformers, in .venv-vllm
+test-vllm: $(VLLM_VENV)/.installed  ## engine: vllm's tests, and the engines' on vLLM's older transformers, in .venv-vllm
 	$(VLLM_PY) -m pytest -q -m "vllm or not slow" tests/vllm_engine tests/generation
 
 bench-vllm: $(VLLM_VENV)/.installed setup  ## tokens/s of vllm vs hf (.venv-vllm), native vs hf (.venv), on CPU

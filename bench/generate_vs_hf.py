@@ -1,4 +1,4 @@
-"""Sampling throughput: lit_align's ``NativeSampler`` (and ``VLLMSampler``) against ``HFSampler`` (transformers
+"""Sampling throughput: lit_align's ``NativeEngine`` (and ``VLLMEngine``) against ``HFEngine`` (transformers
 ``generate``), CPU.
 
     python bench/generate_vs_hf.py                          # builtin:tiny and builtin:small, B*G in 8 64 256
@@ -152,12 +152,12 @@ def main() -> None:
                 parser.error(f"--rows {rows} is not a multiple of --num-generations {args.num_generations}")
             batch = prompts[: rows // args.num_generations]
             enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left")
-            samplers = {k: cls(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0, top_k=0)
+            engines = {k: cls(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=1.0, top_k=0)
                         for k, cls in engines.items()}
             rates: dict[str, list[float]] = {k: [] for k in engines}
 
             def call(engine: str) -> int:
-                rollout = samplers[engine].generate(model, enc.input_ids, enc.attention_mask, args.num_generations,
+                rollout = engines[engine].generate(model, enc.input_ids, enc.attention_mask, args.num_generations,
                                                     eos_token_ids=[eos], pad_token_id=tokenizer.pad_token_id)
                 return int(rollout.completion_mask.sum())
 
@@ -181,7 +181,7 @@ def main() -> None:
                 flops = generation_flops(model.config, enc.attention_mask.sum(1).tolist(), args.num_generations,
                                          args.max_new_tokens)
                 cell["work bound"] = rows * args.max_new_tokens * matmul_peak() / flops
-                cell["shared prefix"] = getattr(samplers.get("native"), "last_stats", None)
+                cell["shared prefix"] = getattr(engines.get("native"), "last_stats", None)
                 cell["shared prefix"] = cell["shared prefix"] and cell["shared prefix"].shared_prefix
             results.append((name, rows, cell))
             print(f"{name[-15:]:<15}{rows:>6}" + "".join(f"{cell[k]:>12.0f}" for k in engines), flush=True)

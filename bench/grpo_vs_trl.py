@@ -1,7 +1,7 @@
 """lit_align GRPO against TRL's GRPOTrainer: steady-state completions/s and peak RSS, same model, prompts and settings.
 
     python bench/grpo_vs_trl.py                              # builtin:small, lit (hf engine) and TRL
-    python bench/grpo_vs_trl.py --lit-engine native          # lit_align with its native sampler
+    python bench/grpo_vs_trl.py --lit-engine native          # lit_align with its native engine
     python bench/grpo_vs_trl.py --lit-engine hf,native --threads 1 --rounds 4
     python bench/grpo_vs_trl.py --lit-engine native,native+padfree --max-new-tokens 256 --lr 0   # long completions
     python bench/grpo_vs_trl.py --lab realistic --lit-engine native+padfree --threads 1   # llama-32k, GSM8K-like
@@ -38,9 +38,9 @@ What both sides get, so that they do the same work:
     ``torch.set_num_threads(--threads)``;
   - no logger/report, no checkpoints, no saving, no evaluation, no progress bar.
 
-Where they differ by design (and this is what is measured): lit_align keeps the sampler's own log-probs as the old
+Where they differ by design (and this is what is measured): lit_align keeps the engine's own log-probs as the old
 policy's (TRL recomputes them with a forward pass when a round feeds several optimizer steps), and with
-``--lit-engine native`` it samples with ``NativeSampler`` (one prefill per prompt, static KV cache); with
+``--lit-engine native`` it samples with ``NativeEngine`` (one prefill per prompt, static KV cache); with
 ``+padfree`` (``native+padfree``) its training forward packs each step's rows into one sequence (``padding_free``),
 where TRL pads them. ``--lr 0`` keeps the policy where it started: completion lengths then stay alike on both sides
 (with learning, they drift apart by chance, and long completions cost more to sample and to train on).
@@ -54,9 +54,9 @@ than free cores, OpenMP's waits make any figure meaningless (use ``--threads 1``
 ``tok/s`` divides the completion tokens of those rounds instead (EOS included): where completions end at a sampled
 EOS their lengths differ between runs by chance, and both the sampling and the training cost grow with them, so
 with long completions (``--max-new-tokens 256``) compare ``tok/s`` rather than ``compl/s``.
-``gen s/round`` is the time inside the sampler (lit_align: ``sampler.generate``; TRL:
+``gen s/round`` is the time inside the engine (lit_align: ``engine.generate``; TRL:
 ``_generate_single_turn``) per timed round, ``gen CPU-s/round`` its CPU time (their ratios are TRL's time over
-lit_align's: the sampler's speed-up). ``tok/compl`` is the mean count of completion tokens (EOS included): it depends
+lit_align's: the engine's speed-up). ``tok/compl`` is the mean count of completion tokens (EOS included): it depends
 on where the sampled EOS fell, a matter of chance. ``generate`` decodes a round until its longest completion ends;
 the native engine drops the rows that ended as it goes, so its sampling time follows the tokens kept.
 """
@@ -115,7 +115,7 @@ def prepare(args, workdir: Path) -> dict:
 
 
 class GenTimer:
-    """Wraps a sampler call: wall time and generated tokens per call."""
+    """Wraps a engine call: wall time and generated tokens per call."""
 
     def __init__(self, fn, count_tokens):
         self.fn, self.count_tokens = fn, count_tokens
@@ -159,8 +159,8 @@ def run_lit(args, spec: dict) -> dict:
         dtype="float32", attn_implementation="sdpa", gradient_checkpointing=False, disable_dropout=True,
         num_generations=args.num_generations, steps_per_generation=args.steps_per_generation,
     )
-    timer = GenTimer(module.sampler.generate, lambda rollout: int(rollout.completion_mask.sum()))
-    module.sampler.generate = timer
+    timer = GenTimer(module.engine.generate, lambda rollout: int(rollout.completion_mask.sum()))
+    module.engine.generate = timer
     data = PromptDataModule(path=spec["prompts"], tokenizer=spec["model_dir"], batch_size=args.batch_size,
                             num_generations=args.num_generations, steps_per_generation=args.steps_per_generation,
                             val_split=None, shuffle=False)
@@ -278,7 +278,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
     parser.add_argument("--lit-engine", default="hf",
-                        help="lit_align sampler(s), comma-separated: hf, native; +padfree: padding_free training "
+                        help="lit_align engine(s), comma-separated: hf, native; +padfree: padding_free training "
                              "(default hf)")
     parser.add_argument("--engines", default="lit,trl", help="which to run, in order (default lit,trl)")
     parser.add_argument("--engine", choices=["lit", "trl", "prepare"], help=argparse.SUPPRESS)
@@ -335,7 +335,7 @@ def main() -> None:
         ref = results["trl"]
         print("-" * len(header))
         for engine, r in results.items():
-            if engine != "trl":  # throughput ratios lit/TRL; sampler ratios TRL time / lit time; RSS lit/TRL
+            if engine != "trl":  # throughput ratios lit/TRL; engine ratios TRL time / lit time; RSS lit/TRL
                 print(f"{engine + '/TRL':<12}{r['completions_per_s'] / ref['completions_per_s']:>8.2f}x"
                       f"{r['tokens_per_s'] / ref['tokens_per_s']:>7.2f}x"
                       f"{r['completions_per_cpu_s'] / ref['completions_per_cpu_s']:>12.2f}x"

@@ -6,7 +6,7 @@
                                                     # its chat rows (bench/lab.py's chat_rows), 2 pairs/step
 
 DPO: ``bench/dpo_vs_trl.py``'s lit_align run (``padding_free``, 4 pairs/step, UltraFeedback-like rows), the steps
-after the first profiled. GRPO: ``bench/grpo_vs_trl.py``'s lit_align run (native sampler, ``padding_free`` training,
+after the first profiled. GRPO: ``bench/grpo_vs_trl.py``'s lit_align run (native engine, ``padding_free`` training,
 16 completions of 128 tokens per round), both rounds profiled (the first included). Each table: the ops with the
 most self CPU time, and the share of the profiled time in the LM head's matmuls (``[*, H] x [V, H]`` or one
 vocabulary block of it), the decoder's other matmuls, attention and the rest.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def head_widths(vocab: int) -> set[int]:
-    """The LM head's output widths in matmul shapes: the vocabulary (the sampler's head, the plain path) and
+    """The LM head's output widths in matmul shapes: the vocabulary (the engine's head, the plain path) and
     ``lit_align.logps``'s vocabulary blocks (the full one and the last)."""
     from lit_align.logps import BLOCK_LOGITS, DEFAULT_CHUNK_ROWS
 
@@ -98,7 +98,7 @@ def main() -> None:
             spec = {"workdir": workdir, **grpo_vs_trl.prepare(grpo, Path(workdir))}
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 grpo_vs_trl.run_lit(grpo, spec)
-            table(prof, f"GRPO, {name}, native sampler + padding_free, 16 completions x {grpo.max_new_tokens} "
+            table(prof, f"GRPO, {name}, native engine + padding_free, 16 completions x {grpo.max_new_tokens} "
                         "tokens, 2 rounds (the first included)", vocab)
     print(json.dumps({"threads": torch.get_num_threads(), "load": os.getloadavg()[0]}))
 

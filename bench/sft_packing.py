@@ -50,24 +50,25 @@ def main() -> None:
     modes = {
         "padded": [collate_completions(c, pad) for c in chunks],
         "packed (bfd)": [collate_packed(packed[i : i + per_batch], pad) for i in range(0, len(packed), per_batch)],
-        "padding-free": [collate_packed(c, pad, one_row=True) for c in chunks],
+        "padding-free": [collate_completions(c, pad) for c in chunks],  # made one row by the layout
     }
     print(f"{args.model}, {args.rows} rows of {args.min_len}-{args.max_len} tokens ({real} real), "
           f"{args.threads} threads; fwd+bwd of the SFT loss over every row once")
     print(f"{'mode':<14} {'batches':>7} {'positions':>9} {'tok/s':>8} {'vs padded':>9}")
     base = None
     for name, batches in modes.items():
-        loss, _, _ = sft_token_stats(model, batches[0])  # warm-up
+        free = name == "padding-free"  # model.padding_free: the layout makes each padded batch one row
+        loss, _, _ = sft_token_stats(model, batches[0], padding_free=free)  # warm-up
         loss.backward()
         model.zero_grad()
         start = time.perf_counter()
         for batch in batches:
-            loss, _, _ = sft_token_stats(model, batch)
+            loss, _, _ = sft_token_stats(model, batch, padding_free=free)
             loss.backward()
             model.zero_grad()
         rate = real / (time.perf_counter() - start)
         base = base or rate
-        positions = sum(int(b["input_ids"].numel()) for b in batches)
+        positions = sum(int(b["attention_mask"].sum()) if free else int(b["input_ids"].numel()) for b in batches)
         print(f"{name:<14} {len(batches):>7} {positions:>9} {rate:>8.0f} {rate / base:>8.2f}x")
 
 

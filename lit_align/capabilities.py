@@ -1,6 +1,6 @@
 """What a loaded model can do, each question answered in one place.
 
-The sequence layouts (``lit_align.layouts``), the log-prob kernel (``lit_align.logps``), the samplers
+The sequence layouts (``lit_align.layouts``), the log-prob kernel (``lit_align.logps``), the engines
 (``lit_align.generation``) and the modules ask these instead of reading configs and wrappers themselves.
 """
 

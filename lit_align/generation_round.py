@@ -1,7 +1,7 @@
 """A GRPO generation round: what was sampled, scored and computed once, for the training steps it feeds.
 
 ``GRPOModule.generate_round`` builds one at the round's first step; every step of the round then trains on
-``round.step_rows(k)``, its share of the completions in a shuffled order. The round also goes into checkpoints, so a
+``round.step_batch(k)``, its share of the completions in a shuffled order. The round also goes into checkpoints, so a
 run resumed mid-round trains on the completions the interrupted run sampled.
 
 Its shape (``num_generations`` completions per prompt, ``steps_per_generation`` steps fed by one round,
@@ -87,7 +87,7 @@ def steps_per_generation_for(generation_batch_size: int, batch_size: int, world_
 
 
 @dataclass
-class StepRows:
+class StepBatch:
     """One training step's completions, without the columns that are padding in all of them."""
 
     prompt_ids: torch.Tensor  # [n, P'] left-padded
@@ -126,7 +126,7 @@ class GenerationRound:
     reward_funcs: dict[str, list[float]] = field(default_factory=dict)  # per row: each reward function's value
     is_ratio: torch.Tensor | None = None  # [N, C] or [N, 1]: importance weights for the sampling engine (vLLM)
 
-    def step_rows(self, position: int) -> StepRows:
+    def step_batch(self, position: int) -> StepBatch:
         """The rows of the round's ``position``-th step (passes repeat: ``position`` counts modulo ``steps``).
 
         The round is as wide as its longest prompt and completion; a step's rows usually need less, and pad columns
@@ -141,7 +141,7 @@ class GenerationRound:
         def completions(values: torch.Tensor | None) -> torch.Tensor | None:
             return None if values is None else values[rows][:, :width]
 
-        return StepRows(
+        return StepBatch(
             self.prompt_ids[rows][:, start:], self.prompt_mask[rows][:, start:],
             completions(self.completion_ids), completions(self.completion_mask), completions(self.loss_mask),
             self.advantages[rows], completions(self.old_logps), completions(self.ref_logps),

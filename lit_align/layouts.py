@@ -3,19 +3,24 @@
 A ``Layout`` is the forward's input (``input_ids [R, L]``, a 2D padding mask or a 4D ``allowed`` mask, positions),
 the first label column ``start``, optionally which position predicts each label (``source``), and the map from the
 forward's ``[R, L - start]`` log-probs to the caller's grid ``[N, C]`` (``index``; None: the same grid) with the
-grid's ``mask`` of scored tokens. ``lit_align.logps.layout_logps`` runs any of them. Six layouts:
+grid's ``mask`` of scored tokens. ``lit_align.logps.layout_logps`` runs any of them. Six layouts, and each recipe's
+choice among them (``sft``, ``pairs``, ``completions``):
 
 - ``padded``: right-padded rows (SFT rows, DPO's ``[chosen_1..B; rejected_1..B]``), scoring a masked subset;
 - ``prompt_completion``: left-padded prompts, right-padded completions (GRPO), positions following the mask;
 - ``right_aligned``: the same rows as ``[prompt, completion, padding]``, for ``packed_rows`` (GRPO's ``padding_free``);
 - ``shared_prompt_pairs``: each DPO pair as one row ``[prompt, chosen, rejected]``, the prompt computed once;
-- ``segments``: packed SFT rows, several sequences per row with a block-causal mask;
+- ``segments``: packed SFT rows, several sequences per row with a block-causal mask; ``one_row`` makes a batch's
+  rows (padded or packed) one such row (SFT's ``padding_free``);
 - ``packed_rows``: a right-padded layout (DPO's two pair layouts, GRPO's ``right_aligned``) without padding (their
   ``padding_free``), its rows packed into as few rows as hold them, the LM head on the scored tokens only
   (``targets``).
 
-The 4D layouts need a model that takes a custom mask (``lit_align.capabilities``); ``pairs`` picks the shared-prompt
-layout only for a model that does.
+``padding_free`` means the same for every recipe: the step's sequences packed without padding, each attending only to
+itself, the same log-probs up to float rounding. SFT makes the batch one row (TRL's way; under flash attention the
+restarting positions mark the sequences, no mask); DPO and GRPO pack rows as wide as the longest (``packed_rows``,
+the LM head on the scored tokens only). The 4D layouts need a model that takes a custom mask
+(``lit_align.capabilities``); ``pairs`` picks the shared-prompt layout only for a model that does.
 """
 
 from __future__ import annotations
@@ -83,6 +88,34 @@ def segments(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torc
     layout.name, layout.attention_mask, layout.varlen = "packing", None, True
     layout.allowed, layout.position_ids = allowed[:, None], position_ids
     return layout
+
+
+def one_row(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor,
+            position_ids: torch.Tensor | None = None, segment_ids: torch.Tensor | None = None) -> Layout:
+    """Right-padded rows (``padded``'s, or packed ones with their ``position_ids`` and ``segment_ids``) as one row of
+    their sequences back to back, no padding: ``segments`` of a single row. The grid is that row's."""
+    real = attention_mask.bool()
+    rows = torch.arange(len(input_ids), device=input_ids.device)[:, None].expand_as(input_ids)
+    if position_ids is None:  # one sequence per row, from position 0
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    if segment_ids is None:
+        segment_ids = torch.zeros_like(input_ids)
+    segment = rows * (int(segment_ids.max()) + 1) + segment_ids  # one id per sequence of the whole batch
+    return segments(input_ids[real][None], attention_mask[real][None], scored[real][None],
+                    position_ids[real][None], segment[real][None])
+
+
+def sft(batch: dict[str, torch.Tensor], scored: torch.Tensor, padding_free: bool = False) -> Layout:
+    """The layout an SFT batch runs in: its rows as they come (``padded``, or ``segments`` for packed rows), or with
+    ``padding_free`` all of them as one row (``one_row``), scoring the tokens where ``scored`` is 1."""
+    packed = "segment_ids" in batch
+    if padding_free:
+        return one_row(batch["input_ids"], batch["attention_mask"], scored, batch.get("position_ids"),
+                       batch.get("segment_ids"))
+    if packed:
+        return segments(batch["input_ids"], batch["attention_mask"], scored, batch["position_ids"],
+                        batch["segment_ids"])
+    return padded(batch["input_ids"], batch["attention_mask"], scored)
 
 
 def prompt_completion(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
@@ -245,3 +278,12 @@ def pairs(batch: dict[str, torch.Tensor], model: torch.nn.Module, share_prompt: 
     if layout.allowed is not None and window and layout.window > window:
         return padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
     return layout
+
+
+def completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                completion_mask: torch.Tensor, padding_free: bool = False) -> Layout:
+    """The layout GRPO's completions run in: after their left-padded prompts (``prompt_completion``), or with
+    ``padding_free`` as ``[prompt, completion]`` rows packed without padding (``packed_rows`` of ``right_aligned``)."""
+    if padding_free:
+        return packed_rows(right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
+    return prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask)

@@ -1,6 +1,6 @@
 """Next-token log-probs of a causal LM, plain or chunked: the one place every recipe gets its log-probs from.
 
-Plain: the model's forward returns ``[N, T, V]`` logits and ``losses.token_logps`` gathers the labels. For backward,
+Plain: the model's forward returns ``[N, T, V]`` logits and ``token_logps`` gathers the labels. For backward,
 autograd keeps those logits (and, in half precision, their fp32 copy): at a 128k vocabulary that is the largest tensor
 of the step by far. Chunked (``chunk_size``): the decoder runs to hidden states ``[N, T, H]`` and
 ``chunked_token_logps`` applies the LM head ``chunk_size`` positions and one vocabulary block at a time (a tile that

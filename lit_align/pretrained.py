@@ -3,7 +3,7 @@
 A ``.gguf`` file (llama.cpp's format, which transformers reads with the ``gguf`` package) is dequantized once into
 a plain Hugging Face directory, ``$LIT_ALIGN_CACHE/gguf/<file stem>-<sha256 prefix>``; every later load is a plain
 ``from_pretrained`` of that directory (SmolLM2-135M: ~2.5 s and 0.4 GB instead of ~24 s and 1.1 GB), and everything
-downstream (checkpoints, LoRA, resume, export, the native sampler) sees an ordinary float model. transformers'
+downstream (checkpoints, LoRA, resume, export, the native engine) sees an ordinary float model. transformers'
 own GGUF-loaded model cannot ``save_pretrained``; the conversion rebuilds it from its config without the
 quantization config, sharing the dequantized tensors.
 

@@ -8,11 +8,10 @@
   test module imports lit_align.
 
 Layout: ``tests/`` mirrors ``lit_align/``: ``lit_align/X/Y.py``'s tests are in ``tests/X/test_Y*.py`` (some names
-carry a suffix: ``losses/test_dpo_losses.py``, ``modules/test_base_module.py``, ``data/test_prompt_data.py``,
-``generation/test_native_sampler.py``, ...). Not mirrored by name: the ``__init__`` re-exports and ``__main__`` (run
-by tests/test_cli.py's subprocesses), ``generation/base.py`` and ``generation/native.py``'s sampling functions
-(tests/generation/test_sampling.py), ``data/tasks.py`` (tests/data/test_tasks.py, in progress)
-and ``pipeline.py`` (tests/e2e/test_pipeline.py). ``tests/e2e/`` runs ``lit-align fit`` end to end across modules.
+carry a suffix: ``losses/test_dpo_losses.py``, ``modules/test_base_module.py``, ``data/test_prompts_data.py``,
+``generation/test_native_engine.py``, ``generation/test_base_sampling.py``, ...). Not mirrored by name: the
+``__init__`` re-exports and ``__main__`` (run by tests/test_cli.py's subprocesses) and ``pipeline.py``
+(tests/e2e/test_pipeline.py). ``tests/e2e/`` runs ``lit-align fit`` end to end across modules.
 """
 
 from __future__ import annotations

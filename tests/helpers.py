@@ -245,13 +245,13 @@ def digit_fraction(completions, **_):
 
 
 class ReplayRollouts(L.Callback):
-    """Record what GRPO's sampler returns on this rank (``record_dir``), or replay recorded rounds (``replay_dir``).
+    """Record what GRPO's engine returns on this rank (``record_dir``), or replay recorded rounds (``replay_dir``).
 
     Replaying, each round's completions come from the recording of whichever rank sampled that prompt in that round,
     in the order of this run's prompts (rewards are recomputed from them): a one-process run then trains on exactly
     the completions a DDP run sampled, so their losses can be compared (sampling itself depends on each rank's
-    random stream). Both work through the engine interface: the module's ``sampler`` is replaced by one that
-    records or replays (``lit_align.generation.Sampler``).
+    random stream). Both work through the engine interface: the module's ``engine`` is replaced by one that
+    records or replays (``lit_align.generation.Engine``).
 
     Args:
         record_dir: write ``<record_dir>/rank<R>.pt`` at the end of training.
@@ -264,9 +264,9 @@ class ReplayRollouts(L.Callback):
 
     def setup(self, trainer, pl_module, stage) -> None:
         if self.replay_dir is None:
-            pl_module.sampler = _RecordingSampler(pl_module.sampler, self.rounds)
+            pl_module.engine = _RecordingEngine(pl_module.engine, self.rounds)
         else:
-            pl_module.sampler = _ReplayingSampler([torch.load(p) for p in sorted(Path(self.replay_dir).glob("rank*.pt"))])
+            pl_module.engine = _ReplayingEngine([torch.load(p) for p in sorted(Path(self.replay_dir).glob("rank*.pt"))])
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.record_dir is not None:
@@ -278,7 +278,7 @@ def _prompt_keys(prompt_ids, prompt_mask) -> list[str]:
     return [json.dumps(ids[m.bool()].tolist()) for ids, m in zip(prompt_ids, prompt_mask)]
 
 
-class _RecordingSampler:
+class _RecordingEngine:
     def __init__(self, inner, rounds: list[dict]):
         self.inner, self.rounds = inner, rounds
 
@@ -292,7 +292,7 @@ class _RecordingSampler:
         return rollout
 
 
-class _ReplayingSampler:
+class _ReplayingEngine:
     def __init__(self, recorded: list[list[dict]]):
         self.by_round = [{} for _ in recorded[0]]  # round -> prompt -> its recorded completions
         for rank in recorded:

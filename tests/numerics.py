@@ -11,7 +11,7 @@ claims, and the claim decides the tolerance:
    function: both computed in float64 and compared at ``rel=FORMULA_RTOL`` (1e-9), so that no kernel's rounding can
    decide the result. Where the function is fp32 by design (a kernel that upcasts half precision), rule 3 applies.
 3. **One formula, computed in another order.** Chunked against plain log-probs, lit_align against TRL's trainer,
-   packed against padded rows, shared-prompt against plain pairs, DDP against one process, one sampler against
+   packed against padded rows, shared-prompt against plain pairs, DDP against one process, one engine against
    another. The two sides differ by the rounding of reductions that run in other orders, which is bounded by
    ``rounding_tol(scale, terms)``::
 

@@ -24,22 +24,22 @@ def make_round(old: bool = True) -> GenerationRound:
     )
 
 
-def test_step_rows_take_the_steps_slice_of_the_order_trimmed():
+def test_step_batch_takes_the_steps_slice_of_the_order_trimmed():
     r = make_round()
-    first = r.step_rows(0)  # rows 1, 0: prompts of 2 real tokens, completions of at most 2
+    first = r.step_batch(0)  # rows 1, 0: prompts of 2 real tokens, completions of at most 2
     assert first.prompt_ids.tolist() == [[6, 7], [2, 3]] and first.prompt_mask.tolist() == [[1, 1], [1, 1]]
     assert first.completion_ids.tolist() == [[3, 4], [0, 0]]
     assert first.completion_mask.tolist() == [[1, 1], [1, 0]] and first.loss_mask.tolist() == [[1, 1], [1, 0]]
     assert first.advantages.tolist() == [-1.0, 1.0]
     assert first.old_logps.tolist() == [[3.0, 4.0], [0.0, 1.0]] and first.ref_logps is None
     assert first.dataset_rows == [7, 7]
-    second = r.step_rows(1)  # rows 3, 2: full prompts, completions of up to 3
+    second = r.step_batch(1)  # rows 3, 2: full prompts, completions of up to 3
     assert second.prompt_ids.shape == (2, 4) and second.completion_ids.shape == (2, 3)
     assert second.advantages.tolist() == [-0.5, 0.5] and second.dataset_rows == [3, 3]
     # a second pass over the round (num_iterations): the same slices again
-    again = r.step_rows(2)
+    again = r.step_batch(2)
     assert torch.equal(again.completion_ids, first.completion_ids) and again.dataset_rows == first.dataset_rows
-    assert make_round(old=False).step_rows(0).old_logps is None
+    assert make_round(old=False).step_batch(0).old_logps is None
 
 
 def test_the_checkpoint_form_rebuilds_the_same_round():

@@ -83,7 +83,7 @@ def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size,
     for packed in (False, True):
         model.zero_grad()
         logps, entropy = completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7,
-                                                with_entropy=True, chunk_size=chunk_size, packed=packed)
+                                                with_entropy=True, chunk_size=chunk_size, padding_free=packed)
         (logps * completion_mask).sum().backward()
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         results.append((logps * completion_mask, entropy * completion_mask, grads))
@@ -104,7 +104,7 @@ def test_packed_log_probs_run_the_head_on_the_predicting_positions_only(tokenize
     completion_ids, completion_mask = torch.randint(10, 90, (3, 4)), torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0],
                                                                                  [1, 1, 1, 1]])
     with HeadRows(model.config.vocab_size) as head:
-        completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, packed=True)
+        completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free=True)
     assert head.rows == [int(completion_mask.sum())]  # 7 positions, not the 67 from the first prompt's end on
 
 

@@ -226,10 +226,10 @@ def test_the_real_smollm2_answers_7_plus_5(user_cache):
     answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:])
     assert "12" in answer and answer.endswith("<|im_end|>"), answer
 
-    # lit_align's own sampler (GRPO's engine: native) gives the same greedy answer
-    from lit_align.generation import NativeSampler
+    # lit_align's own engine (GRPO's engine: native) gives the same greedy answer
+    from lit_align.generation import NativeEngine
 
-    rollout = NativeSampler(max_new_tokens=32, temperature=0.0).generate(
+    rollout = NativeEngine(max_new_tokens=32, temperature=0.0).generate(
         model, prompt["input_ids"], prompt["attention_mask"], 1, eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id)
     native = rollout.completion_ids[0][rollout.completion_mask[0].bool()].tolist()

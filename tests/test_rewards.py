@@ -144,7 +144,7 @@ def test_sort_accuracy_and_exact_on_known_completions():
 
 
 # -- reward_weights: GRPOModule.generate_round on a fixed rollout ----------------------------------------------------------
-class FixedSampler:
+class FixedEngine:
     """Returns the given completions (EOS-terminated) for any prompts."""
 
     def __init__(self, tokenizer, texts: list[str]):
@@ -174,7 +174,7 @@ def round_for(module: GRPOModule, tokenizer, prompts, texts, columns, num_genera
               iterations=1):
     module.tokenizer = tokenizer
     module.round_shape = RoundShape(num_generations, spg, iterations)
-    module.sampler = FixedSampler(tokenizer, texts)
+    module.engine = FixedEngine(tokenizer, texts)
     module._trainer = stub_trainer(accumulate)
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     width = max(map(len, ids))

@@ -88,8 +88,6 @@ class CompletionDataModule(AlignDataModule):
             (TRL's ``packing``; ``lit_align.data.packing``); ``batch_size`` then counts packed rows.
         packing_strategy: ``bfd`` (best-fit decreasing; no row split, TRL's default) or ``wrapped`` (cut every
             ``max_length`` tokens).
-        padding_free: make each batch one row of its sequences back to back, no padding (TRL's
-            ``padding_free``); with ``packing``, one row of the packed rows.
         assistant_only_loss: rows are trained on their assistant tokens only, so a row whose cut leaves none is
             dropped; ``lit-align`` sets it from ``model.assistant_only_loss``.
     """
@@ -98,7 +96,7 @@ class CompletionDataModule(AlignDataModule):
 
     def __init__(self, *args, max_length: int | None = 1024, drop_long_prompts: bool = False,
                  num_proc: int | None = None, packing: bool = False, packing_strategy: str = "bfd",
-                 padding_free: bool = False, assistant_only_loss: bool = False, **kwargs):
+                 assistant_only_loss: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_length = check_max_length(max_length)
         self.drop_long_prompts, self.num_proc = drop_long_prompts, num_proc
@@ -106,7 +104,7 @@ class CompletionDataModule(AlignDataModule):
             raise LitAlignError(f"data.packing_strategy {packing_strategy!r}: expected one of {PACKING_STRATEGIES}")
         if packing and max_length is None:
             raise LitAlignError("data.packing needs data.max_length (the length of a packed row)")
-        self.packing, self.packing_strategy, self.padding_free = packing, packing_strategy, padding_free
+        self.packing, self.packing_strategy = packing, packing_strategy
         self.assistant_only_loss = assistant_only_loss
 
     def process(self, rows, source: str):
@@ -163,6 +161,6 @@ class CompletionDataModule(AlignDataModule):
         return tokenized, truncated, dropped
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        if self.padding_free or "seq_lengths" in rows[0]:
-            return collate_packed(rows, self.tokenizer.pad_token_id, one_row=self.padding_free)
+        if "seq_lengths" in rows[0]:
+            return collate_packed(rows, self.tokenizer.pad_token_id)
         return collate_completions(rows, self.tokenizer.pad_token_id)

@@ -10,7 +10,8 @@ the loss over the same sequences is the one an unpacked batch gives (to float ro
 - ``wrapped``: all sequences, whole (nothing is cut before packing, as in TRL), back to back, cut every ``max_length``
   tokens; a sequence cut at a row's end goes on at the next row's start (positions restart there), as classic
   language-model packing does.
-- ``padding_free`` (no packing beforehand): each batch's rows become one row at collate time.
+
+Making each batch one row instead (``model.padding_free``) is the module's layout choice: ``lit_align.layouts.sft``.
 """
 
 from __future__ import annotations
@@ -91,14 +92,9 @@ def pack(rows: list[dict[str, list[int]]], max_length: int, strategy: str = "bfd
     return out
 
 
-def collate_packed(rows: list[dict[str, Any]], pad_token_id: int, one_row: bool = False) -> dict[str, torch.Tensor]:
-    """A batch of packed rows (``seq_lengths``), or with ``one_row`` any rows made one (``padding_free``): right-padded
-    ``input_ids``, ``attention_mask``, the masks, ``position_ids`` (0 at each sequence's start) and ``segment_ids``
-    (which sequence of the row; -1 on padding)."""
-    if one_row:
-        keys = present_keys(rows)
-        lengths = [n for r in rows for n in (r.get("seq_lengths") or [len(r["input_ids"])])]
-        rows = [{**{k: [t for r in rows for t in r[k]] for k in keys}, "seq_lengths": lengths}]
+def collate_packed(rows: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """A batch of packed rows (``seq_lengths``): right-padded ``input_ids``, ``attention_mask``, the masks,
+    ``position_ids`` (0 at each sequence's start) and ``segment_ids`` (which sequence of the row; -1 on padding)."""
     keys = present_keys(rows)
     width = max(len(r["input_ids"]) for r in rows)
     batch = {k: torch.zeros(len(rows), width, dtype=torch.long) for k in keys}

@@ -49,7 +49,7 @@ def collate_pairs(rows: list[dict[str, Any]], pad_token_id: int, max_length: int
         "completion_mask": pad_sequence(masks, batch_first=True, padding_value=0),
     }
     if "row" in rows[0]:
-        batch["rows"] = torch.tensor([row["row"] for row in rows])
+        batch["dataset_rows"] = torch.tensor([row["row"] for row in rows])
     for key in ("ref_chosen_logps", "ref_rejected_logps"):
         if key in rows[0]:
             batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)

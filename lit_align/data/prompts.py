@@ -171,7 +171,7 @@ class PromptDataModule(AlignDataModule):
             "prompts": [r["prompt"] for r in rows],
             "columns": {k: [r[k] for r in rows] for k in rows[0] if k not in skip},
             "round_pos": rows[0].get("round_pos", 0),
-            "rows": [r["row"] for r in rows] if "row" in rows[0] else None,  # dataset indices (numeric guard)
+            "dataset_rows": [r["row"] for r in rows] if "row" in rows[0] else None,  # dataset indices (numeric guard)
         }
 
     def train_dataloader(self) -> DataLoader:

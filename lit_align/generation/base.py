@@ -1,4 +1,4 @@
-"""What every engine shares: the ``Rollout`` it returns, the ``Sampler`` interface, the ``SamplingConfig`` it is built
+"""What every engine shares: the ``Rollout`` it returns, the ``Engine`` interface, the ``SamplingConfig`` it is built
 from, and the completion mask every engine derives from EOS."""
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ class SamplingConfig:
         repetition_penalty: transformers' and vLLM's: the logits of tokens in the prompt or already generated are
             divided by it where positive, multiplied where negative (1.0: off; > 1 discourages repeats). It applies
             to greedy sampling too.
-        generation_kwargs: more keywords for the engine's own sampler (transformers' ``generate`` for ``hf``, vLLM's
-            ``SamplingParams`` for ``vllm``), overriding the ones above; an engine that has none refuses them.
+        generation_kwargs: more keywords for the engine's own generation call (transformers' ``generate`` for
+            ``hf``, vLLM's ``SamplingParams`` for ``vllm``), overriding the ones above; an engine that has none
+            refuses them.
     """
 
     max_new_tokens: int = 64
@@ -49,7 +50,7 @@ class SamplingConfig:
     def __post_init__(self):
         t, p, k, n = self.temperature, self.top_p, self.top_k, self.max_new_tokens
         if t < 0 or not 0 < p <= 1 or k < 0 or n < 1:
-            raise LitAlignError(f"sampler: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1; "
+            raise LitAlignError(f"engine: need temperature >= 0, 0 < top_p <= 1, top_k >= 0, max_new_tokens >= 1; "
                                 f"got {t}, {p}, {k}, {n}")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             raise LitAlignError(f"model.min_p must be in [0, 1] or null, got {self.min_p}")
@@ -65,7 +66,7 @@ class SamplingConfig:
 
 
 @runtime_checkable
-class Sampler(Protocol):
+class Engine(Protocol):
     """An engine: ``num_samples`` completions per left-padded prompt, as a ``Rollout`` whose rows are each prompt's
     samples in a row; the model is left in the training mode it came in."""
 

@@ -1,4 +1,4 @@
-"""A preallocated KV cache for ``NativeSampler``: one prefill per prompt shared by its samples, one slot per step."""
+"""A preallocated KV cache for ``NativeEngine``: one prefill per prompt shared by its samples, one slot per step."""
 
 from __future__ import annotations
 

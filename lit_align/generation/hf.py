@@ -12,7 +12,7 @@ ROLLOUT_KEYWORDS = {"input_ids", "attention_mask", "max_new_tokens", "num_return
                     "pad_token_id", "return_dict_in_generate", "output_logits", "use_cache"}
 
 
-class HFSampler:
+class HFEngine:
     """Sample with ``model.generate``.
 
     Args: ``SamplingConfig``'s (``return_logps``: from the raw logits generate already computed, so neither

@@ -1,4 +1,4 @@
-"""A fused decode step for Llama-like models, written against their weights (``NativeSampler``'s fast path)."""
+"""A fused decode step for Llama-like models, written against their weights (``NativeEngine``'s fast path)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaDecodeStep:
-    """One decode step of a Llama-like model (``LLAMA_LIKE``), written against its weights for ``NativeSampler``.
+    """One decode step of a Llama-like model (``LLAMA_LIKE``), written against its weights for ``NativeEngine``.
 
     A decode step of a small model is mostly per-operation overhead: the model's forward walks ~20 modules per layer
     with their hooks, output classes and mask logic. This runs the same math in ~15 tensor operations per layer:

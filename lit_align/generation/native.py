@@ -1,6 +1,6 @@
 """The native engine: lit_align's own batched decode loop over the model's forward.
 
-``NativeSampler`` returns what ``HFSampler`` does, faster: one prefill per prompt shared by its samples, and one of
+``NativeEngine`` returns what ``HFEngine`` does, faster: one prefill per prompt shared by its samples, and one of
 the prefix all prompts share (a preallocated ``SlotCache``), sampling on tensors (``sample_next``: temperature,
 ``filter_logits`` for top-k/top-p, an inverse-CDF draw in blocks), rows that ended dropped from the batch, and
 Llama-like models decoded by ``LlamaDecodeStep``.
@@ -68,7 +68,7 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p:
     Temperature 0 is greedy (argmax of the repetition-penalized logits, no log-probs). Otherwise the token is drawn
     from the temperature-scaled, repetition-penalized (``penalize_repetition`` over the ``seen`` tokens),
     top-k/top-p/min-p filtered distribution (``inverse_cdf``), and its log-prob is taken under the
-    temperature-scaled distribution, *neither penalized nor filtered* (HFSampler's and the training forward's
+    temperature-scaled distribution, *neither penalized nor filtered* (HFEngine's and the training forward's
     definition). ``noise`` is the draw's uniform per row (``[N]`` in ``[0, 1)``); by default ``torch.rand``
     (float64).
     """
@@ -146,7 +146,7 @@ def _all_reduce_sync(model, device: torch.device) -> Callable[[bool], bool] | No
 
 @dataclass
 class DecodeStats:
-    """What ``NativeSampler``'s last decode loop did."""
+    """What ``NativeEngine``'s last decode loop did."""
 
     fast: bool  # decode steps ran through ``LlamaDecodeStep`` (else through the model's forward)
     shared_prefix: int = 0  # first prompt tokens every prompt shares: prefilled once for all of them
@@ -239,19 +239,19 @@ def _forward(model, ids: torch.Tensor, mask: torch.Tensor, cache: SlotCache, sta
                  use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache}).logits[:, -1]
 
 
-class NativeSampler:
+class NativeEngine:
     """Batched sampling with its own decode loop: one prefill per prompt, all ``B * G`` rows decoded together.
 
-    Same arguments and ``generate`` signature as ``HFSampler`` and the same ``Rollout``; what differs is how:
+    Same arguments and ``generate`` signature as ``HFEngine`` and the same ``Rollout``; what differs is how:
 
-    - each prompt is run once and its KV cache copied into its ``G`` rows (``HFSampler`` repeats the prompts first),
+    - each prompt is run once and its KV cache copied into its ``G`` rows (``HFEngine`` repeats the prompts first),
       and the first tokens every prompt shares (a chat template's system prompt and header) are run once before
       that, for all of them (``shared_prefix``);
     - the KV cache is preallocated (``SlotLayer``): a decode step writes one slot, no cache grows by concatenation;
     - the left-padding mask is built once as a 4D mask and sliced per step, positions follow the prompt mask (as
       ``completion_token_logps`` computes them), so transformers builds no mask in the loop;
     - sampling stays on tensors (``sample_next``: temperature, ``filter_logits`` for top-k/top-p, ``inverse_cdf``
-      draws), its log-probs are those of the temperature-scaled, unfiltered distribution (HFSampler's definition);
+      draws), its log-probs are those of the temperature-scaled, unfiltered distribution (HFEngine's definition);
     - finished rows are tracked on tensors; the loop looks at the host only every ``eos_check_every`` tokens, to stop
       once every row has ended, and to drop the rows that ended from the batch (their KV cache rows too) once they
       are ``drop_finished`` of it: completion lengths have a long tail, and a batch decoding only its slowest rows
@@ -278,11 +278,11 @@ class NativeSampler:
         self.config = SamplingConfig(max_new_tokens, temperature, top_p, top_k, return_logps, min_p,
                                      repetition_penalty, generation_kwargs)
         if generation_kwargs:
-            raise LitAlignError(f"model.generation_kwargs {sorted(generation_kwargs)}: engine 'native' takes none (they "
-                                "are transformers' generate or vLLM's SamplingParams keywords); use engine 'hf' or "
-                                "'vllm', or lit_align's own temperature, top_p, top_k, min_p, repetition_penalty")
+            raise LitAlignError(f"model.generation_kwargs {sorted(generation_kwargs)}: engine 'native' takes none "
+                                "(they are transformers' generate or vLLM's SamplingParams keywords); use engine 'hf' "
+                                "or 'vllm', or lit_align's own temperature, top_p, top_k, min_p, repetition_penalty")
         if eos_check_every < 1:
-            raise LitAlignError(f"sampler: need eos_check_every >= 1; got {eos_check_every}")
+            raise LitAlignError(f"engine: need eos_check_every >= 1; got {eos_check_every}")
         self.fast_decode, self.eos_check_every, self.drop_finished = fast_decode, eos_check_every, drop_finished
         self.sync = sync
         self.last_stats: DecodeStats | None = None

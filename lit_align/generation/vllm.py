@@ -1,14 +1,14 @@
 """The vllm engine: rollouts from a vLLM engine colocated in the training process (TRL's ``vllm_mode: colocate``).
 
-``VLLMSampler`` returns what ``HFSampler`` does. The engine loads the model from its Hugging Face directory once per
-process (one per rank under DDP, shared by every sampler on the same model and settings: GRPO's sampling and greedy
-samplers), then holds its own copy of the weights: before a ``generate`` the policy's weights are pushed into it
-(vLLM's in-place ``reload_weights``) only when they changed since the last push, which the sampler learns from
+``VLLMEngine`` returns what ``HFEngine`` does. It loads the model into a vLLM ``LLM`` from its Hugging Face directory
+once per process (one per rank under DDP, shared by every ``VLLMEngine`` on the same model and settings: GRPO's
+sampling and greedy ones), which then holds its own copy of the weights: before a ``generate`` the policy's weights
+are pushed into it (vLLM's in-place ``reload_weights``) only when they changed since the last push, known from
 ``weights_version`` (the module's optimizer step). Under LoRA the adapters are merged into the pushed weights, the
 policy left untouched.
 
 Log-probs are vLLM's ``processed_logprobs``: the temperature-scaled distribution, after top-k/top-p. With neither
-filter that is the trainer's definition (temperature-scaled, unfiltered); with one, the sampler returns no log-probs
+filter that is the trainer's definition (temperature-scaled, unfiltered); with one, the engine returns no log-probs
 and the trainer computes them with a forward pass. They come from vLLM's kernels, not the training forward's, so they
 differ a little: GRPO corrects for it (``lit_align.losses.grpo.importance_sampling_ratio``).
 
@@ -97,7 +97,7 @@ class VLLMOptions:
         return cls(**{names[key]: value for key, value in settings.items() if key in names})
 
     def engine_settings(self) -> dict[str, Any]:
-        """``VLLMSampler``'s keywords: what the engine is built with, and the structured outputs it samples."""
+        """``VLLMEngine``'s keywords: what the engine is built with, and the structured outputs it samples."""
         return dict(gpu_memory_utilization=self.gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
                     max_model_length=self.max_model_length, enable_sleep_mode=self.enable_sleep_mode,
                     structured_outputs_regex=self.structured_outputs_regex)
@@ -256,7 +256,7 @@ def colocated_engine(settings: EngineSettings) -> ColocatedEngine:
     return _ENGINES[settings]
 
 
-class VLLMSampler:
+class VLLMEngine:
     """Sample with a vLLM engine colocated in this process.
 
     Args: ``SamplingConfig``'s (``generation_kwargs``: more ``SamplingParams`` keywords, overriding lit_align's);

@@ -120,15 +120,15 @@ class DPOModule(AlignModule):
             datamodule.add_reference_logps(partial(self.reference.annotate, self))
 
     # -- log-probs: the same function for the policy, the reference and the precompute pass -----------------------------
-    def token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor],
-                    stats: tuple[str, ...] = ()) -> TokenLogps:
+    def pair_token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor],
+                         stats: tuple[str, ...] = ()) -> TokenLogps:
         """Per-token completion log-probs ``[2B, T]`` of the batch's pairs, in the layout ``network`` runs best."""
         return layout_logps(network, layouts.pairs(batch, network, self.share_prompt, self.padding_free), stats,
                             self.logps_chunk_size)
 
     def pair_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed (LD-DPO-weighted) completion log-probs ``[2B]``: what the reference contributes to the loss."""
-        out = self.token_logps(network, batch)
+        out = self.pair_token_logps(network, batch)
         return sequence_logps(out.tokens, out.mask, self.loss_fn.ld_alpha)
 
     def reference_settings(self) -> dict:
@@ -142,7 +142,7 @@ class DPOModule(AlignModule):
         over chosen tokens, as TRL does)."""
         use_weighting = self.loss_fn.use_weighting
         stats = ("mean_logit", "entropy", "argmax") + (("log_sum_sq_probs",) if use_weighting else ())
-        policy = self.token_logps(self.network, batch, stats)
+        policy = self.pair_token_logps(self.network, batch, stats)
         chosen, rejected = sequence_logps(policy.tokens, policy.mask, self.loss_fn.ld_alpha).chunk(2)
         ref_chosen, ref_rejected = self.reference.logps(batch, lambda net: self.pair_logps(net, batch)).chunk(2)
         lengths = batch["completion_mask"].sum(1)
@@ -177,7 +177,7 @@ class DPOModule(AlignModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         out, weights = self.pair_outputs(batch)
-        loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("rows"))
+        loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("dataset_rows"))
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
         # one all-reduce for every metric (mean over ranks of per-rank means) and the token count (a sum)

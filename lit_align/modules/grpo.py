@@ -4,7 +4,7 @@
 At ``round_pos == 0`` (or when there is no round, e.g. after a resume without one) ``generate_round`` samples
 ``num_generations`` completions per prompt, scores them, computes group-relative advantages and keeps the
 old-policy and reference log-probs only when the loss needs them: a ``lit_align.generation_round.GenerationRound``.
-Every step then trains on ``round.step_rows(round_pos)``. The math is in ``lit_align.losses.grpo``; sampling is
+Every step then trains on ``round.step_batch(round_pos)``. The math is in ``lit_align.losses.grpo``; sampling is
 behind ``lit_align.generation``; the reference behind ``lit_align.reference``.
 """
 
@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 
 from lit_align import layouts
 from lit_align.errors import LitAlignError
-from lit_align.generation import VLLMOptions, make_sampler
+from lit_align.generation import VLLMOptions, make_engine
 from lit_align.generation_round import GenerationRound, RoundShape
 from lit_align.logps import layout_logps
 from lit_align.losses.grpo import (
@@ -35,14 +35,11 @@ def _repeat(values: list, times: int) -> list:
 
 
 def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                           with_entropy: bool = False, chunk_size: int | None = None, packed: bool = False):
+                           with_entropy: bool = False, chunk_size: int | None = None, padding_free: bool = False):
     """Per-token log-probs ``[N, C]`` of completions after left-padded prompts, logits divided by ``temperature``
-    (and, ``with_entropy``, the tempered distribution's entropy, without gradient); 0 at padding. Padded rows,
-    or ``packed`` without padding (``lit_align.layouts.packed_rows``)."""
-    if packed:
-        layout = layouts.packed_rows(layouts.right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
-    else:
-        layout = layouts.prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    (and, ``with_entropy``, the tempered distribution's entropy, without gradient); 0 at padding. Laid out by
+    ``lit_align.layouts.completions``."""
+    layout = layouts.completions(prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free)
     out = layout_logps(model, layout, ("entropy",) if with_entropy else (), chunk_size, temperature)
     return out.tokens, out.stats.get("entropy")
 
@@ -102,12 +99,12 @@ class GRPOModule(AlignModule):
         min_p: keep only tokens at least ``min_p`` times as likely as the most likely one (None: off).
         repetition_penalty: divide the logits of tokens already in the prompt or completion by it where positive,
             multiply where negative (transformers' and vLLM's; 1.0: off); greedy validation too.
-        generation_kwargs: more keywords for the engine's own sampler, overriding the settings above, as TRL:
-            transformers' ``generate`` (``engine: hf``) or vLLM's ``SamplingParams`` (``engine: vllm``); ``native``
-            has none and refuses them. Validation's sampler gets them too.
+        generation_kwargs: more keywords for the engine's own generation call, overriding the settings above, as
+            TRL: transformers' ``generate`` (``engine: hf``) or vLLM's ``SamplingParams`` (``engine: vllm``);
+            ``native`` has none and refuses them. Validation's engine gets them too.
         num_generations_eval: completions per validation prompt, sampled as in training (TRL's); None (lit_align's
             default): one greedy completion. ``val/reward`` is their mean.
-        engine: sampler: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or
+        engine: the generation engine: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or
             ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with ``vllm_mode: colocate``; its own
             environment, see the README).
         padding_free: compute each step's training log-probs with its rows packed without padding, several per row,
@@ -188,7 +185,7 @@ class GRPOModule(AlignModule):
             raise LitAlignError(f"model.num_generations_eval must be >= 1 or null (one greedy completion), "
                                 f"got {num_generations_eval}")
         self.num_generations_eval = num_generations_eval
-        self.sampler, self.greedy = self.make_samplers(
+        self.engine, self.greedy_engine = self.make_engines(
             engine, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs)
         self.round: GenerationRound | None = None
@@ -199,18 +196,18 @@ class GRPOModule(AlignModule):
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names)]})
 
-    def make_samplers(self, engine: str, temperature: float, **sampling):
-        """The ``engine``'s sampler for the rounds and its greedy one for validation (``SamplingConfig``'s settings;
-        greedy keeps the repetition penalty and ``generation_kwargs``). The vLLM engine's options, set flat as in TRL
-        (``model.vllm_*``), are routed to it, which checks them (``VLLMOptions``)."""
+    def make_engines(self, engine: str, temperature: float, **sampling):
+        """The ``engine`` sampling the rounds and its greedy twin for validation (``SamplingConfig``'s settings; the
+        greedy one keeps the repetition penalty and ``generation_kwargs``). The vLLM engine's options, set flat as in
+        TRL (``model.vllm_*``), are routed to it, which checks them (``VLLMOptions``)."""
         engine_settings, options = {}, None
         if engine == "vllm":
             options = VLLMOptions.from_flat(self.hparams)
             engine_settings = {**options.engine_settings(), "weights_version": self.weights_version}
-        sampler = make_sampler(engine, temperature=temperature, **sampling, **engine_settings)
+        sampling_engine = make_engine(engine, temperature=temperature, **sampling, **engine_settings)
         if options is not None:
-            self.importance_sampling = options.importance_sampling(sampler.config)
-        return sampler, make_sampler(engine, temperature=0.0, **sampling, **engine_settings)
+            self.importance_sampling = options.importance_sampling(sampling_engine.config)
+        return sampling_engine, make_engine(engine, temperature=0.0, **sampling, **engine_settings)
 
     def data_settings(self) -> dict:
         """The data follows the round's shape too (``PromptDataModule.connect``)."""
@@ -228,11 +225,11 @@ class GRPOModule(AlignModule):
         return self.global_step
 
     # -- the pieces of a generation round ------------------------------------------------------------------------------
-    def sample(self, sampler, batch: dict[str, Any], num_samples: int):
+    def sample(self, engine, batch: dict[str, Any], num_samples: int):
         """``num_samples`` completions per prompt: the ``Rollout``, the prompts (repeated) and the completions (text,
         or an assistant message for conversational prompts)."""
         tok = self.tokenizer
-        rollout = sampler.generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples,
+        rollout = engine.generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples,
                                    eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
         texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         prompts = _repeat(batch["prompts"], num_samples)
@@ -270,17 +267,17 @@ class GRPOModule(AlignModule):
         return rewards, advantages[mine], all_rewards
 
     def completion_logps(self, network, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                         with_entropy: bool = False, packed: bool = False):
+                         with_entropy: bool = False, padding_free: bool = False):
         """``completion_token_logps`` at this module's temperature and chunk size."""
         return completion_token_logps(network, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      self.temperature, with_entropy, self.logps_chunk_size, packed)
+                                      self.temperature, with_entropy, self.logps_chunk_size, padding_free)
 
     @torch.no_grad()
     def generate_round(self, batch: dict[str, Any]) -> GenerationRound:
         group, shape = self.round_shape.num_generations, self.round_shape
         self.reward_metrics, self.reward_columns = {}, {}
         with self.round_rng():
-            rollout, prompts, completions = self.sample(self.sampler, batch, group)
+            rollout, prompts, completions = self.sample(self.engine, batch, group)
         per_func = self.score(batch, rollout, prompts, completions, group)
 
         prompt_ids = batch["prompt_ids"].repeat_interleave(group, 0)
@@ -289,19 +286,19 @@ class GRPOModule(AlignModule):
         loss_mask = completion_mask
         if self.mask_truncated_completions:
             loss_mask = completion_mask * (~rollout.truncated).unsqueeze(1)
-        rows = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+        sequences = (prompt_ids, prompt_mask, completion_ids, completion_mask)
 
-        old_logps, is_ratio, sampling_stats = self.old_logps(rollout, rows)
+        old_logps, is_ratio, sampling_stats = self.old_logps(rollout, sequences)
         ref_logps = None
         if self.reference is not None:
-            ref_logps = self.reference.logps(batch, lambda network: self.completion_logps(network, *rows)[0])
+            ref_logps = self.reference.logps(batch, lambda network: self.completion_logps(network, *sequences)[0])
         rewards, advantages, all_rewards = self.advantages(per_func, old_logps, ref_logps, loss_mask)
 
         # dapo: every token of the round weighs the same; normalized by the loss tokens per step (all ranks)
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
         self.generation_rounds += 1
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(self.global_step)).tolist()
-        prompt_rows = batch.get("rows")  # dataset index of each prompt; completion i of the round is of prompt i // G
+        prompt_rows = batch.get("dataset_rows")  # each prompt's dataset index; completion i is of prompt i // G
         return GenerationRound(
             prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask, advantages, old_logps, ref_logps,
             order=order, steps=shape.steps_per_generation,
@@ -313,21 +310,22 @@ class GRPOModule(AlignModule):
             reward_funcs={name: per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
         )
 
-    def old_logps(self, rollout, rows: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
-        """``(old log-probs, importance weights, sampling/* metrics)`` of a round's ``rows``. The old (sampling)
+    def old_logps(self, rollout, sequences: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+        """``(old log-probs, importance weights, sampling/* metrics)`` of a round's ``sequences`` (prompt ids and mask,
+        completion ids and mask). The old (sampling)
         policy's log-probs matter only when the policy moves before the round is used up
-        (``RoundShape.needs_old_logps``): the sampler's, or a forward pass. With vLLM's sampling corrected for, they
+        (``RoundShape.needs_old_logps``): the engine's, or a forward pass. With vLLM's sampling corrected for, they
         are the training forward's (TRL) and the weights compare them with vLLM's."""
         if self.importance_sampling is not None:
-            old_logps = self.completion_logps(self.network, *rows)[0]
-            mask = rows[3]
+            old_logps = self.completion_logps(self.network, *sequences)[0]
+            mask = sequences[3]
             is_ratio = importance_sampling_ratio(old_logps, rollout.logps, mask, *self.importance_sampling)
             return old_logps, is_ratio, self.sampling_stats(old_logps, rollout.logps, mask, is_ratio)
         if not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches):
             return None, None, {}
         if rollout.logps is not None:
             return rollout.logps, None, {}
-        return self.completion_logps(self.network, *rows)[0], None, {}
+        return self.completion_logps(self.network, *sequences)[0], None, {}
 
     def sampling_stats(self, train_logps, sampling_logps, mask, is_ratio) -> dict[str, torch.Tensor]:
         """TRL's ``sampling/*`` metrics: how far vLLM's log-probs are from the training forward's, and the importance
@@ -408,17 +406,18 @@ class GRPOModule(AlignModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         if batch["round_pos"] == 0 or self.round is None:
             self.round = self.generate_round(batch)
-        rows = self.round.step_rows(batch["round_pos"])
-        mask = rows.loss_mask
-        logps, entropy = self.completion_logps(self.network, rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
-                                               rows.completion_mask, with_entropy=True, packed=self.padding_free)
-        token_losses, info = grpo_token_losses(logps, rows.old_logps, rows.advantages, self.epsilon,
-                                               self.epsilon_high, rows.ref_logps, self.beta)
-        if rows.is_ratio is not None:  # the sampling engine's importance weights (vLLM)
-            token_losses = token_losses * rows.is_ratio
+        step = self.round.step_batch(batch["round_pos"])
+        mask = step.loss_mask
+        logps, entropy = self.completion_logps(self.network, step.prompt_ids, step.prompt_mask, step.completion_ids,
+                                               step.completion_mask, with_entropy=True,
+                                               padding_free=self.padding_free)
+        token_losses, info = grpo_token_losses(logps, step.old_logps, step.advantages, self.epsilon,
+                                               self.epsilon_high, step.ref_logps, self.beta)
+        if step.is_ratio is not None:  # the sampling engine's importance weights (vLLM)
+            token_losses = token_losses * step.is_ratio
         loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length,
                                    self.round.num_tokens)
-        loss = self.guard_loss(loss, (token_losses * mask).sum(1), batch_idx, rows.dataset_rows)
+        loss = self.guard_loss(loss, (token_losses * mask).sum(1), batch_idx, step.dataset_rows)
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
 
@@ -434,7 +433,7 @@ class GRPOModule(AlignModule):
         if "kl" in info:
             step_stats["kl"] = masked_mean(info["kl"])
         self.log_step(step_stats)
-        return {"loss": loss, "rows": rows, "logps": logps.detach()}  # callbacks see the step's rows (outputs)
+        return {"loss": loss, "step": step, "logps": logps.detach()}  # callbacks see the step's batch (outputs)
 
     def log_step(self, step_stats: dict[str, torch.Tensor]) -> None:
         """Log a step's metrics (rank-averaged) and its round's, as ``train/<TRL's name>``."""
@@ -445,10 +444,10 @@ class GRPOModule(AlignModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Held-out reward: one greedy completion per prompt, or with ``num_generations_eval`` that many sampled
-        ones (the training sampler's settings), averaged."""
-        sampler, num = (self.greedy, 1) if self.num_generations_eval is None else (self.sampler,
-                                                                                   self.num_generations_eval)
-        rollout, prompts, completions = self.sample(sampler, batch, num)
+        ones (the training engine's settings), averaged."""
+        engine, num = (self.greedy_engine, 1) if self.num_generations_eval is None else (self.engine,
+                                                                                         self.num_generations_eval)
+        rollout, prompts, completions = self.sample(engine, batch, num)
         per_func = self.score(batch, rollout, prompts, completions, num)
         rewards = (per_func * self.reward_weights).nansum(1)
         self.val_metrics["reward"].update(rewards)

@@ -65,8 +65,9 @@ class RLOOModule(GRPOModule):
         ref_model_sync_steps: int = 512,
         **kwargs,
     ):
-        if reward_clip_range is not None and (len(reward_clip_range) != 2 or reward_clip_range[0] > reward_clip_range[1]):
-            raise LitAlignError(f"model.reward_clip_range {list(reward_clip_range)}: expected [min, max] with min <= max")
+        clip = reward_clip_range
+        if clip is not None and (len(clip) != 2 or clip[0] > clip[1]):
+            raise LitAlignError(f"model.reward_clip_range {list(clip)}: expected [min, max] with min <= max")
         super().__init__(model=model, reward_funcs=reward_funcs, reward_weights=reward_weights,
                          num_generations=num_generations, beta=beta, ref_model=ref_model, epsilon=epsilon,
                          epsilon_high=epsilon_high, loss_type="bnpo", scale_rewards="none",
@@ -84,8 +85,8 @@ class RLOOModule(GRPOModule):
     def configure_callbacks(self):
         return [self.ref_sync] if self.ref_sync is not None else []
 
-    # -- the round: the KL goes into the rewards, the baseline is the other completions' mean -----------------------------
-    def old_logps(self, rollout, rows: tuple) -> tuple[torch.Tensor | None, None, dict]:
+    # -- the round: the KL goes into the rewards, the baseline is the other completions' mean --------------------------
+    def old_logps(self, rollout, sequences: tuple) -> tuple[torch.Tensor | None, None, dict]:
         """The policy's log-probs at sampling time: the KL penalty's (``beta > 0``) and, when the policy moves before
         the round is used up, the ratio's. The engine's where they are the training forward's definition (``hf``,
         ``native``), else (``vllm``: other kernels) a forward pass, as TRL's RLOO always computes them."""
@@ -93,7 +94,7 @@ class RLOOModule(GRPOModule):
             return None, None, {}
         if rollout.logps is not None and self.hparams.engine != "vllm":
             return rollout.logps, None, {}
-        return self.completion_logps(self.network, *rows)[0], None, {}
+        return self.completion_logps(self.network, *sequences)[0], None, {}
 
     def advantages(self, per_func: torch.Tensor, old_logps: torch.Tensor | None = None,
                    ref_logps: torch.Tensor | None = None, mask: torch.Tensor | None = None,
@@ -134,13 +135,14 @@ class RLOOModule(GRPOModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         if batch["round_pos"] == 0 or self.round is None:
             self.round = self.generate_round(batch)
-        rows = self.round.step_rows(batch["round_pos"])
-        mask = rows.loss_mask
-        logps, entropy = self.completion_logps(self.network, rows.prompt_ids, rows.prompt_mask, rows.completion_ids,
-                                               rows.completion_mask, with_entropy=True, packed=self.padding_free)
-        losses, info = rloo_sequence_losses(logps, rows.old_logps, rows.advantages, mask, self.epsilon,
+        step = self.round.step_batch(batch["round_pos"])
+        mask = step.loss_mask
+        logps, entropy = self.completion_logps(self.network, step.prompt_ids, step.prompt_mask, step.completion_ids,
+                                               step.completion_mask, with_entropy=True,
+                                               padding_free=self.padding_free)
+        losses, info = rloo_sequence_losses(logps, step.old_logps, step.advantages, mask, self.epsilon,
                                             self.epsilon_high)
-        loss = self.guard_loss(losses.mean(), losses, batch_idx, rows.dataset_rows)
+        loss = self.guard_loss(losses.mean(), losses, batch_idx, step.dataset_rows)
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
         self.log_step({
@@ -150,4 +152,4 @@ class RLOOModule(GRPOModule):
             "clip_ratio/high_mean": info["high_clipped"].mean(),
             "clip_ratio/region_mean": (info["low_clipped"] + info["high_clipped"]).mean(),
         })
-        return {"loss": loss, "rows": rows, "logps": logps.detach()}  # callbacks see the step's rows (outputs)
+        return {"loss": loss, "step": step, "logps": logps.detach()}  # callbacks see the step's batch (outputs)

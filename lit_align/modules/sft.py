@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric
 
 from lit_align import layouts
 from lit_align.errors import LitAlignError
-from lit_align.generation import HFSampler
+from lit_align.generation import HFEngine
 from lit_align.logps import layout_logps
 from lit_align.modules.base import AlignModule
 from lit_align.rewards import sort_exact
@@ -34,21 +34,16 @@ def loss_mask(batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
 
 
 def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
-                    chunk_size: int | None = None, assistant_only_loss: bool = False):
+                    chunk_size: int | None = None, assistant_only_loss: bool = False, padding_free: bool = False):
     """``(loss, correct, count)`` for one batch: the mean NLL over loss tokens (with gradient), how many of them the
     argmax predicts, and how many there are.
 
-    Loss tokens are those of ``loss_mask``; the first token of a
-    sequence is never one (nothing predicts it). Only positions from the batch's first loss token on need logits, so
-    the LM head skips the prefix before it. ``chunk_size``: chunked log-probs (``lit_align.logps``).
+    Loss tokens are those of ``loss_mask``; the first token of a sequence is never one (nothing predicts it). The
+    batch runs in ``lit_align.layouts.sft``'s layout (with ``padding_free``: one row, no padding). ``chunk_size``:
+    chunked log-probs (``lit_align.logps``).
     """
     scored = loss_mask(batch, completion_only_loss, assistant_only_loss)
-    if "segment_ids" in batch:  # packed rows
-        layout = layouts.segments(batch["input_ids"], batch["attention_mask"], scored, batch["position_ids"],
-                                  batch["segment_ids"])
-    else:
-        layout = layouts.padded(batch["input_ids"], batch["attention_mask"], scored)
-    out = layout_logps(model, layout, ("argmax",), chunk_size)
+    out = layout_logps(model, layouts.sft(batch, scored, padding_free), ("argmax",), chunk_size)
     count = out.mask.sum()
     loss = -out.tokens.sum() / count.clamp(min=1)
     correct = ((out.stats["argmax"] == out.labels) & out.mask).sum()
@@ -72,22 +67,26 @@ class SFTModule(AlignModule):
         val_exact_match: at validation, also complete each prompt greedily and log the fraction whose text equals
             the reference completion (whitespace-stripped; ``lit_align.rewards.sort_exact``).
         val_max_new_tokens: generation cap for ``val_exact_match``.
+        padding_free: run each batch's sequences as one row, back to back, no padding (TRL's ``padding_free``;
+            ``lit_align.layouts.one_row``), rows packed by ``data.packing`` too. sdpa or eager attention (a
+            block-causal mask), or flash attention (the restarting positions mark the sequences).
         learning_rate: AdamW learning rate (TRL's SFT default: 2e-5, for pretrained models).
     """
 
     def __init__(self, model: str = "builtin:tiny", completion_only_loss: bool = True,
                  assistant_only_loss: bool = False, val_exact_match: bool = False, val_max_new_tokens: int = 64,
-                 learning_rate: float = 2e-5, **kwargs):
+                 padding_free: bool = False, learning_rate: float = 2e-5, **kwargs):
         super().__init__(model=model, learning_rate=learning_rate, **kwargs)
         self.completion_only_loss, self.assistant_only_loss = completion_only_loss, assistant_only_loss
+        self.padding_free = padding_free
         self.val_exact_match = val_exact_match
-        self.greedy = HFSampler(max_new_tokens=val_max_new_tokens, temperature=0.0)
+        self.greedy_engine = HFEngine(max_new_tokens=val_max_new_tokens, temperature=0.0)
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ("loss", "mean_token_accuracy", "exact_match")})
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size,
-                                              self.assistant_only_loss)
+                                              self.assistant_only_loss, self.padding_free)
         if self.guard_loss(loss, None, batch_idx) is None:
             return None
         # one all-reduce: the loss tokens of every rank, so the loss is the mean over the global batch's tokens (as
@@ -106,7 +105,7 @@ class SFTModule(AlignModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size,
-                                              self.assistant_only_loss)
+                                              self.assistant_only_loss, self.padding_free)
         self.val_metrics["loss"].update(loss, count)
         self.val_metrics["mean_token_accuracy"].update(correct / count.clamp(min=1), count)
         self.log("val/loss", self.val_metrics["loss"], prog_bar=True)
@@ -129,7 +128,7 @@ class SFTModule(AlignModule):
         width = max(len(p) for p in prompts)
         prompt_ids = torch.stack([torch.cat([p.new_full((width - len(p),), tok.pad_token_id), p]) for p in prompts])
         prompt_mask = torch.stack([torch.cat([p.new_zeros(width - len(p)), torch.ones_like(p)]) for p in prompts])
-        rollout = self.greedy.generate(self.policy, prompt_ids, prompt_mask, 1, eos_token_ids=[tok.eos_token_id],
+        rollout = self.greedy_engine.generate(self.policy, prompt_ids, prompt_mask, 1, eos_token_ids=[tok.eos_token_id],
                                        pad_token_id=tok.pad_token_id)
         texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         return sort_exact(texts, [r.strip() for r in references])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_main
+from lit_align import layouts
 from lit_align.data import CompletionDataModule
 from lit_align.data.packing import bfd_bins, collate_packed, pack
 from lit_align.models import load_model
@@ -54,16 +55,16 @@ def test_packed_batches_give_the_unpacked_loss_and_gradients(fixture, mode, tiny
     rows = list(plain.train_data)
     if mode == "bfd":
         other = collate_packed(pack(rows, 96, "bfd"), pad_token_id=plain.tokenizer.pad_token_id)
-    elif mode == "padding_free":
-        other = collate_packed(rows, pad_token_id=plain.tokenizer.pad_token_id, one_row=True)
+    elif mode == "padding_free":  # the module's layout choice (model.padding_free), on the padded batch
+        other = plain.collate(rows)
     else:  # every sequence whole in a row: wrapped with room for the longest (the wrapped cut changes the rows)
         other = collate_packed(pack(rows, 10_000, "wrapped"), pad_token_id=plain.tokenizer.pad_token_id)
     padded = plain.collate(rows)
     model = load_model("builtin:tiny")
     results = []
-    for batch in (padded, other):
+    for batch, padding_free in ((padded, False), (other, mode == "padding_free")):
         model.zero_grad()
-        loss, correct, count = sft_token_stats(model, batch)
+        loss, correct, count = sft_token_stats(model, batch, padding_free=padding_free)
         loss.backward()
         results.append((loss.detach(), int(correct), int(count), [p.grad.clone() for p in model.parameters()]))
     (loss, correct, count, grads), (p_loss, p_correct, p_count, p_grads) = results
@@ -71,14 +72,16 @@ def test_packed_batches_give_the_unpacked_loss_and_gradients(fixture, mode, tiny
     assert_rounding_close(p_loss, loss, scale=float(loss), terms=TINY_TERMS)
     for a, b in zip(p_grads, grads):
         assert_rounding_close(a, b, terms=TINY_TERMS * count)
-    assert other["input_ids"].numel() <= padded["input_ids"].numel()  # the point: no more positions
-    if mode == "padding_free":
-        assert other["input_ids"].numel() == int(padded["attention_mask"].sum())  # no padding at all
+    if mode == "padding_free":  # one row, no padding at all
+        layout = layouts.sft(other, other["completion_mask"], padding_free=True)
+        assert layout.input_ids.shape == (1, int(padded["attention_mask"].sum()))
+    else:
+        assert other["input_ids"].numel() <= padded["input_ids"].numel()  # the point: no more positions
 
 
 def test_sft_trains_packed_and_padding_free_through_the_cli(tmp_path, capfd):
     for flags in (["--data.init_args.packing", "true", "--data.init_args.max_length", "64"],
-                  ["--data.init_args.padding_free", "true"]):
+                  ["--model.init_args.padding_free", "true"]):
         code, _, err = run_main([
             "fit", "-c", str(REPO / "configs" / "sft.yaml"), "--data.init_args.path", str(FORMATS / "text_corpus.jsonl"),
             "--data.init_args.val_split", "null", "--data.init_args.batch_size", "2", "--trainer.max_steps", "2",

@@ -95,7 +95,7 @@ def trl_trainer(setup, out: Path, **config) -> trl.DPOTrainer:
 
 
 def lit_data(setup) -> PreferenceDataModule:
-    """The rows in file order, like TRL's sequential sampler."""
+    """The rows in file order, like TRL's sequential engine."""
     data = PreferenceDataModule(path=setup["rows_path"], tokenizer=setup["policy"], batch_size=PAIRS,
                                 max_length=MAX_LENGTH, val_split=None, shuffle=False)
     data.setup("fit")

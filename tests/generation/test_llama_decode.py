@@ -7,7 +7,7 @@ import torch
 from helpers import left_padded
 from tiny_models import ARCHITECTURES, PROMPTS
 
-from lit_align.generation import NativeSampler
+from lit_align.generation import NativeEngine
 from lit_align.generation.llama_decode import LlamaDecodeStep
 from numerics import TINY_TERMS, assert_rounding_close
 
@@ -24,9 +24,9 @@ def test_llama_decode_step_equals_decoding_through_the_forward(arch, tokenizer):
     kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     rollouts = {}
     for fast in (True, False):
-        sampler = NativeSampler(max_new_tokens=10, fast_decode=fast)
+        engine = NativeEngine(max_new_tokens=10, fast_decode=fast)
         torch.manual_seed(0)
-        rollouts[fast] = sampler.generate(model, prompt_ids, prompt_mask, 3, **kwargs)
-        assert sampler.last_stats.fast == (fast and arch != "gpt_neox")
+        rollouts[fast] = engine.generate(model, prompt_ids, prompt_mask, 3, **kwargs)
+        assert engine.last_stats.fast == (fast and arch != "gpt_neox")
     assert rollouts[True].completion_ids.tolist() == rollouts[False].completion_ids.tolist()
     assert_rounding_close(rollouts[True].logps, rollouts[False].logps, terms=TINY_TERMS)

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import run_main
 from lit_align.errors import LitAlignError
-from lit_align.generation import SamplingConfig, VLLMOptions, VLLMSampler
+from lit_align.generation import SamplingConfig, VLLMEngine, VLLMOptions
 from lit_align.modules.base import RESUME_MAY_CHANGE
 from lit_align.modules.grpo import GRPOModule
 
@@ -69,10 +69,10 @@ def test_the_engine_checks_its_options_by_their_flat_names(options, match):
             VLLMOptions().importance_sampling(SamplingConfig(**changed))
 
 
-def test_the_sampler_checks_its_engine_options_before_importing_vllm(monkeypatch):
+def test_the_engine_checks_its_options_before_importing_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # no vLLM: the option's error comes first
     with pytest.raises(LitAlignError, match="model.vllm_gpu_memory_utilization must be in"):
-        VLLMSampler(gpu_memory_utilization=1.5)
+        VLLMEngine(gpu_memory_utilization=1.5)
 
 
 def test_an_option_set_wrong_for_the_vllm_engine_is_one_error_line(capfd, tmp_path):

@@ -1,4 +1,4 @@
-"""Models and prompts the sampler tests share: the built-in tiny Llama and two-layer random models of other
+"""Models and prompts the engine tests share: the built-in tiny Llama and two-layer random models of other
 architectures, and left-padded prompts of different lengths."""
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ REWARDS = ["lit_align.rewards.sort_accuracy", "helpers.reward_digit_fraction"]
 
 
 class GenerationProbe(L.Callback):
-    """Counts the sampler's ``generate`` calls (with the global step of each) and records the prompts of each round;
+    """Counts the engine's ``generate`` calls (with the global step of each) and records the prompts of each round;
     with ``out_dir``, writes them to ``<out_dir>/rank<R>.json`` at the end (used by the DDP run through the CLI)."""
 
     def __init__(self, out_dir: str | None = None):
@@ -59,7 +59,7 @@ class GenerationProbe(L.Callback):
         if pl_module.generation_rounds > self._rounds:  # this step sampled a round
             self.generate_steps.append(self._step)
         self.old_logps_present.append(pl_module.round.old_logps is not None)
-        old = outputs["rows"].old_logps
+        old = outputs["step"].old_logps
         if old is None:
             self.ratios.append(None)
         else:  # the rollout's old log-probs are 0 past each completion's end: compare real tokens only
@@ -175,7 +175,7 @@ def test_old_logps_used_and_round_start_ratio_is_one(run_a, run_b):
             assert metric(run, "train/clip_ratio/region_mean", step) == 0.0
 
 
-class LogpsSampler:
+class LogpsEngine:
     """4 completions of 3 tokens (rows 0 and 2 truncated), with sampling log-probs."""
 
     def __init__(self):
@@ -187,12 +187,12 @@ class LogpsSampler:
 
 
 def stub_round(tokenizer, spg: int = 1, iterations: int = 1, accumulate: int = 1, all_gather=lambda t: t,
-               sampler=None, **options):
+               engine=None, **options):
     """``(module, round)``: ``generate_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device
     Trainer."""
     module = GRPOModule(reward_funcs=["helpers.reward_digit_fraction"], num_generations=2,
                         steps_per_generation=spg, num_iterations=iterations, **options)
-    module.tokenizer, module.sampler = tokenizer, sampler or LogpsSampler()
+    module.tokenizer, module.engine = tokenizer, engine or LogpsEngine()
     module._trainer = SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
                                       strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t,
                                                                 all_gather=all_gather))
@@ -215,7 +215,7 @@ def test_old_logps_computed_only_when_the_policy_moves_within_a_round(tokenizer,
     module, r = stub_round(tokenizer, spg, iterations, accumulate)
     assert (r.old_logps is not None) == needed
     if needed:
-        assert torch.equal(r.old_logps, module.sampler.rollout.logps)  # the sampler's, no extra forward
+        assert torch.equal(r.old_logps, module.engine.rollout.logps)  # the engine's, no extra forward
     assert r.num_tokens == 12 / spg  # dapo's normalizer: the round's 12 tokens spread over its spg steps
 
 
@@ -365,10 +365,10 @@ def test_advantages_are_normalized_over_every_ranks_rewards(tokenizer, scale_rew
     """As TRL: rewards are gathered before the advantages, so ``batch`` divides by the global batch's std (groups
     never span ranks, so ``group`` is unchanged); each rank keeps its own rows."""
     other = torch.tensor([0.0, 3.0, 1.0, 5.0])  # another rank's rewards, spread wider than this rank's
-    sampler = LogpsSampler()
+    engine = LogpsEngine()
     digit, letter = tokenizer.convert_tokens_to_ids(["1", "a"])
-    sampler.rollout.completion_ids = torch.tensor([[digit] * 3, [letter] * 3, [digit, letter, letter], [letter] * 3])
-    _, r = stub_round(tokenizer, all_gather=lambda t: torch.stack([t, other.to(t)]), sampler=sampler,
+    engine.rollout.completion_ids = torch.tensor([[digit] * 3, [letter] * 3, [digit, letter, letter], [letter] * 3])
+    _, r = stub_round(tokenizer, all_gather=lambda t: torch.stack([t, other.to(t)]), engine=engine,
                       scale_rewards=scale_rewards)
     mine = torch.tensor(r.rewards)
     assert mine.unique().numel() == 3  # rewards 1, 0, 1/3, 0: non-zero advantages
@@ -380,7 +380,7 @@ def test_advantages_are_normalized_over_every_ranks_rewards(tokenizer, scale_rew
 
 def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, prompts_file, tokenizer):
     """A round is as wide as its longest prompt and completion; each step's forward gets its own rows' widths, and
-    its log-probs are still the sampler's at the round's first step (the ratio is 1)."""
+    its log-probs are still the engine's at the round's first step (the ratio is 1)."""
     torch.manual_seed(0)
     module = GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, max_completion_length=12, learning_rate=1e-3,
                         num_generations=2, steps_per_generation=4)
@@ -398,7 +398,7 @@ def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, 
 
     class Record(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            rows, r = outputs["rows"], pl_module.round
+            rows, r = outputs["step"], pl_module.round
             seen.append((rows.prompt_ids.shape[1], rows.completion_ids.shape[1], int(rows.prompt_mask.sum(1).max()),
                          int(rows.completion_mask.sum(1).max()), r.prompt_ids.shape[1], r.completion_ids.shape[1]))
             valid = rows.old_logps != 0
@@ -410,7 +410,7 @@ def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, 
         assert (prompt_width, width) == (longest_prompt, longest)  # no column is padding in every row
     assert any(width < round_width for _, width, _, _, _, round_width in seen)
     assert any(prompt_width < round_width for prompt_width, _, _, _, round_width, _ in seen)
-    assert max(ratios[0], ratios[4]) < 1e-4  # round starts: the trimmed forward gives the sampler's log-probs
+    assert max(ratios[0], ratios[4]) < 1e-4  # round starts: the trimmed forward gives the engine's log-probs
 
 
 def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, tiny_path):
@@ -426,7 +426,7 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(LitAlignError, match="padding_free needs sdpa or eager attention"):
         completion_token_logps(model, torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long),
-                               torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), packed=True)
+                               torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), padding_free=True)
 
 
 @pytest.mark.parametrize("recipe", ["grpo", "dpo", "sft"])
@@ -469,14 +469,15 @@ def test_in_python_the_round_is_set_once_on_the_module_and_the_data_follows_it(t
 def test_num_generations_eval_samples_that_many_completions_per_validation_prompt(num_generations_eval, prompts_file):
     """None (lit_align's default): one greedy completion per prompt; n: n sampled with the training settings (TRL's
     num_generations_eval), val/reward their mean."""
-    from helpers import _RecordingSampler, digit_fraction, trainer
+    from helpers import _RecordingEngine, digit_fraction, trainer
 
     module = GRPOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=4,
                         num_generations=2, num_generations_eval=num_generations_eval)
     dm = PromptDataModule(path=prompts_file, val_path=prompts_file, val_split="train", batch_size=4,
                           val_batch_size=5)
     rounds: list[dict] = []
-    module.greedy, module.sampler = _RecordingSampler(module.greedy, rounds), _RecordingSampler(module.sampler, rounds)
+    module.greedy_engine = _RecordingEngine(module.greedy_engine, rounds)
+    module.engine = _RecordingEngine(module.engine, rounds)
     metrics = trainer(limit_val_batches=2).validate(module, dm)[0]
     assert len(rounds) == 2 and len(rounds[0]["prompts"]) == 5 * (num_generations_eval or 1)
     completions = [[{"role": "assistant", "content": module.tokenizer.decode(ids, skip_special_tokens=True)}]

@@ -104,7 +104,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
         RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], beta=0.0, sync_ref_model=True)
 
 
-# -- one step against TRL's RLOOTrainer ---------------------------------------------------------------------------------
+# -- one step against TRL's RLOOTrainer ------------------------------------------------------------------------------
 class Capture(L.Callback):
     """The initial policy (before any step), the first round and the first step's loss."""
 

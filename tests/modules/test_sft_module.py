@@ -1,6 +1,6 @@
 """SFT: SFTModule's loss against hand computations and TRL, a short run that learns.
 
-The rows and batches of CompletionDataModule: tests/data/test_completion_data.py.
+The rows and batches of CompletionDataModule: tests/data/test_completions_data.py.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses[trainer.global_step - 1] = outputs["loss"].item()
-        engine = pl_module.sampler.engine  # None until the module's first generation
+        engine = pl_module.engine.engine  # None until the module's first generation
         self.pushes[trainer.global_step - 1] = 0 if engine is None else engine.pushes
 
     def on_validation_epoch_end(self, trainer, pl_module):

@@ -10,8 +10,8 @@ import torch
 
 from lit_align.errors import LitAlignError
 from lit_align.generation import (
-    ENGINES, HFSampler, NativeSampler, Sampler, SamplingConfig, VLLMSampler, completion_mask_from_eos, filter_logits,
-    make_sampler, sample_next,
+    ENGINES, HFEngine, NativeEngine, Engine, SamplingConfig, VLLMEngine, completion_mask_from_eos, filter_logits,
+    make_engine, sample_next,
 )
 from lit_align.generation.native import penalize_repetition
 from numerics import assert_rounding_close
@@ -135,7 +135,7 @@ def test_sampling_stays_in_the_allowed_set_with_the_right_frequencies():
     tokens, logps = sample_next(logits, 1.0, top_k=2)
     assert set(tokens.tolist()) == {0, 1}
     assert abs((tokens == 0).float().mean().item() - math.e / (math.e + 1)) < 0.02  # softmax over the kept two
-    # log-probs are those of the unfiltered distribution (HFSampler's definition), whatever the filter
+    # log-probs are those of the unfiltered distribution (HFEngine's definition), whatever the filter
     torch.testing.assert_close(logps, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
 
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -209,7 +209,7 @@ def test_out_of_range_settings_are_refused_by_every_engine(bad):
         with pytest.raises(LitAlignError, match="top_p"):
             engine(**bad)
     with pytest.raises(LitAlignError, match="eos_check_every"):
-        NativeSampler(eos_check_every=0)
+        NativeEngine(eos_check_every=0)
 
 
 @pytest.mark.parametrize("bad,match", [({"min_p": 1.5}, r"model.min_p must be in \[0, 1\]"),
@@ -223,18 +223,18 @@ def test_new_sampling_settings_are_checked_by_every_engine(bad, match):
 
 def test_generation_kwargs_go_to_the_engines_that_have_them_and_native_refuses_them():
     with pytest.raises(LitAlignError, match=r"model.generation_kwargs \['suppress_tokens'\]: engine 'native' takes"):
-        NativeSampler(generation_kwargs={"suppress_tokens": [3]})
+        NativeEngine(generation_kwargs={"suppress_tokens": [3]})
     with pytest.raises(LitAlignError, match=r"model.generation_kwargs \['num_return_sequences'\]: engine 'hf' sets"):
-        HFSampler(generation_kwargs={"num_return_sequences": 2, "top_k": 3})
-    assert HFSampler(generation_kwargs={"suppress_tokens": [3]}).config.generation_kwargs == {"suppress_tokens": [3]}
+        HFEngine(generation_kwargs={"num_return_sequences": 2, "top_k": 3})
+    assert HFEngine(generation_kwargs={"suppress_tokens": [3]}).config.generation_kwargs == {"suppress_tokens": [3]}
 
 
 def test_engines_are_built_by_name():
-    assert ENGINES == {"hf": HFSampler, "native": NativeSampler, "vllm": VLLMSampler}
-    sampler = make_sampler("native", max_new_tokens=5, temperature=0.7, top_k=3, eos_check_every=2)
-    assert isinstance(sampler, NativeSampler) and isinstance(sampler, Sampler)
-    assert sampler.config == SamplingConfig(max_new_tokens=5, temperature=0.7, top_k=3)
-    assert sampler.eos_check_every == 2
-    assert isinstance(make_sampler("hf"), HFSampler) and make_sampler("hf").config == SamplingConfig()
+    assert ENGINES == {"hf": HFEngine, "native": NativeEngine, "vllm": VLLMEngine}
+    engine = make_engine("native", max_new_tokens=5, temperature=0.7, top_k=3, eos_check_every=2)
+    assert isinstance(engine, NativeEngine) and isinstance(engine, Engine)
+    assert engine.config == SamplingConfig(max_new_tokens=5, temperature=0.7, top_k=3)
+    assert engine.eos_check_every == 2
+    assert isinstance(make_engine("hf"), HFEngine) and make_engine("hf").config == SamplingConfig()
     with pytest.raises(LitAlignError, match=r"model.engine 'vllm-nope': expected one of \['hf', 'native', 'vllm'\]"):
-        make_sampler("vllm-nope")
+        make_engine("vllm-nope")

@@ -1,4 +1,4 @@
-"""The native sampler: greedy decoding equal to transformers' ``generate`` token for token (Llama, Qwen2, GPT-NeoX;
+"""The native engine: greedy decoding equal to transformers' ``generate`` token for token (Llama, Qwen2, GPT-NeoX;
 sdpa and eager; left-padded batches), sampling log-probs equal to a fresh forward's, EOS handling, rows that ended
 leaving the batch, sharded ranks decoding together, and GRPO training and validation with ``engine: native``.
 """
@@ -14,7 +14,7 @@ from tiny_models import ARCHITECTURES, PROMPTS, tiny_random
 
 from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
-from lit_align.generation import ENGINES, HFSampler, NativeSampler
+from lit_align.generation import ENGINES, HFEngine, NativeEngine
 from lit_align.modules.grpo import GRPOModule, completion_token_logps
 from numerics import TINY_TERMS, assert_rounding_close
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make 
 
 def test_the_cache_goes_under_the_forwards_own_name(tokenizer):
     """transformers renamed the forward's ``past_key_values`` to ``cache`` (5.20); a forward given the other name
-    would build a cache of its own and ignore the sampler's (``make test-vllm`` runs these tests on 5.19)."""
+    would build a cache of its own and ignore the engine's (``make test-vllm`` runs these tests on 5.19)."""
     from lit_align.capabilities import cache_keyword, forward_parameters
 
     for arch in ARCHITECTURES:
@@ -38,8 +38,8 @@ def test_greedy_equals_hf_generate_token_for_token(arch, attn, tokenizer, tiny_p
     model = ARCHITECTURES[arch](tokenizer, attn)
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
-    hf = HFSampler(max_new_tokens=12, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
-    native = NativeSampler(max_new_tokens=12, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    hf = HFEngine(max_new_tokens=12, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    native = NativeEngine(max_new_tokens=12, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
     assert native.completion_ids.tolist() == hf.completion_ids.tolist()
     assert native.completion_mask.tolist() == hf.completion_mask.tolist()
     assert native.truncated.tolist() == hf.truncated.tolist()
@@ -55,10 +55,10 @@ def test_greedy_with_a_repetition_penalty_equals_hf_generate(penalty, tokenizer)
     prompt_ids, prompt_mask = left_padded(tokenizer, [PROMPTS[0]] * 2)
     kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     settings = dict(max_new_tokens=16, temperature=0.0, repetition_penalty=penalty)
-    hf = HFSampler(**settings).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
-    native = NativeSampler(**settings, eos_check_every=3).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    hf = HFEngine(**settings).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    native = NativeEngine(**settings, eos_check_every=3).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
     assert native.completion_ids.tolist() == hf.completion_ids.tolist()
-    plain = HFSampler(max_new_tokens=16, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    plain = HFEngine(max_new_tokens=16, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
     assert plain.completion_ids.tolist() != hf.completion_ids.tolist()  # the penalty changed the completions
 
 
@@ -70,8 +70,8 @@ def test_sampling_logps_equal_a_fresh_forward(arch, temperature, tokenizer, eos_
                                                                num_key_value_heads=2)
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     torch.manual_seed(0)
-    sampler = NativeSampler(max_new_tokens=8, temperature=temperature, top_k=20, top_p=0.95)
-    rollout = sampler.generate(model, prompt_ids, prompt_mask, 4, eos_token_ids=[tokenizer.eos_token_id],
+    engine = NativeEngine(max_new_tokens=8, temperature=temperature, top_k=20, top_p=0.95)
+    rollout = engine.generate(model, prompt_ids, prompt_mask, 4, eos_token_ids=[tokenizer.eos_token_id],
                                pad_token_id=tokenizer.pad_token_id)
     assert rollout.logps.dtype == torch.float32 and rollout.completion_ids.shape[0] == len(PROMPTS) * 4
     logps, _ = completion_token_logps(model, prompt_ids.repeat_interleave(4, 0), prompt_mask.repeat_interleave(4, 0),
@@ -101,9 +101,9 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once(arch, num_samples, token
     model = ARCHITECTURES[arch](tokenizer, "sdpa")
     prompt_ids, prompt_mask = left_padded(tokenizer, SHARED)
     kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
-    hf = HFSampler(max_new_tokens=10, temperature=0.0).generate(model, prompt_ids, prompt_mask, num_samples, **kwargs)
+    hf = HFEngine(max_new_tokens=10, temperature=0.0).generate(model, prompt_ids, prompt_mask, num_samples, **kwargs)
     fed = _prefilled_tokens(model)
-    native = NativeSampler(max_new_tokens=10, temperature=0.0)
+    native = NativeEngine(max_new_tokens=10, temperature=0.0)
     greedy = native.generate(model, prompt_ids, prompt_mask, num_samples, **kwargs)
     assert greedy.completion_ids.tolist() == hf.completion_ids.tolist()
     shared = len(tokenizer("sort ")["input_ids"])  # BOS (if any) and "sort "
@@ -112,7 +112,7 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once(arch, num_samples, token
     assert fed[:2] == [shared, len(SHARED) * (width - shared)]  # the prefix once, then each prompt's own tokens
 
     torch.manual_seed(0)
-    rollout = NativeSampler(max_new_tokens=8).generate(model, prompt_ids, prompt_mask, num_samples, **kwargs)
+    rollout = NativeEngine(max_new_tokens=8).generate(model, prompt_ids, prompt_mask, num_samples, **kwargs)
     logps, _ = completion_token_logps(model, prompt_ids.repeat_interleave(num_samples, 0),
                                       prompt_mask.repeat_interleave(num_samples, 0), rollout.completion_ids,
                                       rollout.completion_mask, 1.0)
@@ -124,9 +124,9 @@ def test_prompts_sharing_no_prefix_are_prefilled_in_one_forward(tokenizer):
     model = ARCHITECTURES["llama"](tokenizer, "sdpa")
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)  # "s" is a whole prompt: nothing left to share
     fed = _prefilled_tokens(model)
-    sampler = NativeSampler(max_new_tokens=2, temperature=0.0)
-    sampler.generate(model, prompt_ids, prompt_mask, 2, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
-    assert sampler.last_stats.shared_prefix == 0 and fed == [prompt_ids.numel()]
+    engine = NativeEngine(max_new_tokens=2, temperature=0.0)
+    engine.generate(model, prompt_ids, prompt_mask, 2, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
+    assert engine.last_stats.shared_prefix == 0 and fed == [prompt_ids.numel()]
 
 
 # -- EOS and the rows that ended ---------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def test_eos_mask_through_first_eos_pad_after_rows_ending_early(eos_heavy_model,
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     eos = tokenizer.eos_token_id
     torch.manual_seed(1)
-    rollout = NativeSampler(max_new_tokens=10).generate(eos_heavy_model, prompt_ids, prompt_mask, 4,
+    rollout = NativeEngine(max_new_tokens=10).generate(eos_heavy_model, prompt_ids, prompt_mask, 4,
                                                         eos_token_ids=[eos], pad_token_id=0)
     lengths = rollout.completion_mask.sum(1).tolist()
     assert min(lengths) < max(lengths)  # rows end at different steps
@@ -159,9 +159,9 @@ def test_rows_that_ended_leave_the_batch_and_the_results_stay_exact(fast, eos_he
     model = tiny_random("llama", len(tokenizer))
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     kwargs = dict(eos_token_ids=[20, 2], pad_token_id=tokenizer.pad_token_id)
-    hf = HFSampler(max_new_tokens=16, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    hf = HFEngine(max_new_tokens=16, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
     assert hf.completion_mask.sum(1).tolist() == [10, 10, 13, 13, 16, 16, 2, 2]
-    greedy = NativeSampler(max_new_tokens=16, temperature=0.0, fast_decode=fast, eos_check_every=2)
+    greedy = NativeEngine(max_new_tokens=16, temperature=0.0, fast_decode=fast, eos_check_every=2)
     native = greedy.generate(model, prompt_ids, prompt_mask, 2, **kwargs)
     assert native.completion_ids.tolist() == hf.completion_ids.tolist()
     assert native.truncated.tolist() == hf.truncated.tolist()
@@ -172,9 +172,9 @@ def test_rows_that_ended_leave_the_batch_and_the_results_stay_exact(fast, eos_he
     # sampled: the log-probs of what was drawn are still the model's
     torch.manual_seed(0)
     kwargs["eos_token_ids"] = [tokenizer.eos_token_id]
-    sampler = NativeSampler(max_new_tokens=16, fast_decode=fast, eos_check_every=2)
-    rollout = sampler.generate(eos_heavy_model, prompt_ids, prompt_mask, 4, **kwargs)
-    assert sampler.last_stats.fast is fast and min(sampler.last_stats.rows[1:]) < 16
+    engine = NativeEngine(max_new_tokens=16, fast_decode=fast, eos_check_every=2)
+    rollout = engine.generate(eos_heavy_model, prompt_ids, prompt_mask, 4, **kwargs)
+    assert engine.last_stats.fast is fast and min(engine.last_stats.rows[1:]) < 16
     fresh, _ = completion_token_logps(eos_heavy_model, prompt_ids.repeat_interleave(4, 0),
                                       prompt_mask.repeat_interleave(4, 0), rollout.completion_ids,
                                       rollout.completion_mask, 1.0)
@@ -188,14 +188,14 @@ def test_all_rows_ending_early_stop_the_loop_and_several_eos_ids(eos_heavy_model
     longest row. A second EOS id ends rows too."""
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     torch.manual_seed(0)
-    never = NativeSampler(max_new_tokens=40).generate(eos_heavy_model, prompt_ids, prompt_mask, 2,
+    never = NativeEngine(max_new_tokens=40).generate(eos_heavy_model, prompt_ids, prompt_mask, 2,
                                                       eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
-    sampler = NativeSampler(max_new_tokens=40)
+    engine = NativeEngine(max_new_tokens=40)
     everything = list(range(len(tokenizer)))  # every token ends a row: each row is one token long
-    rollout = sampler.generate(eos_heavy_model, prompt_ids, prompt_mask, 2, eos_token_ids=everything, pad_token_id=0)
+    rollout = engine.generate(eos_heavy_model, prompt_ids, prompt_mask, 2, eos_token_ids=everything, pad_token_id=0)
     assert rollout.completion_ids.shape == (8, 1) and rollout.completion_mask.all() and not rollout.truncated.any()
-    assert sampler.eos_check_every == 8  # the default
-    assert sampler.last_stats.steps == sampler.eos_check_every  # tokens sampled up to the first check, then it stops
+    assert engine.eos_check_every == 8  # the default
+    assert engine.last_stats.steps == engine.eos_check_every  # tokens sampled up to the first check, then it stops
     assert never.completion_ids.shape[1] == never.completion_mask.sum(1).max()
 
 
@@ -215,15 +215,15 @@ def test_sharded_ranks_decode_until_every_rank_has_ended(eos_heavy_model, tokeni
                                                      with_kwargs=True)
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     everything = list(range(len(tokenizer)))  # every row ends at its first token
-    sampler = NativeSampler(max_new_tokens=40, fast_decode=False, sync=sync)
+    engine = NativeEngine(max_new_tokens=40, fast_decode=False, sync=sync)
     try:
-        rollout = sampler.generate(eos_heavy_model, prompt_ids, prompt_mask, 2, eos_token_ids=everything,
+        rollout = engine.generate(eos_heavy_model, prompt_ids, prompt_mask, 2, eos_token_ids=everything,
                                    pad_token_id=0)
     finally:
         hook.remove()
     assert calls == [False, False, False]  # this rank had ended at every check; the loop left at the third
-    assert widths[1:] == [8] * (3 * sampler.eos_check_every - 1)  # decoding on, none of its rows dropped
-    assert sampler.last_stats.rows == [8] * (3 * sampler.eos_check_every)
+    assert widths[1:] == [8] * (3 * engine.eos_check_every - 1)  # decoding on, none of its rows dropped
+    assert engine.last_stats.rows == [8] * (3 * engine.eos_check_every)
     assert rollout.completion_ids.shape == (8, 1) and rollout.completion_mask.all()
 
 
@@ -231,21 +231,21 @@ def test_unsupported_models_are_refused(tokenizer):
     model = tiny_random("llama", len(tokenizer), attn="eager")
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(LitAlignError, match="engine 'hf'"):
-        NativeSampler().generate(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), 2, [2], 0)
+        NativeEngine().generate(model, torch.tensor([[5, 6]]), torch.ones(1, 2, dtype=torch.long), 2, [2], 0)
     with pytest.raises(LitAlignError, match="top_p"):
-        NativeSampler(top_p=0.0)
+        NativeEngine(top_p=0.0)
 
 
 # -- in GRPO -----------------------------------------------------------------------------------------------------------
 def test_grpo_trains_and_validates_with_the_native_engine(tmp_path, tiny_path):
-    assert ENGINES["native"] is NativeSampler
+    assert ENGINES["native"] is NativeEngine
     digits = [f"{(i * 7919) % 100000:05d}"[: 3 + i % 3] for i in range(16)]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"sort {d}:", "answer": "".join(sorted(d))}) + "\n" for d in digits))
     torch.manual_seed(0)
     module = GRPOModule(model="builtin:tiny", reward_funcs=["lit_align.rewards.sort_accuracy"], max_completion_length=4,
                         learning_rate=1e-3, engine="native", num_generations=2, steps_per_generation=2)
-    assert isinstance(module.sampler, NativeSampler) and isinstance(module.greedy, NativeSampler)
+    assert isinstance(module.engine, NativeEngine) and isinstance(module.greedy_engine, NativeEngine)
     data = PromptDataModule(path=str(path), val_path=str(path), val_split="train", batch_size=4, num_generations=2,
                             steps_per_generation=2, val_batch_size=8)
     trainer = fit(module, data, max_steps=4, limit_val_batches=1, val_check_interval=4)

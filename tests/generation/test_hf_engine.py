@@ -1,4 +1,4 @@
-"""The Hugging Face sampler: completion masks, left-padded prompts, and sampling log-probs equal to a fresh forward's."""
+"""The Hugging Face engine: completion masks, left-padded prompts, and sampling log-probs equal to a fresh forward's."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from helpers import left_padded
 from tiny_models import PROMPTS
 
-from lit_align.generation import HFSampler
+from lit_align.generation import HFEngine
 from lit_align.models import load_model
 from lit_align.modules.grpo import completion_token_logps
 from numerics import TINY_TERMS, assert_rounding_close
@@ -22,11 +22,11 @@ def model(tiny_path):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampling_logps_equal_a_fresh_forward(eos_heavy_model, tokenizer, temperature):
-    """What GRPO's old log-probs come from: the sampler's own log-probs must be the training forward's (fp32)."""
+    """What GRPO's old log-probs come from: the engine's own log-probs must be the training forward's (fp32)."""
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     torch.manual_seed(0)
-    sampler = HFSampler(max_new_tokens=6, temperature=temperature)
-    rollout = sampler.generate(eos_heavy_model, prompt_ids, prompt_mask, 4, eos_token_ids=[tokenizer.eos_token_id],
+    engine = HFEngine(max_new_tokens=6, temperature=temperature)
+    rollout = engine.generate(eos_heavy_model, prompt_ids, prompt_mask, 4, eos_token_ids=[tokenizer.eos_token_id],
                                pad_token_id=tokenizer.pad_token_id)
     n = len(PROMPTS) * 4
     assert rollout.completion_ids.shape[0] == n and rollout.logps.dtype == torch.float32
@@ -47,7 +47,7 @@ def test_sampling_logps_equal_a_fresh_forward(eos_heavy_model, tokenizer, temper
 def test_completions_are_masked_and_padded_after_eos(eos_heavy_model, tokenizer):
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     torch.manual_seed(1)
-    rollout = HFSampler(max_new_tokens=6).generate(eos_heavy_model, prompt_ids, prompt_mask, 3,
+    rollout = HFEngine(max_new_tokens=6).generate(eos_heavy_model, prompt_ids, prompt_mask, 3,
                                                    eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
     eos = tokenizer.eos_token_id
     for ids, mask, truncated in zip(rollout.completion_ids.tolist(), rollout.completion_mask.tolist(),
@@ -64,7 +64,7 @@ def test_completions_are_masked_and_padded_after_eos(eos_heavy_model, tokenizer)
 def test_greedy_padded_batch_equals_each_prompt_alone(model, tokenizer):
     """Left padding must not change what the model generates (attention mask and positions handled)."""
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
-    greedy = HFSampler(max_new_tokens=5, temperature=0.0)
+    greedy = HFEngine(max_new_tokens=5, temperature=0.0)
     kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     batch = greedy.generate(model, prompt_ids, prompt_mask, 2, **kwargs)
     assert batch.logps is None  # greedy: no sampling distribution
@@ -81,12 +81,12 @@ def test_greedy_padded_batch_equals_each_prompt_alone(model, tokenizer):
 def test_top_k_one_sampling_is_greedy(model, tokenizer):
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
-    greedy = HFSampler(max_new_tokens=5, temperature=0.0).generate(model, prompt_ids, prompt_mask, 1, **kwargs)
+    greedy = HFEngine(max_new_tokens=5, temperature=0.0).generate(model, prompt_ids, prompt_mask, 1, **kwargs)
     torch.manual_seed(0)
-    top1 = HFSampler(max_new_tokens=5, temperature=1.5, top_k=1).generate(model, prompt_ids, prompt_mask, 1, **kwargs)
+    top1 = HFEngine(max_new_tokens=5, temperature=1.5, top_k=1).generate(model, prompt_ids, prompt_mask, 1, **kwargs)
     assert top1.completion_ids.tolist() == greedy.completion_ids.tolist()
     torch.manual_seed(0)
-    free = HFSampler(max_new_tokens=5, temperature=1.5).generate(model, prompt_ids, prompt_mask, 1, **kwargs)
+    free = HFEngine(max_new_tokens=5, temperature=1.5).generate(model, prompt_ids, prompt_mask, 1, **kwargs)
     assert free.completion_ids.tolist() != greedy.completion_ids.tolist()  # sampling really samples
 
 
@@ -95,12 +95,12 @@ def test_generation_kwargs_reach_generate_and_override_the_settings(model, token
     keyword lit_align has no option for) keeps a token out of every completion."""
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
     kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
-    greedy = HFSampler(max_new_tokens=5, temperature=0.0).generate(model, prompt_ids, prompt_mask, 1, **kwargs)
+    greedy = HFEngine(max_new_tokens=5, temperature=0.0).generate(model, prompt_ids, prompt_mask, 1, **kwargs)
     torch.manual_seed(0)
-    top1 = HFSampler(max_new_tokens=5, temperature=1.5, generation_kwargs={"top_k": 1}).generate(
+    top1 = HFEngine(max_new_tokens=5, temperature=1.5, generation_kwargs={"top_k": 1}).generate(
         model, prompt_ids, prompt_mask, 1, **kwargs)
     assert top1.completion_ids.tolist() == greedy.completion_ids.tolist()
     first = int(greedy.completion_ids[0, 0])
-    suppressed = HFSampler(max_new_tokens=5, temperature=0.0, generation_kwargs={"suppress_tokens": [first]}).generate(
+    suppressed = HFEngine(max_new_tokens=5, temperature=0.0, generation_kwargs={"suppress_tokens": [first]}).generate(
         model, prompt_ids, prompt_mask, 1, **kwargs)
     assert first not in suppressed.completion_ids[suppressed.completion_mask.bool()].tolist()

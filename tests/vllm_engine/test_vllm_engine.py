@@ -9,7 +9,7 @@ import torch
 from helpers import left_padded
 
 from lit_align.errors import LitAlignError
-from lit_align.generation import HFSampler, VLLMSampler
+from lit_align.generation import HFEngine, VLLMEngine
 from lit_align.models import load_model
 from lit_align.modules.grpo import completion_token_logps
 
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.vllm
 PROMPTS = ["<|user|>sort: 3 1 2\n<|assistant|>", "<|user|>hello\n<|assistant|>", "<|user|>9 8\n<|assistant|>"]
 
 
-def generate(sampler, model, tokenizer, num_samples: int = 2):
+def generate(engine, model, tokenizer, num_samples: int = 2):
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
-    return sampler.generate(model, prompt_ids, prompt_mask, num_samples, [tokenizer.eos_token_id],
+    return engine.generate(model, prompt_ids, prompt_mask, num_samples, [tokenizer.eos_token_id],
                             tokenizer.pad_token_id)
 
 
@@ -35,8 +35,8 @@ def test_greedy_equals_hf_generate_and_follows_optimizer_steps(tiny_path, tokeni
     after SGD steps its greedy completions are the trained policy's, not the checkpoint's."""
     model = load_model("builtin:tiny").train()
     version = 0
-    vllm = VLLMSampler(max_new_tokens=12, temperature=0.0, weights_version=lambda: version)
-    hf = HFSampler(max_new_tokens=12, temperature=0.0)
+    vllm = VLLMEngine(max_new_tokens=12, temperature=0.0, weights_version=lambda: version)
+    hf = HFEngine(max_new_tokens=12, temperature=0.0)
     before = generate(vllm, model, tokenizer)
     assert_same_rollout(before, generate(hf, model, tokenizer))
     pushes = vllm.engine.pushes
@@ -63,11 +63,11 @@ def test_sampling_logps_are_the_training_forwards(tiny_path, tokenizer):
     """Temperature-scaled log-probs of the sampled tokens, as the training forward computes them (up to kernels);
     EOS kept and masked after; the same torch seed gives the same completions."""
     model = load_model("builtin:tiny").train()
-    sampler = VLLMSampler(max_new_tokens=16, temperature=0.7)
+    engine = VLLMEngine(max_new_tokens=16, temperature=0.7)
     torch.manual_seed(0)
-    rollout = generate(sampler, model, tokenizer, num_samples=16)
+    rollout = generate(engine, model, tokenizer, num_samples=16)
     torch.manual_seed(0)
-    assert_same_rollout(rollout, generate(sampler, model, tokenizer, num_samples=16))
+    assert_same_rollout(rollout, generate(engine, model, tokenizer, num_samples=16))
     assert rollout.completion_ids.shape[0] == 48
     assert rollout.truncated.any() and not rollout.truncated.all(), "some rows end at EOS, others run to the cap"
     lengths = rollout.completion_mask.sum(1)
@@ -83,7 +83,7 @@ def test_sampling_logps_are_the_training_forwards(tiny_path, tokenizer):
 
 def test_top_p_returns_no_logps(tiny_path, tokenizer):
     """vLLM's log-probs are of the filtered distribution; the trainer's are not: none are returned."""
-    rollout = generate(VLLMSampler(max_new_tokens=4, top_p=0.9), load_model("builtin:tiny"), tokenizer)
+    rollout = generate(VLLMEngine(max_new_tokens=4, top_p=0.9), load_model("builtin:tiny"), tokenizer)
     assert rollout.logps is None and rollout.completion_ids.shape[0] == 6
 
 
@@ -95,20 +95,20 @@ def test_lora_is_merged_for_generation(tiny_path, tokenizer):
     config = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
     policy = get_peft_model(load_model("builtin:tiny"), config)
     state = {k: v.clone() for k, v in policy.state_dict().items()}
-    vllm = VLLMSampler(max_new_tokens=12, temperature=0.0)
+    vllm = VLLMEngine(max_new_tokens=12, temperature=0.0)
     rollout = generate(vllm, policy, tokenizer)
-    assert_same_rollout(rollout, generate(HFSampler(max_new_tokens=12, temperature=0.0), policy, tokenizer))
+    assert_same_rollout(rollout, generate(HFEngine(max_new_tokens=12, temperature=0.0), policy, tokenizer))
     with policy.disable_adapter():
-        base = generate(HFSampler(max_new_tokens=12, temperature=0.0), policy, tokenizer)
+        base = generate(HFEngine(max_new_tokens=12, temperature=0.0), policy, tokenizer)
     assert not torch.equal(rollout.completion_ids, base.completion_ids), "the adapters change the completions"
     assert all(torch.equal(v, state[k]) for k, v in policy.state_dict().items())
 
 
 def test_what_vllm_cannot_run_is_one_error(tiny_path, tokenizer):
     """vLLM's own refusal (sleep mode needs a GPU) comes back as one LitAlignError line naming the engine."""
-    sampler = VLLMSampler(max_new_tokens=4, enable_sleep_mode=True)
+    engine = VLLMEngine(max_new_tokens=4, enable_sleep_mode=True)
     with pytest.raises(LitAlignError, match=r"model.engine 'vllm' could not start on .*tiny") as info:
-        generate(sampler, load_model("builtin:tiny"), tokenizer)
+        generate(engine, load_model("builtin:tiny"), tokenizer)
     assert "\n" not in str(info.value)
 
 
@@ -116,9 +116,9 @@ def test_structured_outputs_regex_and_sampling_options_reach_vllm(tiny_path, tok
     """``vllm_structured_outputs_regex`` constrains every completion; min_p / repetition_penalty are accepted by
     vLLM's SamplingParams (and switch the trainer's log-probs off: they are no longer the training distribution's)."""
     model = load_model("builtin:tiny").train()
-    digits = VLLMSampler(max_new_tokens=6, temperature=1.0, structured_outputs_regex=r"[0-9]{3}")
+    digits = VLLMEngine(max_new_tokens=6, temperature=1.0, structured_outputs_regex=r"[0-9]{3}")
     rollout = generate(digits, model, tokenizer)
     texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
     assert all(len(t.strip()) == 3 and t.strip().isdigit() for t in texts), texts
-    penalized = VLLMSampler(max_new_tokens=6, temperature=1.0, min_p=0.05, repetition_penalty=1.3)
+    penalized = VLLMEngine(max_new_tokens=6, temperature=1.0, min_p=0.05, repetition_penalty=1.3)
     assert generate(penalized, model, tokenizer).logps is None
