@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 
 from lit_align import layouts
 from lit_align.errors import LitAlignError
-from lit_align.generation import VLLMOptions, make_engine
+from lit_align.generation import SamplingConfig, VLLMOptions, make_engine
 from lit_align.generation_round import GenerationRound, RoundShape
 from lit_align.logps import layout_logps
 from lit_align.losses.grpo import (
@@ -200,14 +200,13 @@ class GRPOModule(AlignModule):
         """The ``engine`` sampling the rounds and its greedy twin for validation (``SamplingConfig``'s settings; the
         greedy one keeps the repetition penalty and ``generation_kwargs``). The vLLM engine's options, set flat as in
         TRL (``model.vllm_*``), are routed to it, which checks them (``VLLMOptions``)."""
-        engine_settings, options = {}, None
+        engine_settings = {}
         if engine == "vllm":
             options = VLLMOptions.from_flat(self.hparams)
+            self.importance_sampling = options.importance_sampling(SamplingConfig(temperature=temperature, **sampling))
             engine_settings = {**options.engine_settings(), "weights_version": self.weights_version}
-        sampling_engine = make_engine(engine, temperature=temperature, **sampling, **engine_settings)
-        if options is not None:
-            self.importance_sampling = options.importance_sampling(sampling_engine.config)
-        return sampling_engine, make_engine(engine, temperature=0.0, **sampling, **engine_settings)
+        return (make_engine(engine, temperature=temperature, **sampling, **engine_settings),
+                make_engine(engine, temperature=0.0, **sampling, **engine_settings))
 
     def data_settings(self) -> dict:
         """The data follows the round's shape too (``PromptDataModule.connect``)."""
