@@ -406,33 +406,38 @@ class GRPOModule(AlignModule):
         if batch["round_pos"] == 0 or self.round is None:
             self.round = self.generate_round(batch)
         step = self.round.step_batch(batch["round_pos"])
-        mask = step.loss_mask
         logps, entropy = self.completion_logps(self.network, step.prompt_ids, step.prompt_mask, step.completion_ids,
                                                step.completion_mask, with_entropy=True,
                                                padding_free=self.padding_free)
+        loss, row_losses, loss_stats = self.policy_loss(step, logps)
+        loss = self.guard_loss(loss, row_losses, batch_idx, step.dataset_rows)
+        if loss is None:  # skipped (on_nonfinite_loss: skip)
+            return None
+        mask = step.loss_mask
+        entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        self.log_step({"loss": loss.detach(), "entropy": entropy, **loss_stats})
+        return {"loss": loss, "step": step, "logps": logps.detach()}  # callbacks see the step's batch (outputs)
+
+    def policy_loss(self, step, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """``(the step's loss, each row's share [n] (the numeric guard names the bad ones), its metrics)`` from the
+        step's batch and its per-token log-probs: GRPO's clipped surrogate, aggregated per ``loss_type``."""
+        mask = step.loss_mask
         token_losses, info = grpo_token_losses(logps, step.old_logps, step.advantages, self.epsilon,
                                                self.epsilon_high, step.ref_logps, self.beta)
         if step.is_ratio is not None:  # the sampling engine's importance weights (vLLM)
             token_losses = token_losses * step.is_ratio
         loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length,
                                    self.round.num_tokens)
-        loss = self.guard_loss(loss, (token_losses * mask).sum(1), batch_idx, step.dataset_rows)
-        if loss is None:  # skipped (on_nonfinite_loss: skip)
-            return None
-
         denominator = mask.sum().clamp(min=1)
         masked_mean = lambda x: (x * mask).sum() / denominator  # noqa: E731
-        step_stats = {
-            "loss": loss.detach(),
-            "entropy": masked_mean(entropy),
+        stats = {
             "clip_ratio/low_mean": masked_mean(info["low_clipped"]),
             "clip_ratio/high_mean": masked_mean(info["high_clipped"]),
             "clip_ratio/region_mean": masked_mean(info["low_clipped"] + info["high_clipped"]),
         }
         if "kl" in info:
-            step_stats["kl"] = masked_mean(info["kl"])
-        self.log_step(step_stats)
-        return {"loss": loss, "step": step, "logps": logps.detach()}  # callbacks see the step's batch (outputs)
+            stats["kl"] = masked_mean(info["kl"])
+        return loss, (token_losses * mask).sum(1), stats
 
     def log_step(self, step_stats: dict[str, torch.Tensor]) -> None:
         """Log a step's metrics (rank-averaged) and its round's, as ``train/<TRL's name>``."""

@@ -131,25 +131,15 @@ class RLOOModule(GRPOModule):
             round.stats[f"rewards/{name}/std"] = nanstd(every, dim=1).view(())
         return round
 
-    # -- what is computed -------------------------------------------------------------------------------------------
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
-        if batch["round_pos"] == 0 or self.round is None:
-            self.round = self.generate_round(batch)
-        step = self.round.step_batch(batch["round_pos"])
-        mask = step.loss_mask
-        logps, entropy = self.completion_logps(self.network, step.prompt_ids, step.prompt_mask, step.completion_ids,
-                                               step.completion_mask, with_entropy=True,
-                                               padding_free=self.padding_free)
-        losses, info = rloo_sequence_losses(logps, step.old_logps, step.advantages, mask, self.epsilon,
+    # -- what is computed: one ratio per completion, the loss their mean --------------------------------------------
+    def policy_loss(self, step, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """TRL's RLOO loss: the PPO-clipped surrogate of each completion's summed log-ratio, averaged over the
+        step's completions; the clip metrics are fractions of completions."""
+        losses, info = rloo_sequence_losses(logps, step.old_logps, step.advantages, step.loss_mask, self.epsilon,
                                             self.epsilon_high)
-        loss = self.guard_loss(losses.mean(), losses, batch_idx, step.dataset_rows)
-        if loss is None:  # skipped (on_nonfinite_loss: skip)
-            return None
-        self.log_step({
-            "loss": loss.detach(),
-            "entropy": (entropy * mask).sum() / mask.sum().clamp(min=1),
+        stats = {
             "clip_ratio/low_mean": info["low_clipped"].mean(),
             "clip_ratio/high_mean": info["high_clipped"].mean(),
             "clip_ratio/region_mean": (info["low_clipped"] + info["high_clipped"]).mean(),
-        })
-        return {"loss": loss, "step": step, "logps": logps.detach()}  # callbacks see the step's batch (outputs)
+        }
+        return losses.mean(), losses, stats

@@ -429,7 +429,7 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
                                torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), padding_free=True)
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "dpo", "sft"])
+@pytest.mark.parametrize("recipe", ["grpo", "rloo", "dpo", "sft"])
 def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     """Every option named as in TRL defaults as in TRL, but the differences the README gives reasons for."""
     import dataclasses
@@ -437,15 +437,16 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     import trl
 
     from lit_align.hub import recipe_defaults
-    from lit_align.modules import DPOModule, SFTModule
+    from lit_align.modules import DPOModule, RLOOModule, SFTModule
 
-    module, config = {"grpo": (GRPOModule, trl.GRPOConfig), "dpo": (DPOModule, trl.DPOConfig),
-                      "sft": (SFTModule, trl.SFTConfig)}[recipe]
+    module, config = {"grpo": (GRPOModule, trl.GRPOConfig), "rloo": (RLOOModule, trl.RLOOConfig),
+                      "dpo": (DPOModule, trl.DPOConfig), "sft": (SFTModule, trl.SFTConfig)}[recipe]
     theirs = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
     ours = recipe_defaults(module)
     differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and v != theirs[k]}
     listed = {"gradient_checkpointing": (False, True), "optim": ("adamw_torch", "adamw_torch_fused")}
-    listed |= {"grpo": {"disable_dropout": (True, False), "steps_per_generation": (1, None)},  # None: 1 in TRL too
+    round_defaults = {"disable_dropout": (True, False), "steps_per_generation": (1, None)}  # None: 1 in TRL too
+    listed |= {"grpo": round_defaults, "rloo": round_defaults,
                "sft": {"completion_only_loss": (True, None)}, "dpo": {}}[recipe]  # None: on for prompt-completion rows
     assert differ == listed
 

@@ -1,5 +1,6 @@
 """RLOOModule: it trains through ``lit-align fit`` on the built-in task with TRL's metric names, a step matches TRL's
-``RLOOTrainer`` on the same completions, and its defaults are TRL's RLOOConfig's.
+``RLOOTrainer`` on the same completions, and the README names every RLOOConfig field (its defaults are compared with
+TRL's with the other recipes', in ``test_grpo_module.py``).
 
 The TRL side runs ``RLOOTrainer._generate_and_score_completions`` and ``_compute_loss`` on a stand-in ``self`` whose
 generation and reward calls hand back what lit_align sampled and scored, and whose log-probs are TRL's own
@@ -69,16 +70,6 @@ def test_unset_num_generations_is_rloos_default_and_grpo_options_are_not_rlooss(
         parse("--model.init_args.model", "builtin:tiny", "--model.init_args.loss_type", "grpo", config="rloo.yaml")
 
 
-def test_defaults_are_trls_rloo_config_except_the_ones_the_readme_lists():
-    import trl
-
-    theirs = {f.name: f.default for f in dataclasses.fields(trl.RLOOConfig) if f.default is not dataclasses.MISSING}
-    ours = recipe_defaults(RLOOModule)
-    differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and v != theirs[k]}
-    assert differ == {"gradient_checkpointing": (False, True), "optim": ("adamw_torch", "adamw_torch_fused"),
-                      "disable_dropout": (True, False), "steps_per_generation": (1, None)}
-
-
 def test_readme_table_names_every_rloo_config_field():
     import transformers
     import trl
@@ -102,6 +93,8 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
     assert any(not torch.equal(before[k], reference[k]) for k in before)  # no longer the initial policy
     with pytest.raises(LitAlignError, match="model.sync_ref_model needs a reference model in memory: beta > 0"):
         RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], beta=0.0, sync_ref_model=True)
+    with pytest.raises(LitAlignError, match=r"model.reward_clip_range \[1.0, -1.0\]: expected \[min, max\]"):
+        RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], reward_clip_range=(1.0, -1.0))
 
 
 # -- one step against TRL's RLOOTrainer ------------------------------------------------------------------------------
