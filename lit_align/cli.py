@@ -49,11 +49,9 @@ def one_owner(owner: str, follower: str, name: str, default: Any = None) -> Call
     setting's default on either side) counts as not set. Given the follower's ``class_path`` too (a third source),
     the default is that class's (RLOO's ``num_generations`` is 2, GRPO's 8)."""
     def follow(owned: Any, followed: Any, class_path: str | None = None) -> Any:
-        nonlocal default
-        if class_path is not None:
-            default = class_default(class_path, name, default)
-        owned = default if owned is None else owned
-        if followed not in (None, default) and followed != owned:
+        unset = default if class_path is None else class_default(class_path, name, default)
+        owned = unset if owned is None else owned
+        if followed not in (None, unset) and followed != owned:
             raise LitAlignError(f"{follower}.{name} is set by {owner}.{name} ({owner}: owns it; {follower}: follows "
                                 f"it): set {owner}.{name} instead")
         return owned

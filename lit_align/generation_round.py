@@ -67,10 +67,6 @@ class RoundShape:
         ``gradient_accumulation_steps % generate_every``)."""
         return accumulate_grad_batches % self.steps != 0
 
-    def generation_batch_size(self, batch_size: int, world_size: int) -> int:
-        """TRL's ``generation_batch_size``: the completions of one round on every device."""
-        return batch_size * world_size * self.steps_per_generation
-
     def tokens_per_step(self, round_tokens: float, world_size: int) -> float:
         """dapo's normalizer: the loss tokens of a round on every rank, per rank and step."""
         return round_tokens / (world_size * self.steps_per_generation)

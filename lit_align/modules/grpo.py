@@ -415,7 +415,11 @@ class GRPOModule(AlignModule):
             return None
         mask = step.loss_mask
         entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
-        self.log_step({"loss": loss.detach(), "entropy": entropy, **loss_stats})
+        step_stats = {"loss": loss.detach(), "entropy": entropy, **loss_stats}
+        values = self.trainer.strategy.reduce(torch.stack(list(step_stats.values())), reduce_op="mean")
+        for name, value in [*zip(step_stats, values), *self.round.stats.items()]:
+            self.log(f"train/{name}", value, prog_bar=name in ("loss", "reward"))
+        self.log("train/generation_rounds", float(self.generation_rounds))
         return {"loss": loss, "step": step, "logps": logps.detach()}  # callbacks see the step's batch (outputs)
 
     def policy_loss(self, step, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -438,13 +442,6 @@ class GRPOModule(AlignModule):
         if "kl" in info:
             stats["kl"] = masked_mean(info["kl"])
         return loss, (token_losses * mask).sum(1), stats
-
-    def log_step(self, step_stats: dict[str, torch.Tensor]) -> None:
-        """Log a step's metrics (rank-averaged) and its round's, as ``train/<TRL's name>``."""
-        values = self.trainer.strategy.reduce(torch.stack(list(step_stats.values())), reduce_op="mean")
-        for name, value in [*zip(step_stats, values), *self.round.stats.items()]:
-            self.log(f"train/{name}", value, prog_bar=name in ("loss", "reward"))
-        self.log("train/generation_rounds", float(self.generation_rounds))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Held-out reward: one greedy completion per prompt, or with ``num_generations_eval`` that many sampled
