@@ -96,6 +96,7 @@ class StepBatch:
     ref_logps: torch.Tensor | None  # [n, C'] the reference's, when beta != 0
     dataset_rows: list[int] | None  # the dataset index of each completion's prompt
     is_ratio: torch.Tensor | None = None  # [n, C'] or [n, 1]: the sampling engine's importance weights (vLLM)
+    sampling_logps: torch.Tensor | None = None  # [n, C'] vLLM's, when the off-policy mask compares them
 
 
 @dataclass
@@ -121,6 +122,7 @@ class GenerationRound:
     extra: dict[str, list] = field(default_factory=dict)  # per row: columns reward functions logged (log_extra)
     reward_funcs: dict[str, list[float]] = field(default_factory=dict)  # per row: each reward function's value
     is_ratio: torch.Tensor | None = None  # [N, C] or [N, 1]: importance weights for the sampling engine (vLLM)
+    sampling_logps: torch.Tensor | None = None  # [N, C] vLLM's log-probs, kept for the off-policy mask
 
     def step_batch(self, position: int) -> StepBatch:
         """The rows of the round's ``position``-th step (passes repeat: ``position`` counts modulo ``steps``).
@@ -142,7 +144,7 @@ class GenerationRound:
             completions(self.completion_ids), completions(self.completion_mask), completions(self.loss_mask),
             self.advantages[rows], completions(self.old_logps), completions(self.ref_logps),
             None if self.dataset_rows is None else [self.dataset_rows[i] for i in rows.tolist()],
-            None if self.is_ratio is None else self.is_ratio[rows][:, :width],
+            None if self.is_ratio is None else self.is_ratio[rows][:, :width], completions(self.sampling_logps),
         )
 
     def to(self, device: torch.device | str) -> GenerationRound:

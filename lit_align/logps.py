@@ -20,6 +20,7 @@ policy under FSDP is chunked: its head lives in the root unit, whole during ``tr
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -78,7 +79,8 @@ class _Head:
 
 
 class _ChunkedTokenLogps(torch.autograd.Function):
-    """``[M, H], [V, H], [V] | None, [M] -> [M]`` log-probs, plus no-grad ``[M]`` stats (``chunked_token_logps``).
+    """``[M, H], [V, H], [V] | None, [M] -> [M]`` log-probs, plus ``[M]`` stats (``chunked_token_logps``), without
+    gradient but for the entropy under ``entropy_grad``.
 
     Each chunk of ``chunk_size`` positions meets the head one vocabulary block at a time (``_Head``): the tile stays in
     cache while an online logsumexp (running max, rescaled sums) and the stats read it. Backward turns each tile into
@@ -87,7 +89,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_size: int, block_size: int, scale: float, dtype: torch.dtype,
-                stats: tuple, keep: bool):
+                stats: tuple, keep: bool, entropy_grad: bool = False):
         head = _Head(weight, bias, scale, dtype, block_size)
         acc, vocab = head.acc, weight.shape[0]
         lse = hidden.new_empty(labels.shape, dtype=acc)
@@ -133,15 +135,17 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                     out["mean_logit"][rows] = plain / vocab
                 if "log_sum_sq_probs" in out:
                     out["log_sum_sq_probs"][rows] = square.log() - 2 * log_total
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        entropy = out["entropy"] if entropy_grad else None
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy)
         ctx.chunk_size, ctx.block_size, ctx.scale, ctx.dtype = chunk_size, block_size, scale, dtype
         ctx.kept = iter(kept) if keep else None
-        ctx.mark_non_differentiable(*out.values())
+        ctx.entropy_at = list(stats).index("entropy") if entropy_grad else None
+        ctx.mark_non_differentiable(*[v for name, v in out.items() if not (entropy_grad and name == "entropy")])
         return (logps, *out.values())
 
     @staticmethod
-    def backward(ctx, grad_logps, *_):
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
+    def backward(ctx, grad_logps, *grad_stats):
+        hidden, weight, bias, labels, lse, entropy = ctx.saved_tensors
         chunk, dtype = ctx.chunk_size, ctx.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         head = _Head(weight, bias, ctx.scale, dtype, ctx.block_size)
@@ -149,36 +153,50 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         # d loss / d logits = coef * (softmax - onehot(label)), coef = -scale * d loss / d logp: the softmax part
         # tile by tile, the one-hot part once at the end
         coef = grad_logps.to(acc) * -ctx.scale
+        grad_entropy = None if ctx.entropy_at is None else grad_stats[ctx.entropy_at]
+        if grad_entropy is not None:  # d H / d logit_v = -p_v (log p_v + H), times the scale
+            coef_entropy = grad_entropy.to(acc) * -ctx.scale
         grad_h = torch.empty_like(hidden, dtype=acc) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
         kept, ctx.kept = ctx.kept, None  # the kept tiles serve one backward (a second one recomputes)
 
         def softmax_tiles(h, rows):  # (start, weight block, softmax tile) of each vocabulary block
+            for v, w, logp in log_softmax_tiles(h, rows):
+                if grad_entropy is None:
+                    yield v, w, logp.exp_()
+                else:  # the entropy's part folded in: the tile is then d loss / d logits, ``coef`` included
+                    probs = logp.exp()
+                    yield v, w, probs.mul_(logp.add_(entropy[rows, None]).mul_(coef_entropy[rows, None])
+                                           .add_(coef[rows, None]))
+
+        def log_softmax_tiles(h, rows):
             if kept is None:
                 for v, w, x in head.tiles(h):
-                    yield v, w, x.sub_(lse[rows, None]).exp_()
+                    yield v, w, x.sub_(lse[rows, None])
             else:
                 for v in range(0, len(head.weight), head.block):
                     x, top = next(kept)
-                    yield v, head.weight[v : v + head.block], x.add_((top - lse[rows])[:, None]).exp_()
+                    yield v, head.weight[v : v + head.block], x.add_((top - lse[rows])[:, None])
 
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, labels.numel(), chunk):
                 rows = slice(s, s + chunk)
                 h = hidden[rows].to(dtype)
-                scaled_h = (h.to(acc) * coef[rows, None]).to(dtype)
+                # without the entropy's gradient the tiles are softmax alone and ``coef`` scales rows afterwards
+                row_scale = coef[rows] if grad_entropy is None else torch.ones_like(coef[rows])
+                scaled_h = (h.to(acc) * row_scale[:, None]).to(dtype)
                 part_h = torch.zeros(h.shape, dtype=acc, device=h.device) if need_h else None
                 for v, w, probs in softmax_tiles(h, rows):
                     if need_b:
-                        grad_b[v : v + len(w)] += probs.T @ coef[rows]
+                        grad_b[v : v + len(w)] += probs.T @ row_scale
                     probs = probs.to(dtype)
                     if need_h:
                         _accumulate(part_h, probs, w)
                     if need_w:
                         _accumulate(grad_w[v : v + len(w)], probs.T, scaled_h)
                 if need_h:
-                    grad_h[rows] = part_h.mul_(coef[rows, None])
+                    grad_h[rows] = part_h.mul_(row_scale[:, None])
         if need_h:
             grad_h.sub_(head.weight[labels].to(acc) * coef[:, None])
             grad_h = grad_h.to(hidden.dtype)
@@ -187,7 +205,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if need_b:
             grad_b = grad_b.index_add_(0, labels, -coef).to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -208,6 +226,7 @@ def chunked_token_logps(
     stats: tuple[str, ...] = (),
     block_size: int | None = None,
     keep_logits: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Log-probs of ``labels`` under ``scale * (hidden @ weight.T + bias)``: ``[..., H], [V, H], [...] -> [...]`` fp32.
 
@@ -218,7 +237,9 @@ def chunked_token_logps(
     saved) when they take at most ``KEEP_LOGITS_BYTES``. The matmul runs in the autocast dtype if autocast is on, else
     in ``hidden``'s dtype; everything after it in fp32.
     ``stats`` (no gradient, fp32, of the scaled logits): ``entropy``, ``argmax`` (ids), ``mean_logit`` (mean over the
-    vocabulary), ``log_sum_sq_probs`` (``log sum_v p(v)^2``, WPO's normalizer). Labels must be valid ids everywhere.
+    vocabulary), ``log_sum_sq_probs`` (``log sum_v p(v)^2``, WPO's normalizer); with ``entropy_grad`` the entropy has
+    its gradient (``-p (log p + H)`` per logit, tile by tile in backward, as the log-probs'). Labels must be valid ids
+    everywhere.
     """
     unknown = set(stats) - set(STATS)
     if unknown:
@@ -230,13 +251,20 @@ def chunked_token_logps(
             and labels.numel() * weight.shape[0] * compute_dtype(dtype).itemsize <= KEEP_LOGITS_BYTES)
     logps, *values = _ChunkedTokenLogps.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
                                               int(chunk_size), int(block_size or max(BLOCK_LOGITS // chunk_size, 128)),
-                                              float(scale), dtype, tuple(stats), keep)
+                                              float(scale), dtype, tuple(stats), keep,
+                                              entropy_grad and "entropy" in stats)
     return logps.view(shape), {name: v.view(shape) for name, v in zip(stats, values)}
 
 
-def plain_token_stats(logits: torch.Tensor, stats: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The ``stats`` of ``chunked_token_logps`` from full (already scaled) logits, without gradient."""
+def plain_token_stats(logits: torch.Tensor, stats: tuple[str, ...],
+                      entropy_grad: bool = False) -> dict[str, torch.Tensor]:
+    """The ``stats`` of ``chunked_token_logps`` from full (already scaled) logits, without gradient, but for the
+    entropy with ``entropy_grad`` (an entropy bonus trains on it)."""
     out = {}
+    if entropy_grad and "entropy" in stats:
+        full = logits.to(compute_dtype(logits.dtype))
+        out["entropy"] = torch.logsumexp(full, -1) - (full.softmax(-1) * full).sum(-1)
+        stats = tuple(name for name in stats if name != "entropy")
     with torch.no_grad():
         logits = logits.detach()
         if "entropy" in stats:
@@ -295,6 +323,7 @@ def next_token_logps(
     stats: tuple[str, ...] = (),
     source: torch.Tensor | None = None,
     targets: torch.Tensor | None = None,
+    entropy_grad: bool = False,
     **forward_kwargs,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Log-probs ``[N, L - start]`` (fp32) of ``input_ids[:, start:]``, each given the tokens before it.
@@ -304,7 +333,8 @@ def next_token_logps(
     ``L - start + 1`` positions only (``logits_to_keep``). ``stats``: as in ``chunked_token_logps``, on the same
     tempered logits. ``source`` (``[N, L - start]``): the position whose output predicts each label, when it is not
     the one just before it (DPO's shared-prompt rows, packed rows). ``targets`` (``[S]``, flat positions into
-    ``[N * L]``): score these tokens only, ``source`` then flat too; log-probs ``[1, S]``. ``forward_kwargs``
+    ``[N * L]``): score these tokens only, ``source`` then flat too; log-probs ``[1, S]``. ``entropy_grad``: the
+    ``entropy`` stat keeps its gradient (GRPO's entropy bonus trains on it). ``forward_kwargs``
     (``attention_mask``, ``position_ids``, ...) go to the model.
     """
     start = max(int(start), 1)
@@ -328,8 +358,11 @@ def next_token_logps(
     if parts is not None:
         decoder, head, scale = parts
         hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
-        return chunked_token_logps(hidden, head.weight, labels, head.bias, chunk_size or DEFAULT_CHUNK_ROWS,
-                                   scale / temperature, stats, keep_logits=chunk_size is None)
+        fp32 = getattr(head, "fp32_matmul", False)  # ``lit_align.models.cast_lm_head_to_fp32``
+        with torch.autocast(hidden.device.type, enabled=False) if fp32 else nullcontext():
+            return chunked_token_logps(hidden.float() if fp32 else hidden, head.weight, labels, head.bias,
+                                       chunk_size or DEFAULT_CHUNK_ROWS, scale / temperature, stats,
+                                       keep_logits=chunk_size is None, entropy_grad=entropy_grad)
     if not takes_logits_to_keep(model):
         logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
     elif source is None:  # the logits of the last L - start + 1 positions
@@ -340,7 +373,7 @@ def next_token_logps(
         logits = logits[rows, torch.searchsorted(keep, source)]
     if temperature != 1.0:
         logits = logits / temperature
-    return token_logps(logits, labels), plain_token_stats(logits, stats)
+    return token_logps(logits, labels), plain_token_stats(logits, stats, entropy_grad)
 
 
 class TokenLogps(NamedTuple):
@@ -349,11 +382,11 @@ class TokenLogps(NamedTuple):
     tokens: torch.Tensor  # log-prob of each scored token (fp32, fp64 for fp64 models; 0 where ``mask`` is 0)
     mask: torch.Tensor  # bool: which grid positions are scored tokens
     labels: torch.Tensor  # the token ids scored (arbitrary where ``mask`` is 0)
-    stats: dict[str, torch.Tensor]  # the asked ``STATS`` per token, without gradient
+    stats: dict[str, torch.Tensor]  # the asked ``STATS`` per token, without gradient (but ``entropy_grad``'s)
 
 
 def layout_logps(model: torch.nn.Module, layout, stats: tuple[str, ...] = (), chunk_size: int | None = None,
-                 temperature: float = 1.0) -> TokenLogps:
+                 temperature: float = 1.0, entropy_grad: bool = False) -> TokenLogps:
     """The log-probs (and ``stats``) of a ``lit_align.layouts.Layout``'s scored tokens: one forward of ``model``.
 
     Every recipe's log-probs come from here: SFT's rows, DPO's pairs (plain or shared-prompt), GRPO's completions
@@ -373,7 +406,8 @@ def layout_logps(model: torch.nn.Module, layout, stats: tuple[str, ...] = (), ch
     if layout.position_ids is not None:
         kwargs["position_ids"] = layout.position_ids
     tokens, values = next_token_logps(model, layout.input_ids, layout.start, chunk_size, temperature, stats=stats,
-                                      source=layout.source, targets=layout.targets, **kwargs)
+                                      source=layout.source, targets=layout.targets, entropy_grad=entropy_grad,
+                                      **kwargs)
     labels = layout.to_grid(layout.labels())
     return TokenLogps(layout.to_grid(tokens).masked_fill(~layout.mask, 0), layout.mask, labels,
                       {name: layout.to_grid(v) for name, v in values.items()})

@@ -187,3 +187,25 @@ def load_model(
         )
     except Exception as exc:  # noqa: BLE001
         raise LitAlignError(f"could not load model {name_or_path!r}: {one_line(exc)}") from exc
+
+
+def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
+    """TRL's ``cast_lm_head_to_fp32`` (ScaleRL): the LM head's weights in fp32 and its matmul in fp32 whatever the
+    model's dtype or autocast; a tied input embedding keeps returning the model's dtype. The chunked log-probs
+    (``lit_align.logps``) read the head's ``fp32_matmul`` flag and run its matmul in fp32 too."""
+    head = model.get_output_embeddings()
+    if head is None or type(head) is not torch.nn.Linear:
+        raise LitAlignError(f"model.cast_lm_head_to_fp32: {type(model).__name__}'s LM head is not a plain Linear layer "
+                            "(a LoRA adapter on lm_head, or another head type): it cannot be cast")
+    dtype = head.weight.dtype
+    head.float()
+    head.fp32_matmul = True
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(hidden.device.type, enabled=False):
+            return torch.nn.functional.linear(hidden.float(), head.weight, head.bias)
+
+    head.forward = forward
+    embeddings = model.get_input_embeddings()
+    if embeddings is not None and embeddings.weight is head.weight and dtype != torch.float32:
+        embeddings.register_forward_hook(lambda module, args, output: output.to(dtype))

@@ -171,3 +171,42 @@ def test_soft_capped_models_fall_back_to_the_plain_path(tiny_path):
     logps, _ = next_token_logps(model, input_ids, 1, chunk_size=4)  # silently the plain path
     plain = token_logps(model(input_ids).logits[:, :-1], input_ids[:, 1:])
     assert_rounding_close(logps, plain, terms=model.config.vocab_size)
+
+
+def test_entropy_with_its_gradient_plain_and_chunked(tiny_path):
+    """``entropy_grad`` (GRPO's entropy bonus trains on it): the same entropy, with the gradient of
+    ``-sum p log p`` of the tempered logits, from the plain path and the chunked one (float64: a formula)."""
+    from lit_align.models import load_model
+
+    model = load_model("builtin:tiny", dtype="float64")
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=ids).logits[:, 2:-1] / 0.7
+    direct = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    weights = torch.rand(direct.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = torch.autograd.grad((direct * weights).sum(), [model.lm_head.weight])[0]
+    _, plain = next_token_logps(model, ids, 3, temperature=0.7, stats=("entropy",))
+    assert not plain["entropy"].requires_grad
+    for chunk_size in (None, 4):
+        _, trained = next_token_logps(model, ids, 3, chunk_size, temperature=0.7, stats=("entropy",),
+                                      entropy_grad=True)
+        torch.testing.assert_close(trained["entropy"], direct, rtol=1e-10, atol=1e-12)
+        (got,) = torch.autograd.grad((trained["entropy"] * weights).sum(), [model.lm_head.weight])
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_chunked_entropy_gradient_with_the_log_probs_gradient(keep):
+    """Both outputs trained at once (the log-probs' and the entropy's gradients in one backward), kept or recomputed
+    tiles: the gradients of the plain formula, in float64."""
+    hidden, weight, b, labels, grad_out = inputs(torch.float64)
+    grad_entropy = torch.randn(N, T, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    logps, stats = chunked_token_logps(hidden, weight, labels, b, chunk_size=4, scale=0.5, stats=("argmax", "entropy"),
+                                       block_size=16, keep_logits=keep, entropy_grad=True)
+    got = torch.autograd.grad((logps * grad_out).sum() + (stats["entropy"] * grad_entropy).sum(), [hidden, weight, b])
+    logits = (hidden @ weight.T + b) * 0.5
+    entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    plain = token_logps(logits, labels)
+    want = torch.autograd.grad((plain * grad_out).sum() + (entropy * grad_entropy).sum(), [hidden, weight, b])
+    torch.testing.assert_close(stats["entropy"], entropy, rtol=1e-10, atol=1e-12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)

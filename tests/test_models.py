@@ -195,3 +195,26 @@ def test_model_init_kwargs_build_a_quantization_config_and_refuse_clashes():
     assert kwargs["device_map"] == "auto"
     with pytest.raises(LitAlignError, match=r"model.model_init_kwargs: \['torch_dtype'\] have their own options"):
         from_pretrained_kwargs({"torch_dtype": "bfloat16"})
+
+
+def test_cast_lm_head_to_fp32_runs_the_head_in_fp32_plain_and_chunked(tiny_path):
+    """TRL's ``cast_lm_head_to_fp32`` on a bf16 model: the head's weights and logits are fp32 (the tied embedding still
+    returns bf16), and the plain and chunked log-probs both equal an fp32 matmul of the bf16 hidden states, where the
+    bf16 head's are off by bf16 rounding."""
+    from lit_align.logps import next_token_logps
+    from lit_align.models import cast_lm_head_to_fp32
+    from numerics import assert_rounding_close
+
+    model = load_model("builtin:tiny", dtype="bfloat16")
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    before, _ = next_token_logps(model, ids, 4)
+    cast_lm_head_to_fp32(model)
+    assert model.lm_head.weight.dtype == torch.float32 and model(input_ids=ids).logits.dtype == torch.float32
+    assert model.get_input_embeddings()(ids).dtype == torch.bfloat16
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[:, 3:-1]
+        expected = torch.log_softmax(hidden.float() @ model.lm_head.weight.T, -1).gather(-1, ids[:, 4:, None])[..., 0]
+        for chunk_size in (None, 8):
+            logps, _ = next_token_logps(model, ids, 4, chunk_size=chunk_size)
+            assert_rounding_close(logps, expected, scale=float(expected.abs().max()), terms=model.config.hidden_size)
+        assert (before - expected).abs().max() > 1e-4  # what the cast changes: bf16's rounding of the logits

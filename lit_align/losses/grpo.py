@@ -1,4 +1,6 @@
-"""GRPO's pure tensor math: group-relative advantages, the clipped per-token surrogate, TRL's loss aggregations.
+"""GRPO's pure tensor math: group-relative advantages (and GDPO's), the per-token policy terms of TRL 1.16's eight
+loss types with their masks (high-entropy tokens, off-policy sequences) and KL, TRL's loss reductions, and the
+sampling engine's importance weights. Their settings, checked once, are ``lit_align.losses.grpo_loss.GRPOLoss``.
 
 Shapes: ``N`` completions (``num_generations`` consecutive ones per prompt), ``C`` completion positions.
 """
@@ -9,7 +11,9 @@ import math
 
 import torch
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -32,6 +36,21 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return advantages.view(-1).nan_to_num(0.0)
 
 
+def decoupled_advantages(per_func: torch.Tensor, weights: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """GDPO's advantages (TRL's ``multi_objective_aggregation: normalize_then_sum``): ``[N, F] -> [N]``.
+
+    Each reward function's column is normalized within each group first (``(r - mean) / (std + 1e-4)``), the
+    normalized columns are summed with ``weights``, and that sum is normalized over the whole batch; ``scale_rewards``
+    plays no part. NaN values (a function that returned None) are left out; rows where every function did get 0.
+    """
+    grouped = per_func.view(-1, num_generations, per_func.shape[1])
+    normalized = (grouped - grouped.nanmean(1, keepdim=True)) / (nanstd(grouped, dim=1) + 1e-4)
+    summed = (normalized.view_as(per_func) * weights).nansum(1)
+    summed = torch.where(per_func.isnan().all(1), torch.nan, summed)
+    advantages = (summed - summed.nanmean()) / (nanstd(summed.view(1, -1), dim=1).view(()) + 1e-4)
+    return advantages.nan_to_num(0.0)
+
+
 def nanstd(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Unbiased std over ``dim`` ignoring NaN (0 where fewer than two values), keeping ``dim``."""
     count = (~x.isnan()).sum(dim, keepdim=True)
@@ -47,32 +66,147 @@ def grpo_token_losses(
     epsilon_high: float | None = None,
     ref_logps: torch.Tensor | None = None,
     beta: float = 0.0,
+    *,
+    loss_type: str = "grpo",
+    mask: torch.Tensor | None = None,
+    importance_sampling_level: str = "token",
+    delta: float | None = None,
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+    vespo_params: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+    token_weights: torch.Tensor | None = None,
+    is_ratio: torch.Tensor | None = None,
+    use_bias_correction_kl: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate (+ ``beta`` * k3 KL): ``[N, C] -> [N, C]``, and per-token diagnostics.
+    """Per-token policy loss (+ ``beta`` * k3 KL) of TRL's ``loss_type``: ``[N, C] -> [N, C]`` (``[N, 1]`` where
+    nothing is per token), and per-token diagnostics.
 
-    ``ratio = exp(logps - old_logps)`` (``old_logps`` None: the samples are on-policy, ratio 1 with gradient);
-    loss ``= -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * kl`` with
-    ``kl = exp(ref - logps) - (ref - logps) - 1``. Diagnostics: ``kl``, ``low_clipped``, ``high_clipped`` as TRL
-    counts them (ratio outside the band on the side where clipping binds).
+    The importance weight ``w = exp(logps - old_logps)`` per token, or per sequence (``importance_sampling_level:
+    sequence``, GSPO: the exp of the completion's mean log-ratio over ``mask``); ``old_logps`` None: on-policy,
+    ``w = 1`` with gradient. Policy terms, ``A`` the advantage:
+
+    - ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: ``-min(w' A, clip(w, 1 - epsilon, 1 + epsilon_high) A)``,
+      ``w' = min(w, delta)`` with ``delta`` (two-sided clipping, INTELLECT-2), else ``w``;
+    - ``cispo``: ``-sg(min(w, epsilon_high)) A logps`` (the weight clipped and detached, MiniMax-M1);
+    - ``sapo``: ``-sigmoid(tau (w - 1)) 4 / tau A``, ``tau`` the first of ``sapo_temperatures`` where ``A > 0``, the
+      second elsewhere (a soft gate instead of the clip);
+    - ``vespo``: ``-phi A logps``, ``phi = vespo_gamma_weights(...)`` per sequence (no gradient), with
+      ``vespo_params = (k_pos, lambda_pos, k_neg, lambda_neg)``; ``is_ratio`` (token-level sampling-engine weights)
+      enters ``phi`` instead of multiplying the loss.
+
+    The policy term is multiplied by ``token_weights`` (the off-policy and high-entropy masks) and, but for ``vespo``,
+    by ``is_ratio`` (the sampling engine's importance weights); the KL ``exp(ref - logps) - (ref - logps) - 1`` is added
+    after, times ``w`` with ``use_bias_correction_kl`` (DeepSeek-V3.2's unbiased KL gradient). Diagnostics: ``kl``;
+    ``low_clipped``/``high_clipped`` (clip family, as TRL counts them: ``w'`` outside the band on the side where
+    clipping binds), ``cispo_clipped`` (``w > epsilon_high`` with ``A > 0``), ``phi_seq`` (``vespo``).
     """
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"unknown GRPO loss_type {loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    mask = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
     old = logps.detach() if old_logps is None else old_logps
-    ratio = torch.exp(logps - old)
+    log_ratio = logps - old
+    if importance_sampling_level == "token":
+        log_weights = log_ratio
+    elif importance_sampling_level == "sequence":
+        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}: expected one of "
+                         f"{IMPORTANCE_SAMPLING_LEVELS}")
+    ratio = torch.exp(log_weights)
     adv = advantages.unsqueeze(1)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    losses = -torch.min(ratio * adv, clipped * adv)
-    info = {
-        "low_clipped": ((ratio < 1 - epsilon) & (adv < 0)).to(ratio.dtype),
-        "high_clipped": ((ratio > 1 + epsilon_high) & (adv > 0)).to(ratio.dtype),
-    }
+    info: dict[str, torch.Tensor] = {}
+    if loss_type == "cispo":
+        losses = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps
+        info["cispo_clipped"] = ((ratio > epsilon_high) & (adv > 0)).to(logps.dtype)
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, adv.new_tensor(sapo_temperatures[0]), adv.new_tensor(sapo_temperatures[1]))
+        losses = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+    elif loss_type == "vespo":
+        phi = vespo_gamma_weights(adv, log_ratio.detach(), mask, is_ratio, *vespo_params)
+        losses = -phi * adv * logps
+        info["phi_seq"] = phi
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+        losses = -torch.min(unclipped * adv, clipped * adv)
+        # counted on the delta-capped ratio, as TRL counts them
+        info["low_clipped"] = ((unclipped < 1 - epsilon) & (adv < 0)).to(logps.dtype)
+        info["high_clipped"] = ((unclipped > 1 + epsilon_high) & (adv > 0)).to(logps.dtype)
+    if token_weights is not None:
+        losses = losses * token_weights
+    if is_ratio is not None and loss_type != "vespo":
+        losses = losses * is_ratio
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("grpo_token_losses: beta != 0 needs ref_logps")
         diff = ref_logps - logps
         kl = torch.exp(diff) - diff - 1
+        if use_bias_correction_kl:
+            kl = kl * ratio
         losses = losses + beta * kl
         info["kl"] = kl.detach()
     return losses, info
+
+
+def vespo_gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,
+                        is_ratio: torch.Tensor | None = None, k_pos: float = 2.0, lambda_pos: float = 3.0,
+                        k_neg: float = 3.0, lambda_neg: float = 2.0) -> torch.Tensor:
+    """VESPO's per-sequence weight ``phi(w) = exp(lambda) w^k exp(-lambda w)`` (1 at ``w = 1``): ``[N, 1]``, no
+    gradient.
+
+    ``w`` is the sequence's importance ratio ``exp(sum over mask of log_ratio)`` (token log-ratios clamped to
+    [-20, 20]), times the sampling engine's token weights ``is_ratio`` (their logs summed, clamped to
+    [log 1e-8, 20]), ``log w`` clamped to [log 1e-8, 20]; ``(k, lambda)`` are the ``_pos`` pair where ``A >= 0``,
+    else the ``_neg`` pair (lambda at least 1e-4). Non-finite weights become 0. ``advantages``: ``[N, 1]``.
+    """
+    with torch.no_grad():
+        low = math.log(1e-8)
+        seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+        if is_ratio is not None:
+            seq = seq + torch.log(is_ratio).clamp(low, 20.0).sum(-1, keepdim=True)
+        log_w = seq.clamp(low, 20.0)
+        nonneg = advantages >= 0
+        k = torch.where(nonneg, log_w.new_tensor(k_pos), log_w.new_tensor(k_neg))
+        lam = torch.where(nonneg, log_w.new_tensor(lambda_pos), log_w.new_tensor(lambda_neg)).clamp(min=1e-4)
+        return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float,
+                      pool: torch.Tensor | None = None) -> torch.Tensor:
+    """TRL's ``top_entropy_quantile`` (Beyond the 80/20 Rule): ``[N, C]`` bool, true on the ``mask``'s tokens whose
+    entropy is at least the ``1 - quantile`` quantile of ``pool`` (default: the entropies under ``mask``; the module
+    passes every rank's). Quantile 0 keeps the highest-entropy token(s) only, 1 every token."""
+    values = (entropy[mask.bool()] if pool is None else pool).float()  # TRL's threshold is an fp32 quantile
+    if values.numel() == 0:
+        return torch.zeros_like(mask, dtype=torch.bool)
+    threshold = torch.quantile(values, 1 - quantile)
+    return ((entropy * mask) >= threshold) & mask.bool()
+
+
+def off_policy_mask(advantages: torch.Tensor, logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's ``off_policy_mask_threshold``): ``[N, 1]``, 0 for the
+    completions with a negative advantage whose mean ``sampling_logps - logps`` (a KL estimate from the sampling policy
+    over ``mask``, NaN counted as 0) exceeds ``threshold``, 1 for the others."""
+    kl = (sampling_logps - logps.detach()).nan_to_num(0.0)
+    mean_kl = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+    return ((advantages.unsqueeze(1) >= 0) | (mean_kl <= threshold)).to(logps.dtype)
+
+
+def sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each completion's mean of ``values`` over ``mask`` (``[N, 1]`` values: as they are), NaN where it has none
+    (TRL's ``clip_ratio/low_min`` and ``high_max`` are their extremes)."""
+    if values.shape[-1] == 1:
+        return values.squeeze(-1)
+    return (values * mask).sum(-1) / mask.sum(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over ``mask``'s tokens (``[N, 1]`` values: over the rows, as TRL's metrics take them); the
+    entropy bonus is ``entropy_coef`` times this of the entropies."""
+    if values.shape[-1] == 1 and mask.shape[-1] != 1:
+        return values.sum() / max(values.shape[0], 1)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def aggregate_grpo_loss(
@@ -87,22 +221,27 @@ def aggregate_grpo_loss(
     - ``grpo``: mean over sequences of each sequence's token mean (length-biased);
     - ``bnpo``: token mean over this batch;
     - ``dr_grpo``: token sum / (N * ``max_completion_length``);
-    - ``dapo``: token sum / ``num_tokens``, the active tokens per step averaged over the whole generation round
-      (all steps, all ranks), so every token of the round weighs the same.
+    - ``dapo`` (and ``cispo``, ``vespo``): token sum / ``num_tokens``, the active tokens per step averaged over the
+      whole generation round (all steps, all ranks), so every token of the round weighs the same;
+    - ``luspo``: mean over sequences of each sequence's token sum (each sequence weighs its length).
+
+    ``sapo`` reduces as ``grpo``. ``token_losses`` may be ``[N, 1]`` (sequence-level terms): the mask broadcasts it.
     """
     mask = mask.to(token_losses.dtype)
     total = (token_losses * mask).sum()
-    if loss_type == "grpo":
+    if loss_type == "luspo":
+        return (token_losses * mask).sum(-1).mean()
+    if loss_type in ("grpo", "sapo"):
         return ((token_losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
     if loss_type == "bnpo":
         return total / mask.sum().clamp(min=1)
     if loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("aggregate_grpo_loss(loss_type='dr_grpo') needs max_completion_length")
-        return total / (token_losses.shape[0] * max_completion_length)
-    if loss_type == "dapo":
+        return total / (mask.shape[0] * max_completion_length)
+    if loss_type in ("dapo", "cispo", "vespo"):
         if num_tokens is None:
-            raise ValueError("aggregate_grpo_loss(loss_type='dapo') needs num_tokens")
+            raise ValueError(f"aggregate_grpo_loss(loss_type={loss_type!r}) needs num_tokens")
         return total / max(num_tokens, 1.0)
     raise ValueError(f"unknown GRPO loss_type {loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
 

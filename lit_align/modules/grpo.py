@@ -17,16 +17,18 @@ import torch
 from torchmetrics import MeanMetric
 
 from lit_align import layouts
+from lit_align.callbacks import RefModelSync
 from lit_align.errors import LitAlignError
 from lit_align.generation import SamplingConfig, VLLMOptions, make_engine
 from lit_align.generation_round import GenerationRound, RoundShape
 from lit_align.logps import layout_logps
 from lit_align.losses.grpo import (
-    GRPO_LOSS_TYPES, SCALE_REWARDS, aggregate_grpo_loss, group_advantages,
-    grpo_token_losses, importance_sampling_ratio, nanstd,
+    decoupled_advantages, group_advantages, importance_sampling_ratio, masked_mean, nanstd, sequence_means,
 )
+from lit_align.losses.grpo_loss import EntropyControl, GRPOLoss
+from lit_align.models import cast_lm_head_to_fp32
 from lit_align.modules.base import AlignModule
-from lit_align.reference import choose_reference
+from lit_align.reference import FrozenReference, choose_reference
 from lit_align.rewards import RewardModel, RewardState, load_reward, reward_name, score_all
 
 
@@ -35,21 +37,19 @@ def _repeat(values: list, times: int) -> list:
 
 
 def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                           with_entropy: bool = False, chunk_size: int | None = None, padding_free: bool = False):
+                           with_entropy: bool = False, chunk_size: int | None = None, padding_free: bool = False,
+                           entropy_grad: bool = False):
     """Per-token log-probs ``[N, C]`` of completions after left-padded prompts, logits divided by ``temperature``
-    (and, ``with_entropy``, the tempered distribution's entropy, without gradient); 0 at padding. Laid out by
-    ``lit_align.layouts.completions``."""
+    (and, ``with_entropy``, the tempered distribution's entropy, without gradient unless ``entropy_grad``); 0 at
+    padding. Laid out by ``lit_align.layouts.completions``."""
     layout = layouts.completions(prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free)
-    out = layout_logps(model, layout, ("entropy",) if with_entropy else (), chunk_size, temperature)
+    out = layout_logps(model, layout, ("entropy",) if with_entropy else (), chunk_size, temperature, entropy_grad)
     return out.tokens, out.stats.get("entropy")
 
 
-def check_sampling(loss_type: str, scale_rewards: str, temperature: float, max_completion_length: int) -> None:
-    """Refuse a loss or a sampling setting GRPO cannot train with (errors name ``model.<setting>``)."""
-    if loss_type not in GRPO_LOSS_TYPES:
-        raise LitAlignError(f"model.loss_type {loss_type!r}: expected one of {GRPO_LOSS_TYPES}")
-    if scale_rewards not in SCALE_REWARDS:
-        raise LitAlignError(f"model.scale_rewards {scale_rewards!r}: expected one of {SCALE_REWARDS}")
+def check_sampling(temperature: float, max_completion_length: int) -> None:
+    """Refuse a sampling setting GRPO cannot train with (errors name ``model.<setting>``; the loss settings are
+    ``lit_align.losses.grpo_loss.GRPOLoss``'s to check)."""
     if temperature <= 0:
         raise LitAlignError(f"model.temperature must be > 0 (GRPO samples distinct completions), got {temperature}")
     if max_completion_length < 1:
@@ -84,13 +84,49 @@ class GRPOModule(AlignModule):
             and hands it to the DataModule (``PromptDataModule.connect``).
         steps_per_generation: training steps fed by one generation round (linked from ``data:`` as above).
         num_iterations: passes over each round's completions (TRL's mu; linked from ``data:`` as above).
-        loss_type: ``dapo`` (TRL's default), ``grpo``, ``bnpo`` or ``dr_grpo``.
+        loss_type: ``dapo`` (TRL's default), ``grpo``, ``bnpo``, ``dr_grpo``, ``cispo``, ``sapo``, ``luspo`` or
+            ``vespo`` (formulas: ``lit_align.losses.grpo.grpo_token_losses`` and ``aggregate_grpo_loss``).
         beta: KL coefficient to a frozen reference (k3 estimator); 0 (TRL's default) loads no reference.
         ref_model: the reference when ``beta > 0``; None: a frozen copy of the initial policy (under LoRA: the policy
             with its adapters disabled).
         epsilon: lower clipping bound of the ratio (``1 - epsilon``).
-        epsilon_high: upper bound (``1 + epsilon_high``; default: ``epsilon``; DAPO uses 0.28).
+        epsilon_high: upper bound (``1 + epsilon_high``; default: ``epsilon``; DAPO uses 0.28); for ``cispo`` the
+            cap of the detached weight itself (ScaleRL recommends 5.0).
+        delta: two-sided clipping (INTELLECT-2): the unclipped ratio is capped at ``delta`` too (None: off;
+            above ``1 + epsilon_high`` is recommended).
+        importance_sampling_level: ``token`` (a ratio per token) or ``sequence`` (GSPO: the exp of the completion's
+            mean log-ratio, one per completion).
+        sapo_temperature_pos: ``sapo``'s gate temperature for tokens with a positive advantage.
+        sapo_temperature_neg: ``sapo``'s gate temperature for the others.
+        vespo_k_pos: ``vespo``'s power k for a non-negative advantage (how hard ratios below 1 are down-weighted).
+        vespo_lambda_pos: ``vespo``'s decay lambda for a non-negative advantage (ratios above 1).
+        vespo_k_neg: k for a negative advantage.
+        vespo_lambda_neg: lambda for a negative advantage.
         scale_rewards: ``group`` (divide by the group's std), ``batch`` or ``none``.
+        multi_objective_aggregation: ``sum_then_normalize`` (sum the weighted rewards, then ``scale_rewards``) or
+            ``normalize_then_sum`` (GDPO: normalize each reward function within its group, sum with the weights,
+            normalize the sum over the batch; ``lit_align.losses.grpo.decoupled_advantages``).
+        top_entropy_quantile: train only on the tokens whose entropy is in this top fraction (over every rank's loss
+            tokens; 1.0: all, the paper uses 0.2).
+        off_policy_mask_threshold: drop the completions with a negative advantage whose mean KL from the sampling
+            policy (its log-probs: vLLM's, else the old policy's) exceeds this (DeepSeek-V3.2; None: off).
+        use_bias_correction_kl: multiply the KL term by the importance ratio (its gradient then is the unbiased
+            reverse-KL one, even on-policy where the ratio is 1).
+        entropy_coef: subtract this times the mean entropy of the loss tokens from the loss (an exploration bonus,
+            trained through the entropy's gradient; 0: off).
+        use_adaptive_entropy: adapt ``entropy_coef`` every optimizer step (Skywork-OR1): up by ``entropy_coef_delta``
+            when the last step's entropy was at most ``entropy_target`` (the bonus then applies), down otherwise.
+        entropy_coef_min: lower bound of the adaptive coefficient.
+        entropy_coef_max: upper bound of the adaptive coefficient.
+        entropy_coef_delta: the adaptive coefficient's step.
+        entropy_target: the mean token entropy (nats) below which the adaptive bonus applies.
+        sync_ref_model: TR-DPO's reference sync for GRPO: every ``ref_model_sync_steps`` optimizer steps,
+            ``ref <- ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * ref``
+            (``lit_align.callbacks.RefModelSync``). Needs ``beta != 0`` and no ``peft_config``.
+        ref_model_mixup_alpha: the policy's weight in that mix (TRL's default 0.6).
+        ref_model_sync_steps: the sync cadence in optimizer steps (TRL's default 512).
+        cast_lm_head_to_fp32: the LM head of the policy and the reference in fp32, its matmul too (ScaleRL); with
+            ``logps_chunk_size`` or ``padding_free`` the chunked head then runs in fp32.
         mask_truncated_completions: leave completions that hit ``max_completion_length`` out of the loss.
         max_completion_length: tokens generated per completion at most (TRL's default, 512).
         temperature: sampling temperature; the training log-probs use the same temperature, as TRL does.
@@ -145,7 +181,29 @@ class GRPOModule(AlignModule):
         ref_model: str | None = None,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
+        delta: float | None = None,
+        importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
+        vespo_k_pos: float = 2.0,
+        vespo_lambda_pos: float = 3.0,
+        vespo_k_neg: float = 3.0,
+        vespo_lambda_neg: float = 2.0,
         scale_rewards: str = "group",
+        multi_objective_aggregation: str = "sum_then_normalize",
+        top_entropy_quantile: float = 1.0,
+        off_policy_mask_threshold: float | None = None,
+        use_bias_correction_kl: bool = True,
+        entropy_coef: float = 0.0,
+        use_adaptive_entropy: bool = False,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+        entropy_coef_delta: float = 0.005,
+        entropy_target: float = 0.2,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: float = 0.6,
+        ref_model_sync_steps: int = 512,
+        cast_lm_head_to_fp32: bool = False,
         mask_truncated_completions: bool = False,
         max_completion_length: int = 512,
         temperature: float = 1.0,
@@ -171,15 +229,22 @@ class GRPOModule(AlignModule):
     ):
         super().__init__(model=model, **kwargs)
         self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, owner="model")
-        check_sampling(loss_type, scale_rewards, temperature, max_completion_length)
+        check_sampling(temperature, max_completion_length)
+        self.loss_fn = GRPOLoss(**{name: self.hparams[name] for name in GRPOLoss.__dataclass_fields__})
+        self.entropy_control = EntropyControl.from_loss(self.loss_fn)
+        self.entropy_window: torch.Tensor | None = None  # adaptive: (entropy sum, tokens) of this accumulation window
         self.reward_funcs, self.reward_names, weights = load_rewards(reward_funcs, reward_weights)
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
-        self.loss_type, self.beta = loss_type, beta
-        self.epsilon, self.epsilon_high, self.scale_rewards = epsilon, epsilon_high, scale_rewards
         self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
         self.temperature, self.padding_free = temperature, padding_free
+        lora = self.lora_config is not None
+        if sync_ref_model and (beta == 0.0 or lora):
+            raise LitAlignError("model.sync_ref_model mixes the policy into the reference model: it needs model.beta "
+                                "!= 0 (beta 0 loads no reference) and no model.peft_config (the reference is then the "
+                                "policy without its adapters)")
+        self.ref_sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
         if beta != 0.0:
-            self.reference = choose_reference(ref_model, self.lora_config is not None)
+            self.reference = choose_reference(ref_model, lora)
         self.importance_sampling = None  # (mode, clip_min, clip_max) when vLLM's sampling is corrected for
         if num_generations_eval is not None and num_generations_eval < 1:
             raise LitAlignError(f"model.num_generations_eval must be >= 1 or null (one greedy completion), "
@@ -204,6 +269,11 @@ class GRPOModule(AlignModule):
         if engine == "vllm":
             options = VLLMOptions.from_flat(self.hparams)
             self.importance_sampling = options.importance_sampling(SamplingConfig(temperature=temperature, **sampling))
+            if (self.loss_fn.loss_type == "vespo" and self.importance_sampling is not None
+                    and not self.importance_sampling[0].startswith("token")):
+                raise LitAlignError(f"model.vllm_importance_sampling_mode {self.importance_sampling[0]!r}: loss_type "
+                                    "'vespo' folds vLLM's importance weights into its per-sequence weight token by "
+                                    "token: expected 'token_truncate' or 'token_mask'")
             engine_settings = {**options.engine_settings(), "weights_version": self.weights_version}
         return (make_engine(engine, temperature=temperature, **sampling, **engine_settings),
                 make_engine(engine, temperature=0.0, **sampling, **engine_settings))
@@ -212,9 +282,16 @@ class GRPOModule(AlignModule):
         """The data follows the round's shape too (``PromptDataModule.connect``)."""
         return {**super().data_settings(), "round_shape": self.round_shape}
 
+    def configure_callbacks(self):
+        return [self.ref_sync] if self.ref_sync is not None else []
+
     def configure_model(self) -> None:
         super().configure_model()
         hp = self.hparams
+        if hp.cast_lm_head_to_fp32 and not getattr(self.network.get_output_embeddings(), "fp32_matmul", False):
+            cast_lm_head_to_fp32(self.network)
+            if isinstance(self.reference, FrozenReference):  # a reference under LoRA is the policy itself
+                cast_lm_head_to_fp32(self.reference.model)
         for fn in self.reward_funcs:  # reward models load with the policy's settings (TRL: model_init_kwargs)
             if isinstance(fn, RewardModel):
                 fn.load(hp.dtype, hp.trust_remote_code, hp.model_init_kwargs)
@@ -262,14 +339,20 @@ class GRPOModule(AlignModule):
         all_rewards = self.trainer.strategy.all_gather(rewards).reshape(-1)
         rank = self.trainer.global_rank
         mine = slice(rank * len(rewards), (rank + 1) * len(rewards))
-        advantages = group_advantages(all_rewards, self.round_shape.num_generations, self.scale_rewards)
+        group = self.round_shape.num_generations
+        if self.loss_fn.multi_objective_aggregation == "normalize_then_sum":
+            all_per_func = self.trainer.strategy.all_gather(per_func).reshape(-1, per_func.shape[1])
+            advantages = decoupled_advantages(all_per_func, self.reward_weights, group)
+        else:
+            advantages = group_advantages(all_rewards, group, self.loss_fn.scale_rewards)
         return rewards, advantages[mine], all_rewards
 
     def completion_logps(self, network, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                         with_entropy: bool = False, padding_free: bool = False):
+                         with_entropy: bool = False, padding_free: bool = False, entropy_grad: bool = False):
         """``completion_token_logps`` at this module's temperature and chunk size."""
         return completion_token_logps(network, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      self.temperature, with_entropy, self.logps_chunk_size, padding_free)
+                                      self.temperature, with_entropy, self.logps_chunk_size, padding_free,
+                                      entropy_grad)
 
     @torch.no_grad()
     def generate_round(self, batch: dict[str, Any]) -> GenerationRound:
@@ -306,6 +389,8 @@ class GRPOModule(AlignModule):
             prompts=prompts, completions=[c if isinstance(c, str) else c[0]["content"] for c in completions],
             rewards=rewards.tolist(), dataset_rows=None if prompt_rows is None else _repeat(prompt_rows, group),
             extra={k: v for k, v in self.reward_columns.items() if len(v) == len(prompts)}, is_ratio=is_ratio,
+            sampling_logps=rollout.logps if is_ratio is not None and self.loss_fn.off_policy_mask_threshold is not None
+            else None,
             reward_funcs={name: per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
         )
 
@@ -385,12 +470,15 @@ class GRPOModule(AlignModule):
         if torch.distributed.is_available() and torch.distributed.is_initialized() and self.trainer.world_size > 1:
             rounds = [None] * self.trainer.world_size
             torch.distributed.all_gather_object(rounds, mine)
-        checkpoint["lit_align_grpo"] = {"rounds": rounds, "generation_rounds": self.generation_rounds}
+        checkpoint["lit_align_grpo"] = {"rounds": rounds, "generation_rounds": self.generation_rounds,
+                                        "entropy_control": self.entropy_control.state_dict()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         state = checkpoint.get("lit_align_grpo", {})
         self.generation_rounds = state.get("generation_rounds", 0)
+        if "entropy_control" in state:
+            self.entropy_control.load_state_dict(state["entropy_control"])
         rounds = state.get("rounds", [])
         # another world size: the round is regenerated (the resume is then not exact mid-round)
         world, rank = (self._trainer.world_size, self._trainer.global_rank) if self._trainer is not None else (1, 0)
@@ -406,42 +494,75 @@ class GRPOModule(AlignModule):
         if batch["round_pos"] == 0 or self.round is None:
             self.round = self.generate_round(batch)
         step = self.round.step_batch(batch["round_pos"])
+        mask, settings = step.loss_mask, self.loss_fn
         logps, entropy = self.completion_logps(self.network, step.prompt_ids, step.prompt_mask, step.completion_ids,
                                                step.completion_mask, with_entropy=True,
-                                               padding_free=self.padding_free)
-        loss, row_losses, loss_stats = self.policy_loss(step, logps)
-        loss = self.guard_loss(loss, row_losses, batch_idx, step.dataset_rows)
+                                               padding_free=self.padding_free, entropy_grad=settings.entropy_bonus)
+        out = settings(logps, step.old_logps, step.advantages, mask, ref_logps=step.ref_logps, entropy=entropy,
+                       entropy_pool=self.entropy_pool(entropy, mask) if settings.top_entropy_quantile < 1 else None,
+                       sampling_logps=step.sampling_logps, is_ratio=step.is_ratio,
+                       max_completion_length=self.max_completion_length, num_tokens=self.round.num_tokens,
+                       entropy_coef=self.entropy_control.applied())
+        if settings.use_adaptive_entropy:  # this accumulation window's entropy, for the coefficient's update
+            window = torch.stack([(entropy.detach() * out.trained).sum(), out.trained.sum()])
+            self.entropy_window = window if self.entropy_window is None else self.entropy_window + window
+        loss = self.guard_loss(out.loss, (out.token_losses * mask).sum(1), batch_idx, step.dataset_rows)
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
-        mask = step.loss_mask
-        entropy = (entropy * mask).sum() / mask.sum().clamp(min=1)
-        step_stats = {"loss": loss.detach(), "entropy": entropy, **loss_stats}
-        values = self.trainer.strategy.reduce(torch.stack(list(step_stats.values())), reduce_op="mean")
+        self.log_step(loss, out.policy_loss, entropy.detach(), out.info, mask)
+        return {"loss": loss, "step": step, "logps": logps.detach()}  # callbacks see the step's batch (outputs)
+
+    def entropy_pool(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Every rank's loss tokens' entropies (``top_entropy_quantile``'s threshold is their quantile, as TRL's)."""
+        mine = entropy.detach()[mask.bool()].float()
+        sizes = self.trainer.strategy.all_gather(torch.tensor(len(mine), device=self.device)).reshape(-1)
+        padded = torch.full((int(sizes.max()),), -1.0, device=self.device)  # entropies are >= 0: -1 marks padding
+        padded[: len(mine)] = mine
+        gathered = self.trainer.strategy.all_gather(padded).reshape(-1)
+        return gathered[gathered >= 0]
+
+    def log_step(self, loss, policy_loss, entropy, info: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
+        """TRL's per-step metrics (rank-averaged; ``clip_ratio/low_min`` and ``high_max`` over every rank's
+        completions), then the round's."""
+        mask = mask.to(entropy.dtype)
+        step_stats = {"loss": loss.detach(), "entropy": masked_mean(entropy, mask)}
+        per_sequence = {}
+        if "low_clipped" in info:
+            low, high = info["low_clipped"], info["high_clipped"]
+            step_stats |= {"clip_ratio/low_mean": masked_mean(low, mask),
+                           "clip_ratio/high_mean": masked_mean(high, mask),
+                           "clip_ratio/region_mean": masked_mean(low + high, mask)}
+            per_sequence = {"clip_ratio/low_min": sequence_means(low, mask),
+                            "clip_ratio/high_max": sequence_means(high, mask)}
+        if "cispo_clipped" in info:
+            step_stats["cispo_clip_ratio"] = masked_mean(info["cispo_clipped"], mask)
+        if "phi_seq" in info:
+            step_stats["vespo/phi_seq_mean"] = masked_mean(info["phi_seq"], mask)
+        if "kl" in info:
+            step_stats["kl"] = masked_mean(info["kl"], mask)
+        if self.loss_fn.entropy_bonus:
+            step_stats["policy_loss"] = policy_loss
+        strategy = self.trainer.strategy
+        values = strategy.reduce(torch.stack(list(step_stats.values())), reduce_op="mean")
+        for name, seq in per_sequence.items():
+            gathered = strategy.all_gather(seq).reshape(-1)
+            gathered = gathered[~gathered.isnan()]
+            value = gathered.min() if name.endswith("min") else gathered.max()
+            self.log(f"train/{name}", value if gathered.numel() else torch.tensor(torch.nan))
         for name, value in [*zip(step_stats, values), *self.round.stats.items()]:
             self.log(f"train/{name}", value, prog_bar=name in ("loss", "reward"))
         self.log("train/generation_rounds", float(self.generation_rounds))
-        return {"loss": loss, "step": step, "logps": logps.detach()}  # callbacks see the step's batch (outputs)
 
-    def policy_loss(self, step, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """``(the step's loss, each row's share [n] (the numeric guard names the bad ones), its metrics)`` from the
-        step's batch and its per-token log-probs: GRPO's clipped surrogate, aggregated per ``loss_type``."""
-        mask = step.loss_mask
-        token_losses, info = grpo_token_losses(logps, step.old_logps, step.advantages, self.epsilon,
-                                               self.epsilon_high, step.ref_logps, self.beta)
-        if step.is_ratio is not None:  # the sampling engine's importance weights (vLLM)
-            token_losses = token_losses * step.is_ratio
-        loss = aggregate_grpo_loss(token_losses, mask, self.loss_type, self.max_completion_length,
-                                   self.round.num_tokens)
-        denominator = mask.sum().clamp(min=1)
-        masked_mean = lambda x: (x * mask).sum() / denominator  # noqa: E731
-        stats = {
-            "clip_ratio/low_mean": masked_mean(info["low_clipped"]),
-            "clip_ratio/high_mean": masked_mean(info["high_clipped"]),
-            "clip_ratio/region_mean": masked_mean(info["low_clipped"] + info["high_clipped"]),
-        }
-        if "kl" in info:
-            stats["kl"] = masked_mean(info["kl"])
-        return loss, (token_losses * mask).sum(1), stats
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """After an accumulation window: the adaptive entropy coefficient of the next step, from this window's mean
+        entropy over every rank's trained tokens (TRL updates it at the same boundary)."""
+        super().on_before_optimizer_step(optimizer)
+        if self.entropy_window is not None:
+            totals = self.trainer.strategy.reduce(self.entropy_window, reduce_op="sum")
+            self.entropy_control.step(float(totals[0] / totals[1].clamp(min=1.0)))
+            self.entropy_window = None
+        if self.loss_fn.entropy_bonus:  # the coefficient the next step applies (TRL logs it here too)
+            self.log("train/entropy_coef", float(self.entropy_control.coef))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Held-out reward: one greedy completion per prompt, or with ``num_generations_eval`` that many sampled

@@ -7,8 +7,10 @@
 other completions of its prompt (optionally normalized over the batch), and the loss is a PPO-clipped surrogate with
 one ratio per completion, averaged over completions. The math is ``lit_align.losses.rloo``.
 
-GRPO options RLOO does not have (``loss_type``, ``scale_rewards``, the ``vllm_importance_sampling_*`` correction)
-are not RLOO's options either; the README lists every RLOOConfig field and what became of it.
+GRPO's loss options that RLOOConfig does not have (``loss_type``, ``scale_rewards``, the GSPO / SAPO / VESPO / entropy
+/ GDPO / off-policy settings, the ``vllm_importance_sampling_*`` correction) are not RLOO's options: fixed in
+``__init__``, they are neither on the command line nor among a run's hyper-parameters. The README lists every
+RLOOConfig field and what became of it.
 """
 
 from __future__ import annotations
@@ -17,16 +19,21 @@ from typing import Any
 
 import torch
 
-from lit_align.callbacks import RefModelSync
 from lit_align.errors import LitAlignError
 from lit_align.generation_round import GenerationRound
 from lit_align.losses.grpo import nanstd
 from lit_align.losses.rloo import leave_one_out_advantages, rloo_rewards, rloo_sequence_losses, sequence_kl
 from lit_align.modules.grpo import GRPOModule
 
-# GRPO's options that are not RLOO's: fixed in ``__init__``, and not among an RLOO run's hyper-parameters
-_NOT_RLOO = ("loss_type", "scale_rewards", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-             "vllm_importance_sampling_clip_min", "vllm_importance_sampling_clip_max")
+# GRPO's options that are not RLOO's (RLOOConfig has none of them): ``__init__`` fixes them
+_NOT_RLOO = (
+    "loss_type", "delta", "importance_sampling_level", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+    "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "scale_rewards", "multi_objective_aggregation",
+    "top_entropy_quantile", "off_policy_mask_threshold", "use_bias_correction_kl", "entropy_coef",
+    "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+    "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max",
+)
 
 
 class RLOOModule(GRPOModule):
@@ -39,13 +46,9 @@ class RLOOModule(GRPOModule):
         normalize_advantages: scale the advantages to mean 0 and std 1 over the batch (every rank's completions).
         reward_clip_range: ``[min, max]`` the summed rewards are clamped to before the KL penalty (None: none).
         epsilon / epsilon_high: the clipping band of each completion's ratio, ``[1 - epsilon, 1 + epsilon_high]``.
-        sync_ref_model: every ``ref_model_sync_steps`` optimizer steps, ``ref <- ref_model_mixup_alpha * policy +
-            (1 - ref_model_mixup_alpha) * ref`` (TRL's; ``lit_align.callbacks.RefModelSync``); needs ``beta > 0``
-            and full fine-tuning.
-        ref_model_mixup_alpha: the policy's weight in that mix (TRL's default 0.6).
-        ref_model_sync_steps: optimizer steps between two mixes (TRL's default 512).
 
-    The other options are ``GRPOModule``'s (sampling, engines, rewards, round shape, ``mask_truncated_completions``).
+    The other options are ``GRPOModule``'s (sampling, engines, rewards, round shape, ``mask_truncated_completions``,
+    ``sync_ref_model`` and its two settings).
     """
 
     def __init__(
@@ -60,37 +63,33 @@ class RLOOModule(GRPOModule):
         epsilon_high: float | None = None,
         normalize_advantages: bool = False,
         reward_clip_range: tuple[float, float] | None = None,
-        sync_ref_model: bool = False,
-        ref_model_mixup_alpha: float = 0.6,
-        ref_model_sync_steps: int = 512,
         **kwargs,
     ):
         clip = reward_clip_range
         if clip is not None and (len(clip) != 2 or clip[0] > clip[1]):
             raise LitAlignError(f"model.reward_clip_range {list(clip)}: expected [min, max] with min <= max")
-        super().__init__(model=model, reward_funcs=reward_funcs, reward_weights=reward_weights,
-                         num_generations=num_generations, beta=beta, ref_model=ref_model, epsilon=epsilon,
-                         epsilon_high=epsilon_high, loss_type="bnpo", scale_rewards="none",
-                         vllm_importance_sampling_correction=False, vllm_importance_sampling_mode="sequence_mask",
-                         vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=None, **kwargs)
+        # every one of _NOT_RLOO by name: the command line (jsonargparse) then leaves them out
+        super().__init__(
+            model=model, reward_funcs=reward_funcs, reward_weights=reward_weights, num_generations=num_generations,
+            beta=beta, ref_model=ref_model, epsilon=epsilon, epsilon_high=epsilon_high, loss_type="bnpo", delta=None,
+            importance_sampling_level="token", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+            vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, scale_rewards="none",
+            multi_objective_aggregation="sum_then_normalize", top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+            use_bias_correction_kl=False, entropy_coef=0.0, use_adaptive_entropy=False, entropy_coef_min=0.0,
+            entropy_coef_max=1.0, entropy_coef_delta=0.005, entropy_target=0.2,
+            vllm_importance_sampling_correction=False, vllm_importance_sampling_mode="sequence_mask",
+            vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=None, **kwargs)
         for name in _NOT_RLOO:
             self.hparams.pop(name, None)
         self.normalize_advantages = normalize_advantages
-        self.reward_clip_range = None if reward_clip_range is None else tuple(reward_clip_range)
-        if sync_ref_model and (beta == 0.0 or self.lora_config is not None):
-            raise LitAlignError("model.sync_ref_model needs a reference model in memory: beta > 0 (with beta 0 there "
-                                "is none) and no peft_config (the reference is then the adapters-off policy)")
-        self.ref_sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
-
-    def configure_callbacks(self):
-        return [self.ref_sync] if self.ref_sync is not None else []
+        self.reward_clip_range = None if clip is None else tuple(clip)
 
     # -- the round: the KL goes into the rewards, the baseline is the other completions' mean --------------------------
     def old_logps(self, rollout, sequences: tuple) -> tuple[torch.Tensor | None, None, dict]:
         """The policy's log-probs at sampling time: the KL penalty's (``beta > 0``) and, when the policy moves before
         the round is used up, the ratio's. The engine's where they are the training forward's definition (``hf``,
         ``native``), else (``vllm``: other kernels) a forward pass, as TRL's RLOO always computes them."""
-        if self.beta == 0.0 and not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches):
+        if self.loss_fn.beta == 0.0 and not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches):
             return None, None, {}
         if rollout.logps is not None and self.hparams.engine != "vllm":
             return rollout.logps, None, {}
@@ -105,8 +104,9 @@ class RLOOModule(GRPOModule):
         rewards returned (and logged) are the unpenalized ones, as TRL logs them."""
         weighted = per_func * self.reward_weights
         rewards = torch.where(per_func.isnan().all(1), torch.nan, weighted.nansum(1))
-        kl = sequence_kl(old_logps, ref_logps, mask) if self.beta != 0.0 else None
-        penalized = rloo_rewards(rewards, kl, self.beta, self.reward_clip_range)
+        beta = self.loss_fn.beta
+        kl = sequence_kl(old_logps, ref_logps, mask) if beta != 0.0 else None
+        penalized = rloo_rewards(rewards, kl, beta, self.reward_clip_range)
         gather = self.trainer.strategy.all_gather
         all_rewards, all_penalized = gather(rewards).reshape(-1), gather(penalized).reshape(-1)
         rank = self.trainer.global_rank
@@ -121,7 +121,7 @@ class RLOOModule(GRPOModule):
         ranks' tokens) and ``rewards/<fn>/std``."""
         round = super().generate_round(batch)
         strategy = self.trainer.strategy
-        if self.beta != 0.0:
+        if self.loss_fn.beta != 0.0:
             mask = round.loss_mask
             totals = strategy.reduce(torch.stack([((round.old_logps - round.ref_logps) * mask).sum(),
                                                   mask.sum().float()]), reduce_op="sum")
@@ -131,15 +131,20 @@ class RLOOModule(GRPOModule):
             round.stats[f"rewards/{name}/std"] = nanstd(every, dim=1).view(())
         return round
 
-    # -- what is computed: one ratio per completion, the loss their mean --------------------------------------------
-    def policy_loss(self, step, logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """TRL's RLOO loss: the PPO-clipped surrogate of each completion's summed log-ratio, averaged over the
-        step's completions; the clip metrics are fractions of completions."""
-        losses, info = rloo_sequence_losses(logps, step.old_logps, step.advantages, step.loss_mask, self.epsilon,
-                                            self.epsilon_high)
-        stats = {
-            "clip_ratio/low_mean": info["low_clipped"].mean(),
-            "clip_ratio/high_mean": info["high_clipped"].mean(),
-            "clip_ratio/region_mean": (info["low_clipped"] + info["high_clipped"]).mean(),
-        }
-        return losses.mean(), losses, stats
+    # -- what is computed: one ratio per completion, the loss their mean ---------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
+        if batch["round_pos"] == 0 or self.round is None:
+            self.round = self.generate_round(batch)
+        step = self.round.step_batch(batch["round_pos"])
+        logps, entropy = self.completion_logps(self.network, step.prompt_ids, step.prompt_mask, step.completion_ids,
+                                               step.completion_mask, with_entropy=True,
+                                               padding_free=self.padding_free)
+        settings = self.loss_fn
+        losses, info = rloo_sequence_losses(logps, step.old_logps, step.advantages, step.loss_mask,
+                                            settings.epsilon, settings.epsilon_high)
+        loss = self.guard_loss(losses.mean(), losses, batch_idx, step.dataset_rows)
+        if loss is None:  # skipped (on_nonfinite_loss: skip)
+            return None
+        # one value per completion ([n, 1]): the clip metrics are fractions of completions, as TRL's RLOO logs them
+        self.log_step(loss, loss, entropy.detach(), {k: v.unsqueeze(1) for k, v in info.items()}, step.loss_mask)
+        return {"loss": loss, "step": step, "logps": logps.detach()}  # callbacks see the step's batch (outputs)

@@ -297,6 +297,10 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path, prompts_file, ti
     ({"engine": "vllm", "vllm_importance_sampling_mode": "tokens"}, "model.vllm_importance_sampling_mode 'tokens'"),
     ({"engine": "vllm", "vllm_tensor_parallel_size": 2}, "model.vllm_tensor_parallel_size 2: only 1"),
     ({"engine": "vllm", "vllm_gpu_memory_utilization": 1.5}, "model.vllm_gpu_memory_utilization must be in"),
+    ({"engine": "vllm", "loss_type": "vespo"}, "model.vllm_importance_sampling_mode 'sequence_mask': loss_type 'vespo'"),
+    ({"sync_ref_model": True}, "model.sync_ref_model mixes the policy into the reference model: it needs model.beta"),
+    ({"sync_ref_model": True, "beta": 0.1, "peft_config": {"r": 2}}, "model.sync_ref_model mixes the policy"),
+    ({"importance_sampling_level": "seq"}, "model.importance_sampling_level 'seq'"),
 ])
 def test_bad_settings_raise(kwargs, match):
     with pytest.raises(LitAlignError, match=match):
@@ -486,3 +490,94 @@ def test_num_generations_eval_samples_that_many_completions_per_validation_promp
     assert metrics["val/reward"] == pytest.approx(sum(digit_fraction(completions)) / len(completions), abs=1e-6)
     with pytest.raises(LitAlignError, match="model.num_generations_eval must be >= 1"):
         GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, num_generations_eval=0)
+
+
+# -- TRL 1.16's loss options through `lit-align fit` ------------------------------------------------------------------------
+def test_trl_loss_options_are_accepted_by_lit_align_fit_and_move_their_metrics(tmp_path, prompts_file, capfd,
+                                                                               tiny_path):
+    """CISPO with GDPO's advantages, the adaptive entropy bonus on the high-entropy tokens, the off-policy mask and an
+    fp32 LM head (padding-free rows), with and without a reference synced to the policy after every step (alpha 1): the entropy
+    coefficient climbs by its delta every step and, applied from the second step on, moves the loss away from the
+    policy term; CISPO logs its clip ratio; the synced reference leaves no KL while the unsynced one does."""
+    from helpers import run_main
+
+    def run(name: str, *options: str):
+        code, _, err = run_main([
+            "fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model", "builtin:tiny",
+            "--model.init_args.reward_funcs", json.dumps(REWARDS), "--model.init_args.max_completion_length", "4",
+            "--model.init_args.beta", "0.04", "--model.init_args.learning_rate", "1e-2",
+            "--model.init_args.warmup_steps", "0", *options,
+            "--data.init_args.path", prompts_file, "--data.init_args.val_split", "null",
+            "--data.init_args.batch_size", "4", "--data.init_args.num_generations", "2",
+            "--data.init_args.steps_per_generation", "1", "--trainer.max_steps", "3",
+            "--trainer.val_check_interval", "1.0", "--trainer.num_sanity_val_steps", "0",
+            "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+            "--trainer.callbacks", "[]", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+            "--trainer.logger.save_dir", str(tmp_path), "--trainer.logger.name", name,
+            "--trainer.default_root_dir", str(tmp_path), "--export.enabled", "false"], capfd)
+        assert code == 0, err
+        return read_metrics(tmp_path / name / "version_0")
+
+    options = ["--model.init_args.loss_type", "cispo", "--model.init_args.epsilon_high", "5.0",
+               "--model.init_args.multi_objective_aggregation", "normalize_then_sum",
+               "--model.init_args.use_adaptive_entropy", "true", "--model.init_args.entropy_coef", "0.1",
+               "--model.init_args.entropy_target", "100.0", "--model.init_args.top_entropy_quantile", "0.5",
+               "--model.init_args.off_policy_mask_threshold", "0.5", "--model.init_args.cast_lm_head_to_fp32", "true",
+               "--model.init_args.padding_free", "true"]  # the entropy's gradient through the chunked head
+    synced = run("synced", *options, "--model.init_args.sync_ref_model", "true",
+                 "--model.init_args.ref_model_sync_steps", "1", "--model.init_args.ref_model_mixup_alpha", "1.0")
+    unsynced = run("unsynced", *options)
+    for metrics in (synced, unsynced):
+        assert [metric_at(metrics, "train/entropy_coef", s) for s in range(3)] == pytest.approx([0.105, 0.11, 0.115])
+        assert metric_at(metrics, "train/loss", 0) == metric_at(metrics, "train/policy_loss", 0)  # none applied yet
+        assert metric_at(metrics, "train/loss", 1) < metric_at(metrics, "train/policy_loss", 1) - 1e-3
+        assert 0.0 <= metric_at(metrics, "train/cispo_clip_ratio", 0) <= 1.0
+        assert "train/clip_ratio/low_mean" not in metrics[0]  # CISPO's metric instead of the clip family's
+    # the first update is the bonus's at step 1 (rewards are flat on the tiny model): the policy moves from there, and
+    # each round's synced reference is the policy it trains
+    assert metric_at(synced, "train/kl", 2) == pytest.approx(0.0, abs=1e-9)
+    assert metric_at(unsynced, "train/kl", 2) > 1e-6
+
+
+def test_readme_lists_every_grpo_config_field():
+    """The README's "GRPOConfig fields" table names every field TRL's ``GRPOConfig`` adds to ``TrainingArguments``, each
+    with what it is here; every ``model.`` option it names is one of ``GRPOModule``'s (the table cannot rot either
+    way)."""
+    import dataclasses
+    import inspect
+    import re
+
+    import transformers
+    import trl
+
+    text = (REPO / "README.md").read_text()
+    table = text.split("### GRPOConfig fields", 1)[1].split("\n#", 1)[0]
+    body = table.split("|---|---|\n", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split(" | ") for line in body.splitlines()]
+    listed = {name for first, _ in rows for name in re.findall(r"`(\w+)`", first)}
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)} - base
+    assert sorted(theirs - listed) == [], "GRPOConfig fields missing from the README table"
+    assert sorted(listed - theirs) == [], "README table rows that are not GRPOConfig fields"
+    options = set(inspect.signature(GRPOModule.__init__).parameters) | set(
+        inspect.signature(GRPOModule.__mro__[1].__init__).parameters)
+    for first, second in rows:
+        assert second.strip(" |"), f"{first}: nothing said"
+        named = re.findall(r"`model\.(\w+)`", second)
+        if "`model.` the same names" in second:
+            named += re.findall(r"`(\w+)`", first)
+        assert set(named) <= options, f"{first}: {sorted(set(named) - options)} are not GRPOModule options"
+
+
+def test_the_adaptive_entropy_coefficient_is_saved_and_restored():
+    """A resume continues the controller where it was (TRL saves it beside the checkpoint too)."""
+    settings = {"reward_funcs": REWARDS, "use_adaptive_entropy": True, "entropy_coef": 0.1}
+    saved = GRPOModule(**settings)
+    saved.entropy_control.step(0.05)  # below the default target 0.2: up by 0.005
+    checkpoint = {"hyper_parameters": dict(saved.hparams)}
+    saved.on_save_checkpoint(checkpoint)
+    resumed = GRPOModule(**settings)
+    assert resumed.entropy_control.coef == 0.1 and resumed.entropy_control.applied() == 0.0
+    resumed.on_load_checkpoint(checkpoint)
+    assert resumed.entropy_control.coef == pytest.approx(0.105) and resumed.entropy_control.last_entropy == 0.05
+    assert resumed.entropy_control.applied() == pytest.approx(0.105)

@@ -64,10 +64,12 @@ def test_unset_num_generations_is_rloos_default_and_grpo_options_are_not_rlooss(
     cli = parse("--model.init_args.model", "builtin:tiny", "--data.init_args.num_generations", "null",
                 config="rloo.yaml")
     assert cli.model.round_shape.num_generations == 2  # TRL's RLOO default, not GRPO's 8
-    for name in ("loss_type", "scale_rewards", "vllm_importance_sampling_correction"):
-        assert name not in cli.model.hparams
-    with pytest.raises(SystemExit):
-        parse("--model.init_args.model", "builtin:tiny", "--model.init_args.loss_type", "grpo", config="rloo.yaml")
+    from lit_align.modules.rloo import _NOT_RLOO
+
+    assert not set(_NOT_RLOO) & set(cli.model.hparams)
+    for grpo_only in (["--model.init_args.loss_type", "grpo"], ["--model.init_args.entropy_coef", "0.1"]):
+        with pytest.raises(SystemExit):  # not an RLOO option: the parser refuses it
+            parse("--model.init_args.model", "builtin:tiny", *grpo_only, config="rloo.yaml")
 
 
 def test_readme_table_names_every_rloo_config_field():
@@ -91,7 +93,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
     before = load_model("builtin:tiny").state_dict()
     reference = module.reference.model.state_dict()
     assert any(not torch.equal(before[k], reference[k]) for k in before)  # no longer the initial policy
-    with pytest.raises(LitAlignError, match="model.sync_ref_model needs a reference model in memory: beta > 0"):
+    with pytest.raises(LitAlignError, match="model.sync_ref_model mixes the policy into the reference model: it needs"):
         RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], beta=0.0, sync_ref_model=True)
     with pytest.raises(LitAlignError, match=r"model.reward_clip_range \[1.0, -1.0\]: expected \[min, max\]"):
         RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], reward_clip_range=(1.0, -1.0))
