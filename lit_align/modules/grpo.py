@@ -227,10 +227,13 @@ class GRPOModule(AlignModule):
         vllm_structured_outputs_regex: str | None = None,
         **kwargs,
     ):
+        # the arguments as given: under LightningCLI ``self.hparams`` is the parsed config, which leaves out what a
+        # subclass fixes (RLOOModule's loss settings)
+        arguments = dict(locals())
         super().__init__(model=model, **kwargs)
         self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, owner="model")
         check_sampling(temperature, max_completion_length)
-        self.loss_fn = GRPOLoss(**{name: self.hparams[name] for name in GRPOLoss.__dataclass_fields__})
+        self.loss_fn = GRPOLoss(**{name: arguments[name] for name in GRPOLoss.__dataclass_fields__})
         self.entropy_control = EntropyControl.from_loss(self.loss_fn)
         self.entropy_window: torch.Tensor | None = None  # adaptive: (entropy sum, tokens) of this accumulation window
         self.reward_funcs, self.reward_names, weights = load_rewards(reward_funcs, reward_weights)
@@ -251,7 +254,7 @@ class GRPOModule(AlignModule):
                                 f"got {num_generations_eval}")
         self.num_generations_eval = num_generations_eval
         self.engine, self.greedy_engine = self.make_engines(
-            engine, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
+            engine, arguments, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs)
         self.round: GenerationRound | None = None
         self.reward_metrics: dict[str, list[float]] = {}  # what reward functions log this round (log_metric)
@@ -261,13 +264,14 @@ class GRPOModule(AlignModule):
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names)]})
 
-    def make_engines(self, engine: str, temperature: float, **sampling):
+    def make_engines(self, engine: str, settings: dict[str, Any], temperature: float, **sampling):
         """The ``engine`` sampling the rounds and its greedy twin for validation (``SamplingConfig``'s settings; the
         greedy one keeps the repetition penalty and ``generation_kwargs``). The vLLM engine's options, set flat as in
-        TRL (``model.vllm_*``), are routed to it, which checks them (``VLLMOptions``)."""
+        TRL (``model.vllm_*``, among the module's ``settings``), are routed to it, which checks them
+        (``VLLMOptions``)."""
         engine_settings = {}
         if engine == "vllm":
-            options = VLLMOptions.from_flat(self.hparams)
+            options = VLLMOptions.from_flat(settings)
             self.importance_sampling = options.importance_sampling(SamplingConfig(temperature=temperature, **sampling))
             if (self.loss_fn.loss_type == "vespo" and self.importance_sampling is not None
                     and not self.importance_sampling[0].startswith("token")):
