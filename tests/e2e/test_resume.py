@@ -1,6 +1,6 @@
 """Exact resume and determinism: a run interrupted at step k and resumed with ``ckpt_path`` logs the same per-step
 losses and ends with the same weights as the uninterrupted run (CPU, fp32, seeded), for DPO (mid-epoch, across an
-epoch boundary) and GRPO (mid-round: the round's buffer comes from the checkpoint; later rounds regenerate the same
+epoch boundary), KTO, CPO and ORPO (mid-epoch) and GRPO (mid-round: the round's buffer comes from the checkpoint; later rounds regenerate the same
 completions). Two runs of one seeded config give one loss trajectory.
 """
 
@@ -19,8 +19,8 @@ from helpers import fit as run_fit
 from helpers import read_metrics, write_sort_rows
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_align.data import PreferenceDataModule, PromptDataModule
-from lit_align.modules import DPOModule, GRPOModule
+from lit_align.data import PreferenceDataModule, PromptDataModule, UnpairedPreferenceDataModule
+from lit_align.modules import CPOModule, DPOModule, GRPOModule, KTOModule, ORPOModule
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/
 REPO = TESTS.parent
@@ -103,6 +103,22 @@ def test_dpo_resume_from_an_epoch_end_checkpoint(tmp_path, pairs_file, tiny_path
     resumed, resumed_weights = fit(DPOModule, {}, PreferenceDataModule, data, tmp_path / "resumed", 7,
                                    ckpt_path=str(tmp_path / "full" / "ckpt" / "step=5.ckpt"))
     assert sorted(resumed.by_step) == [5, 6]
+    assert resumed.by_step == {s: full.by_step[s] for s in resumed.by_step}
+    assert_same_weights(resumed_weights, full_weights)
+
+
+@pytest.mark.parametrize("module_cls,data_cls,batch_size", [
+    (KTOModule, UnpairedPreferenceDataModule, 6),  # 36 unpaired rows: 6 batches an epoch, the KL batch at collate
+    pytest.param(CPOModule, PreferenceDataModule, 4, marks=pytest.mark.slow),  # DPO's pairs and loader, tested above
+    pytest.param(ORPOModule, PreferenceDataModule, 4, marks=pytest.mark.slow),
+], ids=["kto", "cpo", "orpo"])
+def test_kto_cpo_orpo_resume_mid_epoch_is_exact(module_cls, data_cls, batch_size, tmp_path, pairs_file, tiny_path):
+    data = {"path": pairs_file, "batch_size": batch_size, "max_length": 32}
+    full, full_weights = fit(module_cls, {}, data_cls, data, tmp_path / "full", 8, ckpt_every=3)
+    resumed, resumed_weights = fit(module_cls, {}, data_cls, data, tmp_path / "resumed", 8,
+                                   ckpt_path=str(tmp_path / "full" / "ckpt" / "step=3.ckpt"))
+    assert sorted(resumed.by_step) == [3, 4, 5, 6, 7]
+    assert resumed.firsts == {s: full.firsts[s] for s in resumed.firsts}
     assert resumed.by_step == {s: full.by_step[s] for s in resumed.by_step}
     assert_same_weights(resumed_weights, full_weights)
 
