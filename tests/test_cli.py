@@ -436,3 +436,25 @@ def test_a_round_setting_is_owned_by_the_data_and_a_different_model_value_is_ref
     assert assert_one_line_error(code, err) == (
         "error: model.steps_per_generation is set by data.steps_per_generation (data: owns it; model: follows it): "
         "set data.steps_per_generation instead")
+
+
+def test_generation_batch_size_sets_the_rounds_steps_over_the_trainers_devices(tmp_path, capfd):
+    """TRL's ``generation_batch_size``: ``batch_size * devices * steps_per_generation`` (grpo.yaml: 64 per device);
+    the module's round follows it, and setting both is TRL's error."""
+    grpo = ["--model.init_args.model", "builtin:tiny", "--data.init_args.steps_per_generation", "null"]
+    cli = parse(*grpo, "--data.init_args.generation_batch_size", "512", config="grpo.yaml")
+    assert cli.model.round_shape.steps_per_generation == 8  # 512 / (64 x 1 device)
+    cli = parse(*grpo, "--data.init_args.generation_batch_size", "512", "--trainer.devices", "2",
+                "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", config="grpo.yaml")
+    assert cli.model.round_shape.steps_per_generation == 4  # 512 / (64 x 2 devices)
+    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model",
+                             "builtin:tiny", "--data.init_args.generation_batch_size", "100",
+                             "--data.init_args.steps_per_generation", "null", "--trainer.default_root_dir",
+                             str(tmp_path)], capfd)
+    assert assert_one_line_error(code, err) == ("error: data.generation_batch_size 100 must be a positive multiple of "
+                                                "the global batch size (data.batch_size 64 x 1 devices = 64)")
+    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model",
+                             "builtin:tiny", "--data.init_args.generation_batch_size", "128",
+                             "--trainer.default_root_dir", str(tmp_path)], capfd)
+    assert assert_one_line_error(code, err).startswith(
+        "error: data.generation_batch_size and data.steps_per_generation cannot both be set")

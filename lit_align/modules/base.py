@@ -29,7 +29,7 @@ from lit_align.reference import Reference
 # Model settings a resume may change: how the same numbers are computed or exported, not which numbers.
 RESUME_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "on_nonfinite_loss", "export_merged", "engine",
                      "precompute_ref_batch_size", "vllm_gpu_memory_utilization", "vllm_max_model_length",
-                     "vllm_enable_sleep_mode")
+                     "vllm_enable_sleep_mode", "num_generations_eval")
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
