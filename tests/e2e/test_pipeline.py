@@ -37,8 +37,6 @@ def test_full_pipeline_meets_its_targets(tmp_path, capsys):
     assert Path(tmp_path / "curves.png").exists()
 
 
-@pytest.mark.slow  # ~17 CPU-seconds: three stages and two evaluations; the export -> reward model step is also
-# covered by tests/modules/test_reward_module.py in the default suite
 def test_quick_learned_reward_job_scores_grpo_with_the_reward_model_it_trained(tmp_path, capsys):
     """SFT -> reward model -> GRPO through `lit-align fit`: the reward model starts from the SFT export and GRPO
     from the SFT export too, scored by the reward model's export; the table measures the policies only."""
