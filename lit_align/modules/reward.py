@@ -10,8 +10,8 @@ label; under LoRA (``peft_config``, task ``SEQ_CLS``) the adapters and the ``sco
 
 The export is that classifier with its tokenizer: ``AutoModelForSequenceClassification.from_pretrained`` loads it,
 and GRPO takes its directory as a reward function (``reward_funcs: [<export>]``, ``lit_align.rewards.RewardModel``).
-Left out: DPO's shared-prompt and padding-free layouts (a reward needs the whole sequence of each side; a pair's two
-sides share nothing after the prompt that the classifier could reuse) and chunked log-probs (there is no LM head).
+Left out: DPO's shared-prompt and padding-free layouts (the classifier pools each row at its last token itself, which
+rows packed together would defeat) and chunked log-probs (there is no LM head).
 """
 
 from __future__ import annotations
