@@ -433,7 +433,7 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
                                torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), padding_free=True)
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "rloo", "dpo", "sft", "kto", "cpo", "orpo"])
+@pytest.mark.parametrize("recipe", ["grpo", "rloo", "dpo", "sft", "kto", "cpo", "orpo", "reward"])
 def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     """Every option named as in TRL defaults as in TRL, but the differences the README gives reasons for."""
     import dataclasses
@@ -444,12 +444,13 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     from trl.experimental.orpo import ORPOConfig
 
     from lit_align.hub import recipe_defaults
-    from lit_align.modules import CPOModule, DPOModule, KTOModule, ORPOModule, RLOOModule, SFTModule
+    from lit_align.data import RewardDataModule
+    from lit_align.modules import CPOModule, DPOModule, KTOModule, ORPOModule, RewardModule, RLOOModule, SFTModule
 
     module, config = {"grpo": (GRPOModule, trl.GRPOConfig), "rloo": (RLOOModule, trl.RLOOConfig),
                       "dpo": (DPOModule, trl.DPOConfig), "sft": (SFTModule, trl.SFTConfig),
                       "kto": (KTOModule, trl.KTOConfig), "cpo": (CPOModule, CPOConfig),
-                      "orpo": (ORPOModule, ORPOConfig)}[recipe]
+                      "orpo": (ORPOModule, ORPOConfig), "reward": (RewardModule, trl.RewardConfig)}[recipe]
     theirs = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
     ours = recipe_defaults(module)
     differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and v != theirs[k]}
@@ -457,8 +458,12 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     round_defaults = {"disable_dropout": (True, False), "steps_per_generation": (1, None)}  # None: 1 in TRL too
     listed |= {"grpo": round_defaults, "rloo": round_defaults,
                "sft": {"completion_only_loss": (True, None)},  # None: on for prompt-completion rows
-               "dpo": {}, "kto": {}, "cpo": {}, "orpo": {}}[recipe]
+               "dpo": {}, "kto": {}, "cpo": {}, "orpo": {}, "reward": {}}[recipe]
     assert differ == listed
+    if recipe == "reward":  # the reward model's data options are TRL's too
+        data = recipe_defaults(RewardDataModule)
+        assert {k: data[k] for k in ("max_length", "num_proc")} == {"max_length": theirs["max_length"],
+                                                                   "num_proc": theirs["dataset_num_proc"]}
 
 
 # -- settings flow one way, model -> data -----------------------------------------------------------------------------
