@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_align.callbacks import HFExport, SigtermCheckpoint
 from lit_align.checkpoint_io import AtomicCheckpointIO
 from lit_align.errors import LitAlignError
-from lit_align.generation_round import ROUND_SETTINGS
+from lit_align.generation_round import ROUND_SETTINGS, steps_per_generation_for
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process the signal ended: the run is not finished
 
@@ -43,18 +43,63 @@ class AlignParser(LightningArgumentParser):
         super().error(message, ex)
 
 
-def one_owner(owner: str, follower: str, name: str, default: Any = None) -> Callable[[Any, Any], Any]:
+def one_owner(owner: str, follower: str, name: str, default: Any = None) -> Callable[..., Any]:
     """A link ``<owner>.<name> -> <follower>.<name>`` for a setting two sections read but one owns. A value set under
     the follower that differs from the owner's is refused rather than silently replaced; None or ``default`` (the
-    setting's default on either side) counts as not set."""
-    def follow(owned: Any, followed: Any) -> Any:
-        owned = default if owned is None else owned
-        if followed not in (None, default) and followed != owned:
+    setting's default on either side) counts as not set. Given the follower's ``class_path`` too (a third source),
+    the default is that class's (RLOO's ``num_generations`` is 2, GRPO's 8)."""
+    def follow(owned: Any, followed: Any, class_path: str | None = None) -> Any:
+        unset = default if class_path is None else class_default(class_path, name, default)
+        owned = unset if owned is None else owned
+        if followed not in (None, unset) and followed != owned:
             raise LitAlignError(f"{follower}.{name} is set by {owner}.{name} ({owner}: owns it; {follower}: follows "
                                 f"it): set {owner}.{name} instead")
         return owned
 
     return follow
+
+
+def round_steps(follow: Callable[..., Any]) -> Callable[..., Any]:
+    """The link for ``steps_per_generation``: ``data.generation_batch_size`` (TRL's alternative, the round's
+    completions on every device), when set, is ``steps_per_generation`` times ``data.batch_size`` times the world
+    size the trainer's settings give; then the data owns it as ``follow`` says."""
+    def link(steps, followed, class_path, generation_batch_size, batch_size, devices, num_nodes, accelerator):
+        if generation_batch_size is not None and batch_size is not None:
+            world = world_size(devices, num_nodes, accelerator)
+            steps = steps_per_generation_for(generation_batch_size, batch_size, world)
+        return follow(steps, followed, class_path)
+
+    return link
+
+
+def world_size(devices: Any, num_nodes: Any, accelerator: Any) -> int:
+    """The processes ``trainer.devices`` and ``trainer.num_nodes`` start, read the way Lightning reads them:
+    a number, a list of device indices, or ``auto`` / -1 (every GPU there is, one process on CPU)."""
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        count = len([d for d in devices.split(",") if d.strip()])
+    elif str(devices).lstrip("-").isdigit() and int(devices) > 0:
+        count = int(devices)
+    else:  # auto or -1
+        import torch
+
+        on_cpu = str(accelerator).lower() == "cpu" or not torch.cuda.is_available()
+        count = 1 if on_cpu else torch.cuda.device_count()
+    return count * int(num_nodes or 1)
+
+
+def class_default(class_path: str, name: str, fallback: Any) -> Any:
+    """The ``__init__`` default of ``name`` in the class ``class_path`` (its bases' included), else ``fallback``."""
+    import importlib
+
+    from lit_align.hub import recipe_defaults
+
+    module, _, attr = class_path.rpartition(".")
+    try:
+        return recipe_defaults(getattr(importlib.import_module(module), attr)).get(name, fallback)
+    except (ImportError, AttributeError, ValueError):
+        return fallback
 
 
 class AlignCLI(LightningCLI):
@@ -79,8 +124,13 @@ class AlignCLI(LightningCLI):
         # a GRPO round's shape: set under `data:` (the batches show it), linked to the module, which owns the
         # `RoundShape` and hands it to the data; unset under `data:`: the default
         for name, default in ROUND_SETTINGS.items():
-            parser.link_arguments((f"data.init_args.{name}", f"model.init_args.{name}"), f"model.init_args.{name}",
-                                  compute_fn=one_owner("data", "model", name, default), apply_on="parse")
+            sources = (f"data.init_args.{name}", f"model.init_args.{name}", "model.class_path")
+            follow = one_owner("data", "model", name, default)
+            if name == "steps_per_generation":  # or TRL's generation_batch_size, over the world's devices
+                sources += ("data.init_args.generation_batch_size", "data.init_args.batch_size", "trainer.devices",
+                            "trainer.num_nodes", "trainer.accelerator")
+                follow = round_steps(follow)
+            parser.link_arguments(sources, f"model.init_args.{name}", compute_fn=follow, apply_on="parse")
         # owned by the model: the export carries the chat template; the loss reads assistant_only_loss (the data
         # drops the rows whose cut leaves no assistant token)
         for name, default in (("chat_template", None), ("assistant_only_loss", False)):

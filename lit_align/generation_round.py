@@ -72,6 +72,16 @@ class RoundShape:
         return round_tokens / (world_size * self.steps_per_generation)
 
 
+def steps_per_generation_for(generation_batch_size: int, batch_size: int, world_size: int) -> int:
+    """TRL's alternative to ``steps_per_generation``: the round's completions on every device, ``batch_size *
+    world_size * steps_per_generation``; it must be a positive multiple of the global batch."""
+    per_step = batch_size * world_size
+    if generation_batch_size < 1 or generation_batch_size % per_step:
+        raise LitAlignError(f"data.generation_batch_size {generation_batch_size} must be a positive multiple of the "
+                            f"global batch size (data.batch_size {batch_size} x {world_size} devices = {per_step})")
+    return generation_batch_size // per_step
+
+
 @dataclass
 class StepBatch:
     """One training step's completions, without the columns that are padding in all of them."""

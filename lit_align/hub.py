@@ -61,6 +61,7 @@ def model_card(module, datamodule, metrics: dict[str, float], title: str, comman
         meta += ["datasets:", *(f"- {s}" for s in hub_data)]
     meta.append("---")
 
+    auto = getattr(module, "export_class", "AutoModelForCausalLM")
     settings = "\n".join(f"| `{k}` | `{v}` |" for k, v in non_default_settings(module).items())
     results = "\n".join(f"| `{k}` | {v:.4g} |" for k, v in sorted(metrics.items())) or "| (none logged) | |"
     data = ", ".join(f"`{s}`" for s in sources) or "(rows given in Python)"
@@ -76,8 +77,8 @@ def model_card(module, datamodule, metrics: dict[str, float], title: str, comman
         "## Data", "", data, "",
         "## Final metrics", "", "| metric | value |", "|---|---|", results, "",
         "## Reproduce", "", how, "",
-        "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-        'model = AutoModelForCausalLM.from_pretrained("<this directory or repo>")',
+        "## Use", "", "```python", f"from transformers import {auto}, AutoTokenizer", "",
+        f'model = {auto}.from_pretrained("<this directory or repo>")',
         'tokenizer = AutoTokenizer.from_pretrained("<this directory or repo>")', "```", "",
     ])
 

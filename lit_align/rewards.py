@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from lit_align.data.rows import with_eos
 from lit_align.data.tasks import ArithmeticTask, SortTask
 from lit_align.errors import LitAlignError
 
@@ -95,8 +96,13 @@ class RewardModel:
     """A sequence classifier as a reward function (TRL's reward model given by name): the completion's reward is the
     model's single logit on ``prompt + completion``.
 
-    Text prompts are joined to their completions as they are; conversations are rendered with the reward model's own
-    chat template (its tokenizer is its own, not the policy's). Rows are scored ``batch_size`` at a time, right-padded,
+    Text prompts are joined to their completions, each completion ending with the reward model's EOS token (appended
+    unless it is there): the text a reward model trained on standard rows saw (TRL's ``RewardTrainer`` and
+    ``lit_align.modules.RewardModule`` append it), whose reward is read at that EOS. TRL's ``GRPOTrainer`` scores
+    ``prompt + completion`` without it; a reward model trained on the built-in sort task ranks 200 held-out pairs
+    79% right with the EOS and 56% without it (README, "Reward modelling"). Conversations are rendered with the
+    reward model's own chat template, which closes the assistant turn itself (its tokenizer is its own, not the
+    policy's). Rows are scored ``batch_size`` at a time, right-padded,
     without added special tokens (the text is what the policy saw), on the policy's device. ``load`` runs in the
     module's ``configure_model`` with the policy's ``dtype``, ``trust_remote_code`` and ``model_init_kwargs``; the
     model is not a submodule of the LightningModule: never trained, not in checkpoints.
@@ -146,7 +152,9 @@ class RewardModel:
 
     def texts(self, prompts: list, completions: list) -> list[str]:
         if not isinstance(prompts[0], list):
-            return [p + c for p, c in zip(prompts, completions)]
+            if self.tokenizer.eos_token is None:
+                return [p + c for p, c in zip(prompts, completions)]
+            return [p + with_eos(self.tokenizer, c) for p, c in zip(prompts, completions)]
         if not self.tokenizer.chat_template:
             raise LitAlignError(f"reward model {self.model_name!r}: conversational prompts need a chat template, "
                                 "and its tokenizer has none")

@@ -363,6 +363,57 @@ def _no_cpu_offload():
         lightning_fsdp._get_full_state_dict_context = real
 
 
+def trl_pair_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A lit_align ``[chosen; rejected]`` batch in the format TRL's experimental CPO and ORPO trainers read
+    (``chosen_input_ids``, ``chosen_attention_mask``, ``chosen_labels``: -100 outside the completion, rejected
+    alike), so both sides run the same tokens."""
+    pairs = len(batch["input_ids"]) // 2
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    out = {}
+    for side, rows in (("chosen", slice(0, pairs)), ("rejected", slice(pairs, None))):
+        out[f"{side}_input_ids"] = batch["input_ids"][rows]
+        out[f"{side}_attention_mask"] = batch["attention_mask"][rows]
+        out[f"{side}_labels"] = labels[rows]
+    return out
+
+
+def pair_metrics(module, batch) -> dict[str, float]:
+    """The batch's metrics as ``training_step`` logs them (pair means)."""
+    out, weights = module.pair_outputs(batch)
+    out = {name: value.detach() for name, value in out.items()}
+    return {name: float(out[name].mean() if name not in weights else
+                        (out[name] * weights[name]).sum() / weights[name].sum()) for name in module.metrics}
+
+
+def pair_metric_scales(ours: dict[str, float], beta: float) -> dict[str, float]:
+    """The magnitude of what enters each metric of a reference-free pair recipe (``tests/numerics.py`` rule 3)."""
+    s = max(abs(ours["logps/chosen"]), abs(ours["logps/rejected"]))
+    return {"loss": beta * s + abs(ours["loss"]) + abs(ours["nll_loss"]), "rewards/accuracies": 1.0,
+            "logps/chosen": s, "logps/rejected": s, "nll_loss": max(abs(ours["nll_loss"]), 1.0),
+            **{name: beta * s for name in ("rewards/chosen", "rewards/rejected", "rewards/margins")}}
+
+
+class LoggedSteps(L.Callback):
+    """What training logged after each batch: ``steps[i]`` is ``trainer.callback_metrics`` after batch ``i``."""
+
+    def __init__(self):
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module, positions: int) -> None:
+    """Every parameter's gradient in ``model`` equals ``reference``'s up to fp32 rounding of what each weight's
+    gradient sums (``positions`` positions' products over the tiny model's longest reduction), and is not zero."""
+    from numerics import TINY_TERMS, assert_rounding_close
+
+    theirs = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert theirs[name].grad.abs().max() > 0, name
+        assert_rounding_close(param.grad, theirs[name].grad, terms=positions * TINY_TERMS, msg=f"{name} gradient")
+
+
 class ScriptedEngine:
     """An ``Engine`` whose every ``generate`` call "samples" the next texts of ``script`` (one per row it is given),
     with log-prob ``-(position + 1) / 100`` at each token; it records the prompts (unpadded) it was called with. Once

@@ -92,6 +92,42 @@ def test_dpo_yaml_trains_and_exports(tmp_path, capfd, tiny_path):
     assert yaml.safe_load((hf / "lit_align_config.yaml").read_text()) == saved  # the run's resolved config
 
 
+# Each recipe's TRL-named metrics, as the shipped config logs them (KTO's ``*/rejected`` need undesirable rows: the
+# built-in task's, shuffled in)
+RECIPE_METRICS = {
+    "kto": ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
+            "logits/chosen", "logits/rejected", "entropy", "num_tokens"),
+    "cpo": ("loss", "nll_loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+            "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "num_tokens"),
+    "orpo": ("loss", "nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/rejected",
+             "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected", "num_tokens"),
+}
+
+
+@pytest.mark.slow  # ~10 s each; the modules' own tests train them in-process in the default suite
+@pytest.mark.parametrize("recipe", RECIPE_METRICS)
+def test_kto_cpo_orpo_yamls_train_and_export(recipe, tmp_path, capfd, tiny_path):
+    code, _, err = run_main([
+        "fit", "-c", str(REPO / "configs" / f"{recipe}.yaml"), "--trainer.max_steps", "4",
+        "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "1",
+        "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+    ], capfd)
+    assert code == 0, err
+    run = tmp_path / recipe / "version_0"
+    metrics = read_metrics(run)
+    logged = {name for row in metrics for name in row}
+    assert {f"train/{name}" for name in RECIPE_METRICS[recipe]} <= logged
+    assert "val/loss" in logged
+    if recipe == "kto":  # the reference is the policy at step 0: every row's loss is 1 - sigmoid(0)
+        assert metric_at(metrics, "train/loss", 0) == 0.5
+        assert metric_at(metrics, "train/rewards/margins", 3) > 0
+    else:
+        assert metric_at(metrics, "train/loss", 3) < metric_at(metrics, "train/loss", 0)
+    exported = AutoModelForCausalLM.from_pretrained(run / "hf_model").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
+    assert all(not torch.equal(exported[k], start[k]) for k in start), "some exported weights equal the starting ones"
+
+
 def test_export_path_override(tmp_path, capfd):
     target = tmp_path / "out" / "model"
     code, _, err = run_main([
@@ -400,3 +436,25 @@ def test_a_round_setting_is_owned_by_the_data_and_a_different_model_value_is_ref
     assert assert_one_line_error(code, err) == (
         "error: model.steps_per_generation is set by data.steps_per_generation (data: owns it; model: follows it): "
         "set data.steps_per_generation instead")
+
+
+def test_generation_batch_size_sets_the_rounds_steps_over_the_trainers_devices(tmp_path, capfd):
+    """TRL's ``generation_batch_size``: ``batch_size * devices * steps_per_generation`` (grpo.yaml: 64 per device);
+    the module's round follows it, and setting both is TRL's error."""
+    grpo = ["--model.init_args.model", "builtin:tiny", "--data.init_args.steps_per_generation", "null"]
+    cli = parse(*grpo, "--data.init_args.generation_batch_size", "512", config="grpo.yaml")
+    assert cli.model.round_shape.steps_per_generation == 8  # 512 / (64 x 1 device)
+    cli = parse(*grpo, "--data.init_args.generation_batch_size", "512", "--trainer.devices", "2",
+                "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", config="grpo.yaml")
+    assert cli.model.round_shape.steps_per_generation == 4  # 512 / (64 x 2 devices)
+    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model",
+                             "builtin:tiny", "--data.init_args.generation_batch_size", "100",
+                             "--data.init_args.steps_per_generation", "null", "--trainer.default_root_dir",
+                             str(tmp_path)], capfd)
+    assert assert_one_line_error(code, err) == ("error: data.generation_batch_size 100 must be a positive multiple of "
+                                                "the global batch size (data.batch_size 64 x 1 devices = 64)")
+    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model",
+                             "builtin:tiny", "--data.init_args.generation_batch_size", "128",
+                             "--trainer.default_root_dir", str(tmp_path)], capfd)
+    assert assert_one_line_error(code, err).startswith(
+        "error: data.generation_batch_size and data.steps_per_generation cannot both be set")

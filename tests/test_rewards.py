@@ -312,8 +312,11 @@ def test_a_reward_model_scores_prompt_and_completion_at_the_last_real_token(rewa
     prompts = ["sort 31:", "sort 502:", "sort 7:", "sort 9910:", "sort 4:"]
     completions = ["13", "025", "7 and more text", "0199", ""]
     scores = fn(prompts=prompts, completions=completions, completion_ids=[[]] * 5)
-    expected = [logit_alone(reward_model_dir, p + c) for p, c in zip(prompts, completions)]
+    # each completion ends with the EOS, as a reward model trained on standard rows saw it (TRL's RewardTrainer)
+    expected = [logit_alone(reward_model_dir, p + c + "</s>") for p, c in zip(prompts, completions)]
     assert scores == pytest.approx(expected, abs=1e-5) and len(set(scores)) == 5
+    assert fn(prompts=prompts[:1], completions=["13</s>"]) == pytest.approx(expected[:1], abs=1e-5)  # not twice
+    assert expected[0] != pytest.approx(logit_alone(reward_model_dir, "sort 31:13"), abs=1e-5)
 
     conversation = [[{"role": "user", "content": "sort 31"}]]
     answer = [[{"role": "assistant", "content": "13"}]]

@@ -1,10 +1,12 @@
-"""Preference pairs: tokenization and the [chosen; rejected] batch the DPO step consumes.
+"""Preference pairs: tokenization and the [chosen; rejected] batch the DPO step (``PreferenceDataModule``) and the
+reward model's step (``RewardDataModule``) consume.
 
 The row formats (standard, conversational, implicit prompt) and their checks are in ``lit_align.data.rows``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -104,13 +106,21 @@ class PreferenceDataModule(AlignDataModule):
                 )
             return {**out, "row": index}  # the dataset index travels with the row (numeric guard messages)
 
-        keep = [c for c in rows.column_names if c.startswith("ref_") and c.endswith("_logps")]
         tokenized = rows.map(
-            tokenize, with_indices=True, remove_columns=[c for c in rows.column_names if c not in keep],
+            tokenize, with_indices=True, remove_columns=[c for c in rows.column_names if not self.keeps(c)],
             num_proc=self.num_proc, desc=f"Tokenizing {source}",
         )
         if max_length is None:
             return tokenized.with_format(None)
+        return self.fit_max_length(tokenized, source)
+
+    def keeps(self, column: str) -> bool:
+        """Which of the source's columns travel with the tokenized rows: precomputed reference log-probs."""
+        return column.startswith("ref_") and column.endswith("_logps")
+
+    def fit_max_length(self, tokenized, source: str):
+        """Rows whose prompt alone fills ``max_length`` dropped (``drop_long_prompts``); the rest cut at collate."""
+        max_length = self.max_length
         before = len(tokenized)
         tokenized = tokenized.filter(lambda r: len(r["prompt_ids"]) < max_length)
         lengths = [
@@ -131,3 +141,53 @@ class PreferenceDataModule(AlignDataModule):
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return collate_pairs(rows, self.tokenizer.pad_token_id, self.max_length)
+
+
+class RewardDataModule(PreferenceDataModule):
+    """Preference pairs for a reward model (TRL's ``RewardTrainer`` data): the same row formats, tokens and
+    ``[chosen; rejected]`` batches as DPO's, plus an optional ``margin`` column, a number per row that the loss
+    asks the reward gap to exceed (``lit_align.losses.reward``).
+
+    A reward is read at a sequence's last token, so no row is cut: as TRL does, a pair with either side longer than
+    ``max_length`` tokens (prompt + completion) is dropped, and the number dropped is reported.
+
+    Args:
+        max_length: the longest side (prompt + completion) a pair may have, in tokens (None: any).
+        num_proc: processes for tokenization (``datasets.map``).
+    """
+
+    def __init__(self, *args, max_length: int | None = 1024, num_proc: int | None = None, **kwargs):
+        super().__init__(*args, max_length=max_length, drop_long_prompts=True, num_proc=num_proc, **kwargs)
+
+    def keeps(self, column: str) -> bool:
+        return column == "margin"
+
+    def process(self, rows, source: str):
+        if "margin" in rows.column_names:
+            for index, margin in enumerate(rows["margin"]):
+                if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+                    raise LitAlignError(f"{source} row {index}: field 'margin' must be a finite number, got "
+                                        f"{margin!r}")
+        return super().process(rows, source)
+
+    def fit_max_length(self, tokenized, source: str):
+        """Pairs with a side longer than ``max_length`` dropped (TRL's filter), counted."""
+        max_length, before = self.max_length, len(tokenized)
+        tokenized = tokenized.filter(
+            lambda r: len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) <= max_length)
+        dropped = before - len(tokenized)
+        if dropped:
+            rank_zero_info(f"lit_align: {source}: {dropped} of {before} pairs dropped (a side longer than "
+                           f"max_length={max_length} tokens)")
+        if len(tokenized) == 0:
+            raise LitAlignError(f"{source}: every pair has a side longer than data.max_length={max_length} tokens "
+                                "(raise data.max_length, or set it to null)")
+        self.truncation_report = {"truncated": 0, "dropped": dropped}
+        return tokenized
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """``collate_pairs``' batch, uncut, plus ``margin`` ``[B]`` where the rows have one."""
+        batch = collate_pairs(rows, self.tokenizer.pad_token_id, None)
+        if "margin" in rows[0]:
+            batch["margin"] = torch.tensor([row["margin"] for row in rows], dtype=torch.float32)
+        return batch

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from lit_align.data.base import AlignDataModule, ResumableLoader, SkippingSampler
 from lit_align.data.rows import check_max_length, check_prompt, encode_prompt, keep_end, naming_row, template_kwargs
 from lit_align.errors import LitAlignError
-from lit_align.generation_round import ROUND_SETTINGS, RoundShape
+from lit_align.generation_round import ROUND_SETTINGS, RoundShape, steps_per_generation_for
 
 
 class RoundSampler(SkippingSampler):
@@ -92,21 +92,33 @@ class PromptDataModule(AlignDataModule):
             optimizer steps; default 1).
         num_iterations: passes over each round's completions (TRL's mu; default 1); the round serves
             ``steps_per_generation * num_iterations`` steps.
+        generation_batch_size: TRL's alternative to ``steps_per_generation`` (set one of them): the completions of
+            one round on every device, ``batch_size * devices * steps_per_generation``. ``lit-align`` derives the
+            module's ``steps_per_generation`` from it (with ``trainer.devices * trainer.num_nodes``); it is checked
+            against the round's shape once the world size is known.
     """
 
     kind = "prompt"
 
     def __init__(self, *args, max_length: int | None = 512, num_generations: int | None = None,
-                 steps_per_generation: int | None = None, num_iterations: int | None = None, **kwargs):
+                 steps_per_generation: int | None = None, num_iterations: int | None = None,
+                 generation_batch_size: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_length = check_max_length(max_length)
+        if generation_batch_size is not None and steps_per_generation is not None:
+            raise LitAlignError("data.generation_batch_size and data.steps_per_generation cannot both be set (TRL's "
+                                "rule: one derives the other); set one of them")
+        self.generation_batch_size = generation_batch_size
         given = dict(zip(ROUND_SETTINGS, (num_generations, steps_per_generation, num_iterations)))
         self.round_settings = {name: value for name, value in given.items() if value is not None}
         self.round_shape: RoundShape | None = None
         self.prompts_per_round: int | None = None
         self.tools: list[dict] | None = None  # the module's tool schemas, rendered into every prompt
-        if self.round_settings:  # checked now, as every data setting (the module's defaults fill the others)
-            self._use_round(RoundShape(**self.round_settings))
+        if self.round_settings and generation_batch_size is None:  # checked now, as every data setting (the
+            self._use_round(RoundShape(**self.round_settings))      # module's defaults fill the others)
+        elif generation_batch_size is not None and generation_batch_size % (num_generations or 1):
+            raise LitAlignError(f"data.generation_batch_size {generation_batch_size} must be a multiple of "
+                                f"data.num_generations {num_generations} (whole groups)")
 
     def connect(self, tokenizer: str | None = None, round_shape: RoundShape | None = None,
                 tools: list[dict] | None = None) -> None:
@@ -131,7 +143,8 @@ class PromptDataModule(AlignDataModule):
 
     def settings(self) -> dict[str, Any]:
         """The resume check's settings, without the round's: the module owns it and checks it (``model.*``)."""
-        return {name: value for name, value in super().settings().items() if name not in ROUND_SETTINGS}
+        round_settings = {*ROUND_SETTINGS, "generation_batch_size"}
+        return {name: value for name, value in super().settings().items() if name not in round_settings}
 
     def process(self, rows, source: str):
         if "prompt" not in rows.column_names:
@@ -177,6 +190,13 @@ class PromptDataModule(AlignDataModule):
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         if self.round_shape is None:
             self._use_round(RoundShape())  # on its own (no module handed one over): the defaults
+        if self.generation_batch_size is not None:
+            steps = steps_per_generation_for(self.generation_batch_size, self.batch_size, world)
+            if steps != self.round_shape.steps_per_generation:
+                raise LitAlignError(
+                    f"data.generation_batch_size {self.generation_batch_size} is {steps} steps per generation on "
+                    f"{world} devices of data.batch_size {self.batch_size}, but the round has "
+                    f"{self.round_shape.steps_per_generation} (model.steps_per_generation): set one of them")
         sampler = RoundSampler(self.train_data, self.prompts_per_round, self.round_shape.steps, num_replicas=world,
                                rank=rank, shuffle=self.shuffle, seed=self.seed)
         if sampler.num_rounds == 0:

@@ -23,14 +23,15 @@ from lit_align.generation.llama_decode import LlamaDecodeStep
 from lit_align.logps import attention_mask_4d
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set to ``-inf`` the logits of the tokens top-k / top-p sampling may not emit: ``[..., V] -> [..., V]``.
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float | None = None) -> torch.Tensor:
+    """Set to ``-inf`` the logits of the tokens top-k / top-p / min-p sampling may not emit: ``[..., V] -> [..., V]``.
 
     Pure (the input is left untouched). ``logits`` are already divided by the temperature. Top-k first, then top-p on
-    the softmax of what top-k kept, as transformers' logits warpers do: top-k keeps every token whose logit reaches the
-    k-th largest (ties kept); top-p keeps, in order of decreasing probability, the tokens needed to reach mass
-    ``top_p`` (a token is dropped once the tokens before it already hold ``top_p``; the most likely is always kept).
-    ``top_k=0`` and ``top_p=1.0`` are off.
+    the softmax of what top-k kept, then min-p, as transformers' logits warpers do: top-k keeps every token whose logit
+    reaches the k-th largest (ties kept); top-p keeps, in order of decreasing probability, the tokens needed to reach
+    mass ``top_p`` (a token is dropped once the tokens before it already hold ``top_p``; the most likely is always
+    kept); min-p keeps the tokens at least ``min_p`` times as likely as the most likely one. ``top_k=0``,
+    ``top_p=1.0`` and ``min_p=None`` (or 0) are off.
     """
     if top_k and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -43,22 +44,38 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
         drop_sorted[..., 0] = False
         drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     return logits
 
 
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' ``RepetitionPenaltyLogitsProcessor``: the logits of the tokens ``seen`` (``[N, V]`` bool: in
+    the prompt or generated so far) divided by ``penalty`` where positive, multiplied where negative. Pure;
+    ``penalty`` 1.0 is off. It commutes with dividing by a temperature, so it may come before or after."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                noise: torch.Tensor | None = None, min_p: float | None = None, repetition_penalty: float = 1.0,
+                seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One token per row from ``logits [N, V]``: ``(tokens [N], logps [N] or None)``.
 
-    Temperature 0 is greedy (argmax, no log-probs). Otherwise the token is drawn from the temperature-scaled,
-    top-k/top-p filtered distribution (``inverse_cdf``), and its log-prob is taken under the temperature-scaled,
-    *unfiltered* distribution (HFEngine's and the training forward's definition). ``noise`` is the draw's uniform
-    per row (``[N]`` in ``[0, 1)``); by default ``torch.rand`` (float64).
+    Temperature 0 is greedy (argmax of the repetition-penalized logits, no log-probs). Otherwise the token is drawn
+    from the temperature-scaled, repetition-penalized (``penalize_repetition`` over the ``seen`` tokens),
+    top-k/top-p/min-p filtered distribution (``inverse_cdf``), and its log-prob is taken under the
+    temperature-scaled distribution, *neither penalized nor filtered* (HFEngine's and the training forward's
+    definition). ``noise`` is the draw's uniform per row (``[N]`` in ``[0, 1)``); by default ``torch.rand``
+    (float64).
     """
     if temperature == 0:
-        return logits.argmax(-1), None
+        return penalize_repetition(logits, seen, repetition_penalty).argmax(-1), None
     scaled = logits.float() if temperature == 1 else logits.float() / temperature
-    kept = filter_logits(scaled, top_k, top_p)
+    kept = filter_logits(penalize_repetition(scaled, seen, repetition_penalty), top_k, top_p, min_p)
     probs = kept.softmax(-1)
     uniform = torch.rand(len(probs), dtype=torch.float64, device=probs.device) if noise is None else noise
     tokens = inverse_cdf(probs, uniform)[:, None]
@@ -255,9 +272,15 @@ class NativeEngine:
     """
 
     def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 return_logps: bool = True, fast_decode: bool = True, eos_check_every: int = 8,
+                 return_logps: bool = True, min_p: float | None = None, repetition_penalty: float = 1.0,
+                 generation_kwargs: dict | None = None, fast_decode: bool = True, eos_check_every: int = 8,
                  drop_finished: float = 0.25, sync: Callable[[bool], bool] | None = None):
-        self.config = SamplingConfig(max_new_tokens, temperature, top_p, top_k, return_logps)
+        self.config = SamplingConfig(max_new_tokens, temperature, top_p, top_k, return_logps, min_p,
+                                     repetition_penalty, generation_kwargs)
+        if generation_kwargs:
+            raise LitAlignError(f"model.generation_kwargs {sorted(generation_kwargs)}: engine 'native' takes none "
+                                "(they are transformers' generate or vLLM's SamplingParams keywords); use engine 'hf' "
+                                "or 'vllm', or lit_align's own temperature, top_p, top_k, min_p, repetition_penalty")
         if eos_check_every < 1:
             raise LitAlignError(f"engine: need eos_check_every >= 1; got {eos_check_every}")
         self.fast_decode, self.eos_check_every, self.drop_finished = fast_decode, eos_check_every, drop_finished
@@ -294,12 +317,21 @@ class NativeEngine:
         want_logps = config.return_logps and not config.greedy
         logps = torch.zeros(rows, steps, dtype=torch.float32, device=device) if want_logps else None
         eos = torch.tensor(eos_token_ids, device=device)[:, None]
+        seen = None  # the tokens the repetition penalty applies to: each row's prompt and what it generated
+        if config.repetition_penalty != 1.0:
+            seen = torch.zeros(rows, logits.shape[-1], dtype=torch.bool, device=device)
+            real = torch.where(prompt_mask, prompt_ids, prompt_ids[:, -1:])  # left-padded: the last one is real
+            seen.scatter_(1, real.repeat_interleave(num_samples, 0), True)
         sync = self.sync if self.sync is not None else _all_reduce_sync(model, device)
         self.last_stats = stats = DecodeStats(fast=batch.fast is not None, shared_prefix=prefix)
         for t in range(steps):
             stats.rows.append(len(logits))
-            tokens, token_logps = sample_next(logits, config.temperature, config.top_k, config.top_p)
+            tokens, token_logps = sample_next(logits, config.temperature, config.top_k, config.top_p,
+                                              min_p=config.min_p, repetition_penalty=config.repetition_penalty,
+                                              seen=seen)
             tokens = tokens.masked_fill_(batch.finished, pad_token_id)
+            if seen is not None:
+                seen[torch.arange(len(tokens), device=device), tokens] = True
             ids[batch.live, t] = tokens
             if want_logps:
                 logps[batch.live, t] = token_logps.masked_fill_(batch.finished, 0.0)
@@ -317,5 +349,6 @@ class NativeEngine:
                     keep = (~batch.finished).nonzero().squeeze(1)
                     batch.keep(keep)
                     tokens = tokens[keep]
+                    seen = None if seen is None else seen[keep]
             logits = batch.logits(tokens, t)
         return ids, logps

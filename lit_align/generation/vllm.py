@@ -20,6 +20,7 @@ DeepSpeed ZeRO-3), whose weights would have to be gathered a layer at a time for
 from __future__ import annotations
 
 import os
+import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
@@ -54,6 +55,9 @@ class VLLMOptions:
             ``token_mask``.
         importance_sampling_clip_min: lower bound of the ratio (None: none).
         importance_sampling_clip_max: upper bound of the ratio (TRL's cap; None: none).
+        structured_outputs_regex: constrain every completion to this regular expression (vLLM's structured outputs,
+            ``StructuredOutputsParams(regex=...)``; None: free text). It takes precedence over a
+            ``structured_outputs`` in ``generation_kwargs``, as in TRL.
     """
 
     mode: str = "colocate"
@@ -65,6 +69,7 @@ class VLLMOptions:
     importance_sampling_mode: str = "sequence_mask"
     importance_sampling_clip_min: float | None = None
     importance_sampling_clip_max: float | None = 3.0
+    structured_outputs_regex: str | None = None
 
     def __post_init__(self):
         if self.mode != "colocate":
@@ -78,6 +83,12 @@ class VLLMOptions:
         if self.importance_sampling_correction and self.importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
             raise LitAlignError(f"model.vllm_importance_sampling_mode {self.importance_sampling_mode!r}: expected one "
                                 f"of {IMPORTANCE_SAMPLING_MODES}")
+        if self.structured_outputs_regex is not None:
+            try:
+                re.compile(self.structured_outputs_regex)
+            except re.error as exc:
+                raise LitAlignError(f"model.vllm_structured_outputs_regex {self.structured_outputs_regex!r}: not a "
+                                    f"regular expression ({exc})") from None
 
     @classmethod
     def from_flat(cls, settings: Mapping[str, Any]) -> VLLMOptions:
@@ -86,19 +97,44 @@ class VLLMOptions:
         return cls(**{names[key]: value for key, value in settings.items() if key in names})
 
     def engine_settings(self) -> dict[str, Any]:
-        """``VLLMEngine``'s keywords: what the engine is built with."""
+        """``VLLMEngine``'s keywords: what the engine is built with, and the structured outputs it samples."""
         return dict(gpu_memory_utilization=self.gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
-                    max_model_length=self.max_model_length, enable_sleep_mode=self.enable_sleep_mode)
+                    max_model_length=self.max_model_length, enable_sleep_mode=self.enable_sleep_mode,
+                    structured_outputs_regex=self.structured_outputs_regex)
 
-    def importance_sampling(self, top_k: int, top_p: float) -> tuple[str, float | None, float | None] | None:
+    def importance_sampling(self, sampling: SamplingConfig) -> tuple[str, float | None, float | None] | None:
         """``(mode, clip_min, clip_max)`` when the loss corrects for vLLM's sampling, else None; the correction needs
-        vLLM's log-probs of the distribution sampled from, which top-k / top-p change."""
+        vLLM's log-probs of the temperature-scaled distribution, which top-k / top-p / min-p, a repetition penalty
+        and other ``generation_kwargs`` change (``returns_logps``)."""
         if not self.importance_sampling_correction:
             return None
-        if top_k != 0 or top_p != 1.0:
+        if not returns_logps(sampling):
             raise LitAlignError("model.vllm_importance_sampling_correction needs vLLM's sampling log-probs, which "
-                                "top_k / top_p change: set top_k 0 and top_p 1.0, or the correction false")
+                                "top_k / top_p / min_p / repetition_penalty / generation_kwargs change: set top_k 0, "
+                                "top_p 1.0 and leave the others off, or the correction false")
         return self.importance_sampling_mode, self.importance_sampling_clip_min, self.importance_sampling_clip_max
+
+
+def returns_logps(c: SamplingConfig) -> bool:
+    """Whether vLLM's processed log-probs are the trainer's (temperature-scaled, otherwise untouched) for ``c``."""
+    return (c.return_logps and not c.greedy and c.top_k == 0 and c.top_p == 1.0 and not c.min_p
+            and c.repetition_penalty == 1.0 and not c.generation_kwargs)
+
+
+def sampling_params(c: SamplingConfig, num_samples: int, stop: list[int], seed: int | None,
+                    structured_outputs_regex: str | None = None) -> dict[str, Any]:
+    """The keywords of one prompt's ``vllm.SamplingParams``: lit_align's settings, then ``generation_kwargs`` over
+    them (TRL's order), then the structured-outputs regex (``StructuredOutputsParams``' keywords, taking precedence
+    over a ``structured_outputs`` among ``generation_kwargs``, as TRL)."""
+    params = dict(n=num_samples, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+                  min_p=0.0 if c.min_p is None else c.min_p, repetition_penalty=c.repetition_penalty,
+                  max_tokens=c.max_new_tokens, logprobs=0 if returns_logps(c) else None, stop_token_ids=stop,
+                  ignore_eos=True,  # stop at eos_token_ids only, not also at the model config's
+                  detokenize=False, seed=seed)
+    params.update(c.generation_kwargs or {})
+    if structured_outputs_regex is not None:
+        params["structured_outputs"] = {"regex": structured_outputs_regex}
+    return params
 
 
 def import_vllm():
@@ -223,29 +259,34 @@ def colocated_engine(settings: EngineSettings) -> ColocatedEngine:
 class VLLMEngine:
     """Sample with a vLLM engine colocated in this process.
 
-    Args: ``SamplingConfig``'s; ``gpu_memory_utilization``, ``tensor_parallel_size``, ``max_model_length`` and
-        ``enable_sleep_mode`` as in ``VLLMOptions`` (which checks them); and
+    Args: ``SamplingConfig``'s (``generation_kwargs``: more ``SamplingParams`` keywords, overriding lit_align's);
+        ``gpu_memory_utilization``, ``tensor_parallel_size``, ``max_model_length``, ``enable_sleep_mode`` and
+        ``structured_outputs_regex`` as in ``VLLMOptions`` (which checks them); and
         weights_version: returns the policy's version (the optimizer step); the weights are pushed when it differs
             from the last push's. None: before every ``generate``.
     """
 
     def __init__(self, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 return_logps: bool = True, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
-                 max_model_length: int | None = None, enable_sleep_mode: bool = False,
-                 weights_version: Callable[[], int] | None = None):
-        self.config = SamplingConfig(max_new_tokens, temperature, top_p, top_k, return_logps)
-        self.engine_options = VLLMOptions(gpu_memory_utilization=gpu_memory_utilization,
-                                          tensor_parallel_size=tensor_parallel_size, max_model_length=max_model_length,
-                                          enable_sleep_mode=enable_sleep_mode).engine_settings()
+                 return_logps: bool = True, min_p: float | None = None, repetition_penalty: float = 1.0,
+                 generation_kwargs: dict | None = None, gpu_memory_utilization: float = 0.3,
+                 tensor_parallel_size: int = 1, max_model_length: int | None = None, enable_sleep_mode: bool = False,
+                 structured_outputs_regex: str | None = None, weights_version: Callable[[], int] | None = None):
+        self.config = SamplingConfig(max_new_tokens, temperature, top_p, top_k, return_logps, min_p,
+                                     repetition_penalty, generation_kwargs)
+        options = VLLMOptions(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                              max_model_length=max_model_length, enable_sleep_mode=enable_sleep_mode,
+                              structured_outputs_regex=structured_outputs_regex).engine_settings()
+        self.structured_outputs_regex = options.pop("structured_outputs_regex")
+        self.engine_options = options
         import_vllm()  # fail now, not at the first generation
         self.weights_version = weights_version
         self.engine: ColocatedEngine | None = None
 
     @property
     def returns_logps(self) -> bool:
-        """Whether rollouts carry log-probs: vLLM's are the trainer's only without top-k/top-p."""
-        c = self.config
-        return c.return_logps and not c.greedy and c.top_k == 0 and c.top_p == 1.0
+        """Whether rollouts carry log-probs: vLLM's are the trainer's only without top-k/top-p/min-p, repetition
+        penalty or other ``generation_kwargs`` (processed log-probs are of the distribution sampled from)."""
+        return returns_logps(self.config)
 
     def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
                  eos_token_ids: list[int], pad_token_id: int) -> Rollout:
@@ -268,12 +309,15 @@ class VLLMEngine:
         # one seed per prompt from torch's RNG (vLLM gives sample j of a prompt seed + j): the module's round RNG
         # then decides the completions, as for the other engines
         seed = None if config.greedy else int(torch.randint(0, 2**31, ()))
-        params = [SamplingParams(n=num_samples, temperature=config.temperature, top_p=config.top_p,
-                                 top_k=config.top_k, max_tokens=config.max_new_tokens,
-                                 logprobs=0 if logps_wanted else None, stop_token_ids=stop,
-                                 ignore_eos=True,  # stop at eos_token_ids only, not also at the model config's
-                                 detokenize=False, seed=None if seed is None else seed + i * num_samples)
-                  for i in range(len(prompts))]
+        params = []
+        for i in range(len(prompts)):
+            kwargs = sampling_params(config, num_samples, stop, None if seed is None else seed + i * num_samples,
+                                     self.structured_outputs_regex)
+            if isinstance(kwargs.get("structured_outputs"), dict):
+                from vllm.sampling_params import StructuredOutputsParams
+
+                kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+            params.append(SamplingParams(**kwargs))
         samples = [sample for out in self.engine.generate(prompts, params) for sample in out.outputs]
 
         width = max(len(s.token_ids) for s in samples)

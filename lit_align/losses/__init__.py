@@ -4,7 +4,10 @@
 ``lit_align.losses.grpo``: group advantages (and GDPO's), TRL's eight GRPO loss types, their masks and reductions.
 ``lit_align.losses.grpo_loss``: the GRPO loss settings (``GRPOLoss``, checked once) and the entropy coefficient's
 controller (``EntropyControl``).
-Token log-probs, which both take as input, come from ``lit_align.logps``.
+``lit_align.losses.kto``: TRL's KTO losses (``kto_loss``, ``KTOLoss``) and the KL estimate.
+``lit_align.losses.preference_free``: CPO, SimPO and AlphaPO (``cpo_loss``, ``CPOLoss``) and ORPO (``odds_ratio_loss``).
+``lit_align.losses.reward``: the reward model's Bradley-Terry loss (``reward_loss``) and TRL's statistics of it.
+Token log-probs, which all but the reward model's take as input, come from ``lit_align.logps``.
 """
 
 from lit_align.losses.dpo import DPO_LOSS_TYPES, DPOLoss, dpo_loss, sequence_logps, sft_nll, wpo_weights
@@ -21,10 +24,14 @@ from lit_align.losses.grpo import (
     vespo_gamma_weights,
 )
 from lit_align.losses.grpo_loss import EntropyControl, GRPOLoss
+from lit_align.losses.kto import KTO_LOSS_TYPES, KTOLoss, kl_estimate, kto_loss
+from lit_align.losses.preference_free import CPO_LOSS_TYPES, CPOLoss, cpo_loss, odds_ratio_loss
+from lit_align.losses.reward import reward_loss, reward_metrics
 
 __all__ = [
-    "DPO_LOSS_TYPES", "DPOLoss", "EntropyControl", "GRPOLoss", "GRPO_LOSS_TYPES", "SCALE_REWARDS",
-    "aggregate_grpo_loss", "decoupled_advantages", "dpo_loss", "group_advantages", "grpo_token_losses",
-    "high_entropy_mask", "nanstd", "off_policy_mask", "sequence_logps", "sft_nll", "vespo_gamma_weights",
-    "wpo_weights",
+    "CPO_LOSS_TYPES", "CPOLoss", "DPO_LOSS_TYPES", "DPOLoss", "EntropyControl", "GRPOLoss", "GRPO_LOSS_TYPES",
+    "KTO_LOSS_TYPES", "KTOLoss", "SCALE_REWARDS", "aggregate_grpo_loss", "cpo_loss", "decoupled_advantages",
+    "dpo_loss", "group_advantages", "grpo_token_losses", "high_entropy_mask", "kl_estimate", "kto_loss", "nanstd",
+    "odds_ratio_loss", "off_policy_mask", "reward_loss", "reward_metrics", "sequence_logps", "sft_nll",
+    "vespo_gamma_weights", "wpo_weights",
 ]

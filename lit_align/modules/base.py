@@ -29,7 +29,7 @@ from lit_align.reference import Reference
 # Model settings a resume may change: how the same numbers are computed or exported, not which numbers.
 RESUME_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "on_nonfinite_loss", "export_merged", "engine",
                      "precompute_ref_batch_size", "vllm_gpu_memory_utilization", "vllm_max_model_length",
-                     "vllm_enable_sleep_mode")
+                     "vllm_enable_sleep_mode", "num_generations_eval")
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -75,8 +75,8 @@ class AlignModule(L.LightningModule):
             every rank skips the same batches (the check is all-reduced).
         peft_config: train LoRA adapters instead of the whole policy: ``peft.LoraConfig`` keyword arguments, e.g.
             ``{r: 16, lora_alpha: 32, target_modules: all-linear}`` (TRL's ``peft_config``; ``task_type`` defaults
-            to ``CAUSAL_LM``). The base weights stay frozen and the reference, where a recipe needs one, is the
-            policy with its adapters disabled. None: full fine-tuning.
+            to ``CAUSAL_LM``, a reward model's to ``SEQ_CLS``). The base weights stay frozen and the reference,
+            where a recipe needs one, is the policy with its adapters disabled. None: full fine-tuning.
         export_merged: with ``peft_config``, what the HF export writes: false (TRL's ``save_model``) the adapter
             only (``adapter_config.json`` + ``adapter_model.safetensors`` + tokenizer; load it with
             ``peft.AutoPeftModelForCausalLM``); true the merged full model (loads with ``AutoModelForCausalLM``, no
@@ -88,6 +88,9 @@ class AlignModule(L.LightningModule):
             arguments, e.g. ``{load_in_4bit: true}`` with ``peft_config`` for QLoRA; bitsandbytes needs a GPU),
             ``gguf_file`` (a ``.gguf`` file inside the directory ``model``).
     """
+
+    peft_task_type = "CAUSAL_LM"  # the LoRA task of the network a recipe trains (a reward model's: SEQ_CLS)
+    export_class = "AutoModelForCausalLM"  # what loads the export (its model card says so)
 
     def __init__(
         self,
@@ -124,7 +127,7 @@ class AlignModule(L.LightningModule):
         check_optimizer_choice(optim, optimizer)
         self.optimizer_factory = optimizer
         self.save_hyperparameters(ignore=["optimizer"])
-        self.lora_config = lora_config(peft_config) if peft_config is not None else None
+        self.lora_config = lora_config(peft_config, self.peft_task_type) if peft_config is not None else None
         from_pretrained_kwargs(model_init_kwargs)  # refuse a bad mapping now, not at configure_model
         self.model_name = gguf_path(model, model_init_kwargs)  # the tokenizer and the reference load it too
         if logps_chunk_size is not None and logps_chunk_size < 1:
@@ -333,8 +336,8 @@ class AlignModule(L.LightningModule):
         return path
 
 
-def lora_config(kwargs: dict):
-    """``peft.LoraConfig(**kwargs)``, ``task_type`` defaulting to ``CAUSAL_LM``; errors name ``model.peft_config``."""
+def lora_config(kwargs: dict, task_type: str = "CAUSAL_LM"):
+    """``peft.LoraConfig(**kwargs)``, ``task_type`` defaulting to ``task_type``; errors name ``model.peft_config``."""
     try:
         from peft import LoraConfig
     except ImportError as exc:
@@ -344,7 +347,7 @@ def lora_config(kwargs: dict):
         raise LitAlignError(
             f"model.peft_config must be a mapping of LoraConfig arguments, got {type(kwargs).__name__}")
     try:
-        return LoraConfig(**{"task_type": "CAUSAL_LM", **kwargs})
+        return LoraConfig(**{"task_type": task_type, **kwargs})
     except (TypeError, ValueError) as exc:
         raise LitAlignError(f"model.peft_config: {exc} (expected peft.LoraConfig arguments, e.g. r, lora_alpha, "
                             "target_modules)") from exc

@@ -41,7 +41,65 @@ def _mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     return (values * weights).sum() / weights.sum().clamp(min=1)
 
 
-class DPOModule(AlignModule):
+class PairModule(AlignModule):
+    """What the recipes on preference pairs share (DPO, CPO, ORPO): batches of ``[chosen; rejected]`` sequences laid
+    out for the network (``share_prompt``, ``padding_free``), per-pair outputs from ``pair_outputs``, and logging
+    them under TRL's names (``metrics``).
+
+    Args:
+        share_prompt: run each pair as one sequence ``[prompt, chosen, rejected]`` so the prompt is computed once,
+            not twice (same log-probs up to float rounding). Used where the architecture supports it (Llama, Mistral,
+            Qwen, Gemma, Phi-3, ... with ``sdpa`` or ``eager`` attention); elsewhere the plain batch runs.
+        padding_free: pack each batch's rows (``share_prompt``'s, or the plain ones) without padding, several per
+            row, each attending only to itself; the LM head runs on completion tokens only. Same log-probs up to
+            float rounding (TRL's ``padding_free``, which TRL 1.16 turns off with a warning). Needs what
+            ``share_prompt`` needs, else an error.
+    """
+
+    metrics: tuple[str, ...] = METRICS  # what ``pair_outputs`` returns and each step logs, in TRL's names
+
+    def __init__(self, model: str = "builtin:tiny", share_prompt: bool = True, padding_free: bool = False, **kwargs):
+        super().__init__(model=model, **kwargs)
+        self.share_prompt, self.padding_free = share_prompt, padding_free
+        self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in self.metrics})
+
+    def pair_token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor],
+                         stats: tuple[str, ...] = ()) -> TokenLogps:
+        """Per-token completion log-probs ``[2B, T]`` of the batch's pairs, in the layout ``network`` runs best."""
+        return layout_logps(network, layouts.pairs(batch, network, self.share_prompt, self.padding_free), stats,
+                            self.logps_chunk_size)
+
+    def pair_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Per-pair losses and statistics ``[B]`` named as ``metrics``, and the weights of those averaged over
+        tokens rather than pairs."""
+        raise NotImplementedError
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out, weights = self.pair_outputs(batch)
+        loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("dataset_rows"))
+        if loss is None:  # skipped (on_nonfinite_loss: skip)
+            return None
+        # one all-reduce for every metric (mean over ranks of per-rank means) and the token count (a sum)
+        stats = [_mean(out[name].detach().float(), weights.get(name)) for name in self.metrics]
+        stats.append(batch["attention_mask"].sum().float())
+        stats = self.trainer.strategy.reduce(torch.stack(stats), reduce_op="mean")
+        for name, value in zip(self.metrics, stats):
+            self.log(f"train/{name}", value, prog_bar=name == "loss")
+        self.num_tokens += float(stats[-1]) * self.trainer.world_size
+        self.log("train/num_tokens", self.num_tokens)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out, weights = self.pair_outputs(batch)
+        for name in self.metrics:
+            metric = self.val_metrics[name.replace("/", "_")]
+            metric.update(out[name].float(), weights.get(name, 1.0))
+            self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies")
+
+    test_step = validation_step
+
+
+class DPOModule(PairModule):
     """Direct Preference Optimization against a reference model.
 
     The reference (README, "Reference model"): a frozen copy of the initial policy (default), ``ref_model``, the
@@ -67,13 +125,6 @@ class DPOModule(AlignModule):
         use_weighting: WPO: weight each pair's loss by the policy's length-normalized probability of both
             completions (not with ``aot`` / ``aot_unpaired``, which do not keep pairs together).
         discopop_tau: the temperature of ``discopop``'s logistic/exponential blend (TRL's default 0.05).
-        share_prompt: run each pair as one sequence ``[prompt, chosen, rejected]`` so the prompt is computed once,
-            not twice (same log-probs up to float rounding). Used where the architecture supports it (Llama, Mistral,
-            Qwen, Gemma, Phi-3, ... with ``sdpa`` or ``eager`` attention); elsewhere the plain batch runs.
-        padding_free: pack each batch's rows (``share_prompt``'s, or the plain ones) without padding, several per
-            row, each attending only to itself; the LM head runs on completion tokens only. Same log-probs up to
-            float rounding (TRL's ``padding_free``, which TRL 1.16 turns off with a warning). Needs what
-            ``share_prompt`` needs, else an error.
         precompute_ref_log_probs: run the reference once over the train and validation rows before training (no
             reference in memory while training) and cache the log-probs under ``$LIT_ALIGN_CACHE/ref_logps``; a
             later run on the same rows, reference and settings reads them back (``lit_align.reference``).
@@ -94,7 +145,7 @@ class DPOModule(AlignModule):
                  precompute_ref_log_probs: bool = False,
                  precompute_ref_batch_size: int | None = None, sync_ref_model: bool = False,
                  ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512, **kwargs):
-        super().__init__(model=model, **kwargs)
+        super().__init__(model=model, share_prompt=share_prompt, padding_free=padding_free, **kwargs)
         self.loss_fn = DPOLoss(loss_type=loss_type, loss_weights=loss_weights, beta=beta,
                                label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
                                f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau,
@@ -104,9 +155,7 @@ class DPOModule(AlignModule):
             raise LitAlignError("model.sync_ref_model needs a reference model in memory: it cannot be combined with "
                                 "precompute_ref_log_probs or peft_config")
         self.reference = choose_reference(ref_model, lora, precompute_ref_log_probs, precompute_ref_batch_size)
-        self.share_prompt, self.padding_free = share_prompt, padding_free
         self.ref_sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
-        self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in METRICS})
 
     def configure_callbacks(self):
         return [self.ref_sync] if self.ref_sync is not None else []
@@ -119,13 +168,7 @@ class DPOModule(AlignModule):
         if isinstance(self.reference, PrecomputedReference) and isinstance(datamodule, PreferenceDataModule):
             datamodule.add_reference_logps(partial(self.reference.annotate, self))
 
-    # -- log-probs: the same function for the policy, the reference and the precompute pass -----------------------------
-    def pair_token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor],
-                         stats: tuple[str, ...] = ()) -> TokenLogps:
-        """Per-token completion log-probs ``[2B, T]`` of the batch's pairs, in the layout ``network`` runs best."""
-        return layout_logps(network, layouts.pairs(batch, network, self.share_prompt, self.padding_free), stats,
-                            self.logps_chunk_size)
-
+    # -- log-probs: ``pair_token_logps``, the same function for the policy, the reference and the precompute pass ------
     def pair_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed (LD-DPO-weighted) completion log-probs ``[2B]``: what the reference contributes to the loss."""
         out = self.pair_token_logps(network, batch)
@@ -174,27 +217,3 @@ class DPOModule(AlignModule):
             "mean_token_accuracy": top1 / chosen_lengths.clamp(min=1),
         }, {"logits/chosen": chosen_lengths, "logits/rejected": rejected_lengths,
             "entropy": chosen_lengths + rejected_lengths, "mean_token_accuracy": chosen_lengths}
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out, weights = self.pair_outputs(batch)
-        loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("dataset_rows"))
-        if loss is None:  # skipped (on_nonfinite_loss: skip)
-            return None
-        # one all-reduce for every metric (mean over ranks of per-rank means) and the token count (a sum)
-        stats = [_mean(out[name].detach().float(), weights.get(name)) for name in METRICS]
-        stats.append(batch["attention_mask"].sum().float())
-        stats = self.trainer.strategy.reduce(torch.stack(stats), reduce_op="mean")
-        for name, value in zip(METRICS, stats):
-            self.log(f"train/{name}", value, prog_bar=name == "loss")
-        self.num_tokens += float(stats[-1]) * self.trainer.world_size
-        self.log("train/num_tokens", self.num_tokens)
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        out, weights = self.pair_outputs(batch)
-        for name in METRICS:
-            metric = self.val_metrics[name.replace("/", "_")]
-            metric.update(out[name].float(), weights.get(name, 1.0))
-            self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies")
-
-    test_step = validation_step

@@ -20,7 +20,7 @@ from torchmetrics import MeanMetric
 from lit_align import layouts
 from lit_align.callbacks import RefModelSync
 from lit_align.errors import LitAlignError
-from lit_align.generation import VLLMOptions, make_engine
+from lit_align.generation import SamplingConfig, VLLMOptions, make_engine
 from lit_align.generation.environments import Environments
 from lit_align.generation.tools import ToolLoop, load_tool, rollout_from_output, tool_schema, turns_text
 from lit_align.generation_round import GenerationRound, RoundShape
@@ -141,6 +141,14 @@ class GRPOModule(AlignModule):
         temperature: sampling temperature; the training log-probs use the same temperature, as TRL does.
         top_p: nucleus sampling (1.0: off).
         top_k: top-k sampling (0: off).
+        min_p: keep only tokens at least ``min_p`` times as likely as the most likely one (None: off).
+        repetition_penalty: divide the logits of tokens already in the prompt or completion by it where positive,
+            multiply where negative (transformers' and vLLM's; 1.0: off); greedy validation too.
+        generation_kwargs: more keywords for the engine's own generation call, overriding the settings above, as
+            TRL: transformers' ``generate`` (``engine: hf``) or vLLM's ``SamplingParams`` (``engine: vllm``);
+            ``native`` has none and refuses them. Validation's engine gets them too.
+        num_generations_eval: completions per validation prompt, sampled as in training (TRL's); None (lit_align's
+            default): one greedy completion. ``val/reward`` is their mean.
         engine: the generation engine: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or
             ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with ``vllm_mode: colocate``; its own
             environment, see the README).
@@ -165,6 +173,8 @@ class GRPOModule(AlignModule):
             or ``token_mask``.
         vllm_importance_sampling_clip_min: lower bound of the ratio (None: none).
         vllm_importance_sampling_clip_max: upper bound of the ratio (TRL's cap; None: none).
+        vllm_structured_outputs_regex: with ``engine: vllm``, constrain every completion to this regular expression
+            (vLLM's structured outputs; None: free text).
         tools: functions the model may call during its rollouts (TRL's ``tools``): dotted paths or
             ``{class_path, init_args}`` objects, plain or ``async``, with type hints and a Google-style docstring
             (their schemas go to the chat template). Completions then run as ``lit_align.generation.tools.ToolLoop``
@@ -180,7 +190,7 @@ class GRPOModule(AlignModule):
             the engine (TRL's ``rollout_func``; ``prompts``: one per completion, each prompt ``num_generations``
             times in a row): per completion its ``prompt_ids``, ``completion_ids`` and ``logprobs`` (lists; None:
             computed by a forward), optionally ``env_mask`` (0 on tokens the model did not sample, as the tool mask)
-            and other keys, passed to the reward functions. Validation samples with the engine.
+            and other keys, passed to the reward functions. It makes the validation completions too.
     """
 
     def __init__(
@@ -224,6 +234,10 @@ class GRPOModule(AlignModule):
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        generation_kwargs: dict | None = None,
+        num_generations_eval: int | None = None,
         engine: str = "hf",
         padding_free: bool = False,
         vllm_mode: str = "colocate",
@@ -235,16 +249,20 @@ class GRPOModule(AlignModule):
         vllm_importance_sampling_mode: str = "sequence_mask",
         vllm_importance_sampling_clip_min: float | None = None,
         vllm_importance_sampling_clip_max: float | None = 3.0,
+        vllm_structured_outputs_regex: str | None = None,
         tools: list[str | dict] | None = None,
         max_tool_calling_iterations: int | None = None,
         environment_factory: str | dict | None = None,
         rollout_func: str | None = None,
         **kwargs,
     ):
+        # the arguments as given: under LightningCLI ``self.hparams`` is the parsed config, which leaves out what a
+        # subclass fixes (RLOOModule's loss settings)
+        arguments = dict(locals())
         super().__init__(model=model, **kwargs)
         self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, owner="model")
         check_sampling(temperature, max_completion_length)
-        self.loss_fn = GRPOLoss(**{name: self.hparams[name] for name in GRPOLoss.__dataclass_fields__})
+        self.loss_fn = GRPOLoss(**{name: arguments[name] for name in GRPOLoss.__dataclass_fields__})
         self.entropy_control = EntropyControl.from_loss(self.loss_fn)
         self.entropy_window: torch.Tensor | None = None  # adaptive: (entropy sum, tokens) of this accumulation window
         self.environments = None if environment_factory is None else Environments(environment_factory)
@@ -262,7 +280,13 @@ class GRPOModule(AlignModule):
         if beta != 0.0:
             self.reference = choose_reference(ref_model, lora)
         self.importance_sampling = None  # (mode, clip_min, clip_max) when vLLM's sampling is corrected for
-        self.engine, self.greedy_engine = self.make_engines(engine, max_completion_length, temperature, top_p, top_k)
+        if num_generations_eval is not None and num_generations_eval < 1:
+            raise LitAlignError(f"model.num_generations_eval must be >= 1 or null (one greedy completion), "
+                                f"got {num_generations_eval}")
+        self.num_generations_eval = num_generations_eval
+        self.engine, self.greedy_engine = self.make_engines(
+            engine, arguments, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
+            min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs)
         self.tools = [load_tool(spec) for spec in tools or []]
         self.tool_schemas = [tool_schema(tool) for tool in self.tools]  # the data renders its prompts with them
         if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
@@ -279,22 +303,23 @@ class GRPOModule(AlignModule):
             {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names),
                                              *(["tool_calls"] if tools or environment_factory else [])]})
 
-    def make_engines(self, engine: str, max_new_tokens: int, temperature: float, top_p: float, top_k: int):
-        """The ``engine`` sampling the rounds and its greedy twin for validation. The vLLM engine's options, set
-        flat as in TRL (``model.vllm_*``), are routed to it, which checks them (``VLLMOptions``)."""
+    def make_engines(self, engine: str, settings: dict[str, Any], temperature: float, **sampling):
+        """The ``engine`` sampling the rounds and its greedy twin for validation (``SamplingConfig``'s settings; the
+        greedy one keeps the repetition penalty and ``generation_kwargs``). The vLLM engine's options, set flat as in
+        TRL (``model.vllm_*``, among the module's ``settings``), are routed to it, which checks them
+        (``VLLMOptions``)."""
         engine_settings = {}
         if engine == "vllm":
-            options = VLLMOptions.from_flat(self.hparams)
-            self.importance_sampling = options.importance_sampling(top_k, top_p)
+            options = VLLMOptions.from_flat(settings)
+            self.importance_sampling = options.importance_sampling(SamplingConfig(temperature=temperature, **sampling))
             if (self.loss_fn.loss_type == "vespo" and self.importance_sampling is not None
                     and not self.importance_sampling[0].startswith("token")):
                 raise LitAlignError(f"model.vllm_importance_sampling_mode {self.importance_sampling[0]!r}: loss_type "
                                     "'vespo' folds vLLM's importance weights into its per-sequence weight token by "
                                     "token: expected 'token_truncate' or 'token_mask'")
             engine_settings = {**options.engine_settings(), "weights_version": self.weights_version}
-        return (make_engine(engine, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             **engine_settings),
-                make_engine(engine, max_new_tokens=max_new_tokens, temperature=0.0, **engine_settings))
+        return (make_engine(engine, temperature=temperature, **sampling, **engine_settings),
+                make_engine(engine, temperature=0.0, **sampling, **engine_settings))
 
     def data_settings(self) -> dict:
         """The data follows the round's shape too (``PromptDataModule.connect``)."""
@@ -329,7 +354,7 @@ class GRPOModule(AlignModule):
         or an assistant message for conversational prompts)."""
         tok = self.tokenizer
         eos_pad = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id}
-        if self.rollout_func is not None and engine is self.engine:  # the user's rollouts (TRL's rollout_func)
+        if self.rollout_func is not None:  # the user's rollouts (TRL's rollout_func), in training and validation
             output = self.rollout_func(_repeat(batch["prompts"], num_samples), self)
             rollout = rollout_from_output(output, self.hparams.rollout_func, len(batch["prompts"]) * num_samples,
                                           device=self.device, **eos_pad)
@@ -363,10 +388,13 @@ class GRPOModule(AlignModule):
         per_func = score_all(self.reward_funcs, prompts, completions, ids, columns, extra)
         return torch.tensor(per_func, dtype=torch.float32, device=self.device).T.reshape(len(prompts), -1)
 
-    def advantages(self, per_func: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def advantages(self, per_func: torch.Tensor, old_logps: torch.Tensor | None = None,
+                   ref_logps: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(rewards [N], advantages [N], every rank's rewards)``. As TRL: advantages over every rank's rewards (the
         same per group: a group stays on one rank; ``scale_rewards: batch`` divides by the global batch's std),
-        then this rank's rows."""
+        then this rank's rows. The round's log-probs are for recipes that put the KL in the reward (RLOO); GRPO's
+        KL is in the loss."""
         weighted = per_func * self.reward_weights
         rewards = torch.where(per_func.isnan().all(1), torch.nan, weighted.nansum(1))
         all_rewards = self.trainer.strategy.all_gather(rewards).reshape(-1)
@@ -394,7 +422,6 @@ class GRPOModule(AlignModule):
         with self.round_rng():
             rollout, prompts, completions = self.sample(self.engine, batch, group)
         per_func = self.score(batch, rollout, prompts, completions, group)
-        rewards, advantages, all_rewards = self.advantages(per_func)
 
         prompt_ids = batch["prompt_ids"].repeat_interleave(group, 0)
         prompt_mask = batch["prompt_mask"].repeat_interleave(group, 0)
@@ -407,11 +434,11 @@ class GRPOModule(AlignModule):
             loss_mask = loss_mask * (~rollout.truncated).unsqueeze(1)
         sequences = (prompt_ids, prompt_mask, completion_ids, completion_mask)
 
-        sampled = None if tool_mask is None else completion_mask * tool_mask
-        old_logps, is_ratio, sampling_stats = self.old_logps(rollout, sequences, sampled)
+        old_logps, is_ratio, sampling_stats = self.old_logps(rollout, sequences)
         ref_logps = None
         if self.reference is not None:
             ref_logps = self.reference.logps(batch, lambda network: self.completion_logps(network, *sequences)[0])
+        rewards, advantages, all_rewards = self.advantages(per_func, old_logps, ref_logps, loss_mask)
 
         # dapo: every token of the round weighs the same; normalized by the loss tokens per step (all ranks)
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
@@ -432,16 +459,16 @@ class GRPOModule(AlignModule):
             tool_mask=tool_mask,
         )
 
-    def old_logps(self, rollout, sequences: tuple, sampled_mask: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+    def old_logps(self, rollout, sequences: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """``(old log-probs, importance weights, sampling/* metrics)`` of a round's ``sequences`` (prompt ids and mask,
-        completion ids and mask; ``sampled_mask``: the sampled tokens among them, when tool turns are not). The old
-        (sampling) policy's log-probs matter only when the policy moves before the round is used up
+        completion ids and mask; the weights over the sampled tokens only, not tool turns). The old (sampling) policy's
+        log-probs matter only when the policy moves before the round is used up
         (``RoundShape.needs_old_logps``): the engine's, or a forward pass. With vLLM's sampling corrected for, they
         are the training forward's (TRL) and the weights compare them with vLLM's."""
         if self.importance_sampling is not None:
             old_logps = self.completion_logps(self.network, *sequences)[0]
-            mask = sequences[3] if sampled_mask is None else sampled_mask
+            tool_mask = getattr(rollout, "tool_mask", None)
+            mask = sequences[3] if tool_mask is None else sequences[3] * tool_mask
             is_ratio = importance_sampling_ratio(old_logps, rollout.logps, mask, *self.importance_sampling)
             return old_logps, is_ratio, self.sampling_stats(old_logps, rollout.logps, mask, is_ratio)
         if not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches):
@@ -611,9 +638,12 @@ class GRPOModule(AlignModule):
             self.log("train/entropy_coef", float(self.entropy_control.coef))
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        """Held-out reward: one greedy completion per prompt."""
-        rollout, prompts, completions = self.sample(self.greedy_engine, batch, 1)
-        per_func = self.score(batch, rollout, prompts, completions, 1)
+        """Held-out reward: one greedy completion per prompt, or with ``num_generations_eval`` that many sampled
+        ones (the training engine's settings), averaged."""
+        engine, num = (self.greedy_engine, 1) if self.num_generations_eval is None else (self.engine,
+                                                                                         self.num_generations_eval)
+        rollout, prompts, completions = self.sample(engine, batch, num)
+        per_func = self.score(batch, rollout, prompts, completions, num)
         rewards = (per_func * self.reward_weights).nansum(1)
         self.val_metrics["reward"].update(rewards)
         self.log("val/reward", self.val_metrics["reward"], prog_bar=True)

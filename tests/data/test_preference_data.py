@@ -1,4 +1,5 @@
-"""Preference rows: the three formats, tokenization, the [chosen; rejected] batch, truncation, and bad input."""
+"""Preference rows: the three formats, tokenization, the [chosen; rejected] batch, truncation, and bad input; the
+reward model's pairs (RewardDataModule): uncut, long ones dropped, a margin column."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lit_align.data.preference import PreferenceDataModule, collate_pairs, tokenize_pair
+from lit_align.data.preference import PreferenceDataModule, RewardDataModule, collate_pairs, tokenize_pair
 from lit_align.data.rows import normalize_pair
 from lit_align.errors import LitAlignError
 from lit_align.models import CHARACTERS, SPECIAL_TOKENS, load_tokenizer
@@ -386,3 +387,51 @@ def test_settings_errors():
         module("builtin:nope").setup("fit")
     with pytest.raises(LitAlignError, match="data.tokenizer is not set and the model does not name one"):
         PreferenceDataModule(path="builtin:sort").setup("fit")
+
+
+# -- RewardDataModule: the same pairs, never cut, an optional margin -------------------------------------------------
+
+
+def reward_processed(rows: list[dict], **kw) -> RewardDataModule:
+    dm = RewardDataModule(path="unused", val_split=None, tokenizer="builtin:tiny", **{"max_length": 64, **kw})
+    dm.tokenizer = load_tokenizer("builtin:tiny")
+    dm.processed = dm.process(Dataset.from_list(rows), "rows")
+    return dm
+
+
+def test_reward_pairs_are_the_whole_sequences_trl_tokenizes_with_their_margin():
+    """TRL's RewardTrainer tokenizes prompt + chosen + EOS whole: the batch's rows are exactly that, uncut."""
+    dm = reward_processed([{"prompt": "sort 31:", "chosen": "13", "rejected": "31", "margin": 0.5},
+                           {"prompt": "sort 502:", "chosen": "025", "rejected": "52", "margin": 2}])
+    batch = dm.collate(list(dm.processed))
+    assert batch["input_ids"].tolist() == [ids("sort 31:13") + [EOS, PAD, PAD], ids("sort 502:025") + [EOS],
+                                           ids("sort 31:31") + [EOS, PAD, PAD], ids("sort 502:52") + [EOS, PAD]]
+    assert batch["attention_mask"].sum(1).tolist() == [11, 13, 11, 12]
+    assert batch["margin"].tolist() == [0.5, 2.0] and batch["margin"].dtype == torch.float32
+    plain = reward_processed([{"prompt": "sort 31:", "chosen": "13", "rejected": "31", "other": 1}])
+    assert plain.processed.column_names == ["prompt_ids", "chosen_ids", "rejected_ids", "row"]
+    assert "margin" not in plain.collate(list(plain.processed))
+
+
+def test_reward_pairs_with_a_side_longer_than_max_length_are_dropped_not_cut():
+    rows = [{"prompt": "sort 31:", "chosen": "13", "rejected": "31"},  # 11 tokens a side
+            {"prompt": "sort 31:", "chosen": "13", "rejected": "31 and more"},  # rejected: 20 tokens
+            {"prompt": "sort 5021:", "chosen": "0125", "rejected": "5210"}]  # 15 tokens a side
+    dm = reward_processed(rows, max_length=15)
+    assert [r["row"] for r in dm.processed] == [0, 2] and dm.truncation_report == {"truncated": 0, "dropped": 1}
+    assert dm.collate(list(dm.processed))["attention_mask"].sum(1).tolist() == [11, 15, 11, 15]  # nothing cut
+    with pytest.raises(LitAlignError, match=r"rows: every pair has a side longer than data.max_length=10 tokens"):
+        reward_processed(rows, max_length=10)
+
+
+@pytest.mark.parametrize("margin", ["1.0", None, float("nan"), True])
+def test_a_margin_that_is_not_a_finite_number_names_the_row(margin):
+    rows = [{"prompt": "sort 31:", "chosen": "13", "rejected": "31", "margin": 1.0},
+            {"prompt": "sort 52:", "chosen": "25", "rejected": "52", "margin": margin}]
+    if margin is None or isinstance(margin, float):  # a column of numbers with a null or NaN in it
+        with pytest.raises(LitAlignError, match=r"^rows row 1: field 'margin' must be a finite number, got (None|nan)"):
+            reward_processed(rows)
+    else:  # a column of mixed types does not load as one: every value given as text
+        rows = [{**row, "margin": str(row["margin"])} for row in rows]
+        with pytest.raises(LitAlignError, match=r"^rows row 0: field 'margin' must be a finite number, got '1.0'$"):
+            reward_processed(rows)

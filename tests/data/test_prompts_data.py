@@ -9,6 +9,7 @@ import torch
 
 from lit_align.data.prompts import PromptDataModule, RoundSampler
 from lit_align.errors import LitAlignError
+from lit_align.generation_round import RoundShape
 
 
 def rounds_of(sampler: RoundSampler) -> list[list[tuple[int, int]]]:
@@ -100,6 +101,28 @@ def test_settings_that_cannot_form_groups_raise():
         PromptDataModule(batch_size=4, num_generations=2, num_iterations=0)
     # 3 * 4 = 12 completions per round = 3 prompts x 4: fine
     assert PromptDataModule(batch_size=3, steps_per_generation=4, num_generations=4).prompts_per_round == 3
+
+
+def test_generation_batch_size_is_trls_alternative_to_steps_per_generation(write_jsonl, tiny_path):
+    """One of the two (TRL's rule); the round's completions on every device must be whole groups and, once the
+    world size is known, what the round's shape makes of the batch size: 16 = 4 x 2 devices x 2 steps."""
+    with pytest.raises(LitAlignError, match="data.generation_batch_size and data.steps_per_generation cannot both"):
+        PromptDataModule(batch_size=4, generation_batch_size=16, steps_per_generation=2)
+    with pytest.raises(LitAlignError, match="data.generation_batch_size 18 must be a multiple of data.num_generations 4"):
+        PromptDataModule(batch_size=4, generation_batch_size=18, num_generations=4)
+    path = write_jsonl(prompt_rows(40))
+    dm = make_dm(path, tiny_path, batch_size=4, num_generations=2, generation_batch_size=16)
+    dm.trainer = SimpleNamespace(world_size=2, global_rank=0)
+    dm.connect(round_shape=RoundShape(num_generations=2, steps_per_generation=2))
+    assert [b["round_pos"] for b in dm.train_dataloader()][:4] == [0, 1, 0, 1]
+    dm.connect(round_shape=RoundShape(num_generations=2, steps_per_generation=4))
+    with pytest.raises(LitAlignError, match=r"data.generation_batch_size 16 is 2 steps per generation on 2 devices of "
+                                            r"data.batch_size 4, but the round has 4 \(model.steps_per_generation\)"):
+        dm.train_dataloader()
+    dm.trainer = SimpleNamespace(world_size=3, global_rank=0)
+    with pytest.raises(LitAlignError, match=r"16 must be a positive multiple of the global batch size \(data.batch_size "
+                                            r"4 x 3 devices = 12\)"):
+        dm.train_dataloader()
 
 
 def test_too_few_prompts_for_one_round_raises(write_jsonl, tiny_path):

@@ -19,6 +19,7 @@ BAD = TESTS / "fixtures" / "bad"
 DPO = str(TESTS.parent / "configs" / "dpo.yaml")
 GRPO = str(TESTS.parent / "configs" / "grpo.yaml")
 SFT = str(TESTS.parent / "configs" / "sft.yaml")
+KTO = str(TESTS.parent / "configs" / "kto.yaml")
 FORMATS = TESTS / "fixtures" / "formats"
 
 
@@ -31,6 +32,11 @@ def sft(path: str | Path, *extra: str) -> list[str]:
     return ["fit", "-c", SFT, "--data.init_args.path", str(path), "--data.init_args.val_split", "null",
             "--trainer.val_check_interval", "1.0", "--trainer.max_steps", "2", "--data.init_args.batch_size", "2",
             *extra]
+
+
+def kto(path: str | Path, *extra: str) -> list[str]:
+    return ["fit", "-c", KTO, "--data.init_args.path", str(path), "--data.init_args.val_split", "null",
+            "--trainer.val_check_interval", "1.0", "--trainer.max_steps", "2", *extra]
 
 
 def grpo(reward: str, *extra: str) -> list[str]:
@@ -117,6 +123,18 @@ CASES = [
     ("reward function raises", grpo("raises"), "error: reward function 'raises' raised ValueError: no answer key"),
     ("reward function returns NaN", grpo("returns_nan"),
      "error: reward function 'returns_nan' returned nan for completion 0 (use None to skip)"),
+    ("KTO row without a label", kto(BAD / "kto_no_label.jsonl"),
+     "error: {bad}/kto_no_label.jsonl row 0: missing column 'label' (expected prompt/completion/label rows, or "
+     "prompt/chosen/rejected pairs)"),
+    ("KTO label not a boolean", kto(BAD / "kto_int_label.jsonl"),
+     "error: {bad}/kto_int_label.jsonl row 0: field 'label' must be a boolean (true: desirable, false: "
+     "undesirable), got 1 (int)"),
+    ("KTO batch of one row", kto("builtin:sort", "--data.init_args.batch_size", "1"),
+     "error: data.batch_size 1: KTO's KL estimate pairs each prompt with another row's completion in the batch, so "
+     "it needs at least 2 rows (loss_type apo_zero_unpaired does not)"),
+    ("CPO unknown loss type", ["fit", "-c", str(TESTS.parent / "configs" / "cpo.yaml"), "--model.init_args.loss_type",
+                               "kto"],
+     "error: model.loss_type 'kto': expected one of ('sigmoid', 'hinge', 'ipo', 'simpo', 'alphapo')"),
     ("reward function returns the wrong length", grpo("wrong_length"),
      "error: reward function 'wrong_length' returned 3 values for 4 completions (expected a list of floats, one per "
      "completion)"),

@@ -1,9 +1,9 @@
-"""The three-stage pipeline chains real `lit-align fit` runs: a quick version here, the full one under `slow`."""
+"""The three-stage pipelines chain real `lit-align fit` runs: quick versions here, the full ones under `slow`."""
 
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from lit_align import pipeline
 
@@ -35,6 +35,23 @@ def test_full_pipeline_meets_its_targets(tmp_path, capsys):
     dpo_accuracy = float(out.split("DPO held-out preference (reward) accuracy:")[1].split()[0])
     assert dpo_accuracy >= 0.85
     assert Path(tmp_path / "curves.png").exists()
+
+
+def test_quick_learned_reward_job_scores_grpo_with_the_reward_model_it_trained(tmp_path, capsys):
+    """SFT -> reward model -> GRPO through `lit-align fit`: the reward model starts from the SFT export and GRPO
+    from the SFT export too, scored by the reward model's export; the table measures the policies only."""
+    pipeline.main(["--recipe", "learned-reward", "--quick", "--root", str(tmp_path)])
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines()
+             if line.split()[:1] in (["sft"], ["reward"], ["grpo"]) and ":" not in line]
+    assert [row[0] for row in table] == ["sft", "grpo"]
+    accuracy = float(out.split("reward model held-out pair accuracy:")[1].split()[0])
+    assert 0.0 <= accuracy <= 1.0
+    assert f"model: {tmp_path}/sft/hf_model" in (tmp_path / "reward" / "run" / "config.yaml").read_text()
+    grpo = (tmp_path / "grpo" / "run" / "config.yaml").read_text()
+    assert f"model: {tmp_path}/sft/hf_model" in grpo and f"- {tmp_path}/reward/hf_model" in grpo
+    assert "train/rewards/hf_model/mean" in {name for name in pipeline.read_metrics(tmp_path / "grpo" / "run")}
+    AutoModelForSequenceClassification.from_pretrained(tmp_path / "reward" / "hf_model")
 
 
 def test_without_matplotlib_the_curves_are_skipped_with_one_line(tmp_path, capsys, monkeypatch):

@@ -1,6 +1,7 @@
 """Exact resume and determinism: a run interrupted at step k and resumed with ``ckpt_path`` logs the same per-step
 losses and ends with the same weights as the uninterrupted run (CPU, fp32, seeded), for DPO (mid-epoch, across an
-epoch boundary) and GRPO (mid-round: the round's buffer comes from the checkpoint; later rounds regenerate the same
+epoch boundary), KTO, CPO and ORPO (mid-epoch), the reward model (mid-epoch, its random score head restored from
+the checkpoint) and GRPO (mid-round: the round's buffer comes from the checkpoint; later rounds regenerate the same
 completions). Two runs of one seeded config give one loss trajectory.
 """
 
@@ -19,8 +20,8 @@ from helpers import fit as run_fit
 from helpers import read_metrics, write_sort_rows
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_align.data import PreferenceDataModule, PromptDataModule
-from lit_align.modules import DPOModule, GRPOModule
+from lit_align.data import PreferenceDataModule, PromptDataModule, RewardDataModule, UnpairedPreferenceDataModule
+from lit_align.modules import CPOModule, DPOModule, GRPOModule, KTOModule, ORPOModule, RewardModule
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/
 REPO = TESTS.parent
@@ -105,6 +106,37 @@ def test_dpo_resume_from_an_epoch_end_checkpoint(tmp_path, pairs_file, tiny_path
     assert sorted(resumed.by_step) == [5, 6]
     assert resumed.by_step == {s: full.by_step[s] for s in resumed.by_step}
     assert_same_weights(resumed_weights, full_weights)
+
+
+@pytest.mark.parametrize("module_cls,data_cls,batch_size", [
+    (KTOModule, UnpairedPreferenceDataModule, 6),  # 36 unpaired rows: 6 batches an epoch, the KL batch at collate
+    pytest.param(CPOModule, PreferenceDataModule, 4, marks=pytest.mark.slow),  # DPO's pairs and loader, tested above
+    pytest.param(ORPOModule, PreferenceDataModule, 4, marks=pytest.mark.slow),
+], ids=["kto", "cpo", "orpo"])
+def test_kto_cpo_orpo_resume_mid_epoch_is_exact(module_cls, data_cls, batch_size, tmp_path, pairs_file, tiny_path):
+    data = {"path": pairs_file, "batch_size": batch_size, "max_length": 32}
+    full, full_weights = fit(module_cls, {}, data_cls, data, tmp_path / "full", 8, ckpt_every=3)
+    resumed, resumed_weights = fit(module_cls, {}, data_cls, data, tmp_path / "resumed", 8,
+                                   ckpt_path=str(tmp_path / "full" / "ckpt" / "step=3.ckpt"))
+    assert sorted(resumed.by_step) == [3, 4, 5, 6, 7]
+    assert resumed.firsts == {s: full.firsts[s] for s in resumed.firsts}
+    assert resumed.by_step == {s: full.by_step[s] for s in resumed.by_step}
+    assert_same_weights(resumed_weights, full_weights)
+
+
+def test_reward_model_resume_mid_epoch_is_exact(tmp_path, pairs_file, tiny_path):
+    """18 pairs, 4 a batch: the checkpoint at step 3 is mid-epoch 0; the run goes on into epoch 1. The score head
+    starts from seeded random weights: the resumed run takes them (trained) from the checkpoint."""
+    data = {"path": pairs_file, **DPO_DATA}
+    full, full_weights = fit(RewardModule, {}, RewardDataModule, data, tmp_path / "full", 7, ckpt_every=3)
+    assert sorted(full.by_step) == list(range(7))
+    resumed, resumed_weights = fit(RewardModule, {}, RewardDataModule, data, tmp_path / "resumed", 7,
+                                   ckpt_path=str(tmp_path / "full" / "ckpt" / "step=3.ckpt"))
+    assert sorted(resumed.by_step) == [3, 4, 5, 6]
+    assert resumed.firsts == {s: full.firsts[s] for s in resumed.firsts}
+    assert resumed.by_step == {s: full.by_step[s] for s in resumed.by_step}
+    assert_same_weights(resumed_weights, full_weights)
+    assert "score.weight" in full_weights
 
 
 GRPO_DATA = {"batch_size": 4, "num_generations": 2, "steps_per_generation": 3, "num_iterations": 2}

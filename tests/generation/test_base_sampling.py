@@ -13,6 +13,7 @@ from lit_align.generation import (
     ENGINES, HFEngine, NativeEngine, Engine, SamplingConfig, VLLMEngine, completion_mask_from_eos, filter_logits,
     make_engine, sample_next,
 )
+from lit_align.generation.native import penalize_repetition
 from numerics import assert_rounding_close
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
@@ -71,6 +72,60 @@ def test_filter_logits_matches_transformers_warpers():
         if top_p < 1:
             expected = TopPLogitsWarper(top_p)(None, expected)
         assert torch.equal(filter_logits(logits, top_k, top_p) > NEG, expected > NEG), (top_k, top_p)
+
+
+def test_min_p_and_repetition_penalty_by_hand():
+    # probabilities ~ [0.6, 0.3, 0.09, 0.01]: min_p 0.2 keeps those >= 0.12 (the first two)
+    logits = torch.tensor([[0.6, 0.3, 0.09, 0.01]]).log()
+    assert (filter_logits(logits, min_p=0.2) > NEG).tolist() == [[True, True, False, False]]
+    assert (filter_logits(logits, min_p=0.0) > NEG).all() and (filter_logits(logits, min_p=None) > NEG).all()
+    # the penalty divides positive logits, multiplies negative ones, only for the tokens seen
+    logits = torch.tensor([[2.0, -1.0, 3.0, -4.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    assert penalize_repetition(logits, seen, 2.0).tolist() == [[1.0, -2.0, 3.0, -4.0]]
+    assert penalize_repetition(logits, seen, 1.0) is logits
+
+
+def test_min_p_and_repetition_penalty_match_transformers_processors():
+    """On the same logits and the same previous tokens, native's filter and penalty are transformers' processors
+    (``generate``'s order: the penalty on the raw logits, then temperature, top-k, top-p, min-p)."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 50) * 3
+    previous = torch.randint(0, 50, (64, 7))  # the prompt and what was generated so far
+    seen = torch.zeros(64, 50, dtype=torch.bool).scatter_(1, previous, True)
+    for penalty, temperature, top_k, top_p, min_p in [(1.3, 1.0, 0, 1.0, 0.1), (0.8, 0.7, 10, 0.9, 0.05),
+                                                      (1.5, 1.3, 0, 1.0, None), (1.0, 1.0, 0, 0.8, 0.3)]:
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(previous, logits.clone())
+        expected = TemperatureLogitsWarper(temperature)(previous, expected)
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(previous, expected)
+        if top_p < 1:
+            expected = TopPLogitsWarper(top_p)(previous, expected)
+        if min_p is not None:
+            expected = MinPLogitsWarper(min_p)(previous, expected)
+        ours = filter_logits(penalize_repetition(logits / temperature, seen, penalty), top_k, top_p, min_p)
+        assert torch.equal(ours > NEG, expected > NEG), (penalty, temperature, top_k, top_p, min_p)
+        assert_rounding_close(ours[ours > NEG], expected[expected > NEG], msg=str((penalty, temperature)))
+    assert (filter_logits(logits, min_p=0.3) == NEG).any()  # the option removes tokens
+
+
+def test_sampling_logps_are_neither_penalized_nor_filtered():
+    """The draw follows the penalized, filtered distribution; the log-prob is the tempered one's (the trainer's)."""
+    torch.manual_seed(0)
+    logits = torch.randn(16, 30) * 2
+    seen = torch.rand(16, 30) < 0.5
+    tokens, logps = sample_next(logits, 0.7, min_p=0.05, repetition_penalty=1.8, seen=seen)
+    assert_rounding_close(logps, (logits / 0.7).log_softmax(-1).gather(1, tokens[:, None]).squeeze(1))
+    kept = filter_logits(penalize_repetition(logits / 0.7, seen, 1.8), min_p=0.05) > NEG
+    assert kept.gather(1, tokens[:, None]).all()
+    greedy, _ = sample_next(logits, 0.0, repetition_penalty=1.8, seen=seen)  # greedy honours the penalty too
+    assert torch.equal(greedy, penalize_repetition(logits, seen, 1.8).argmax(-1))
+    assert not torch.equal(greedy, logits.argmax(-1))
 
 
 # -- the draw --------------------------------------------------------------------------------------------------------
@@ -155,6 +210,23 @@ def test_out_of_range_settings_are_refused_by_every_engine(bad):
             engine(**bad)
     with pytest.raises(LitAlignError, match="eos_check_every"):
         NativeEngine(eos_check_every=0)
+
+
+@pytest.mark.parametrize("bad,match", [({"min_p": 1.5}, r"model.min_p must be in \[0, 1\]"),
+                                       ({"repetition_penalty": 0.0}, "model.repetition_penalty must be > 0"),
+                                       ({"generation_kwargs": [1]}, "model.generation_kwargs must be a mapping")])
+def test_new_sampling_settings_are_checked_by_every_engine(bad, match):
+    for engine in (SamplingConfig, *ENGINES.values()):
+        with pytest.raises(LitAlignError, match=match):
+            engine(**bad)
+
+
+def test_generation_kwargs_go_to_the_engines_that_have_them_and_native_refuses_them():
+    with pytest.raises(LitAlignError, match=r"model.generation_kwargs \['suppress_tokens'\]: engine 'native' takes"):
+        NativeEngine(generation_kwargs={"suppress_tokens": [3]})
+    with pytest.raises(LitAlignError, match=r"model.generation_kwargs \['num_return_sequences'\]: engine 'hf' sets"):
+        HFEngine(generation_kwargs={"num_return_sequences": 2, "top_k": 3})
+    assert HFEngine(generation_kwargs={"suppress_tokens": [3]}).config.generation_kwargs == {"suppress_tokens": [3]}
 
 
 def test_engines_are_built_by_name():

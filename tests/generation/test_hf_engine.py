@@ -88,3 +88,19 @@ def test_top_k_one_sampling_is_greedy(model, tokenizer):
     torch.manual_seed(0)
     free = HFEngine(max_new_tokens=5, temperature=1.5).generate(model, prompt_ids, prompt_mask, 1, **kwargs)
     assert free.completion_ids.tolist() != greedy.completion_ids.tolist()  # sampling really samples
+
+
+def test_generation_kwargs_reach_generate_and_override_the_settings(model, tokenizer):
+    """TRL's ``generation_kwargs``: ``top_k: 1`` over a free sampler makes it greedy; ``suppress_tokens`` (a generate
+    keyword lit_align has no option for) keeps a token out of every completion."""
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    greedy = HFEngine(max_new_tokens=5, temperature=0.0).generate(model, prompt_ids, prompt_mask, 1, **kwargs)
+    torch.manual_seed(0)
+    top1 = HFEngine(max_new_tokens=5, temperature=1.5, generation_kwargs={"top_k": 1}).generate(
+        model, prompt_ids, prompt_mask, 1, **kwargs)
+    assert top1.completion_ids.tolist() == greedy.completion_ids.tolist()
+    first = int(greedy.completion_ids[0, 0])
+    suppressed = HFEngine(max_new_tokens=5, temperature=0.0, generation_kwargs={"suppress_tokens": [first]}).generate(
+        model, prompt_ids, prompt_mask, 1, **kwargs)
+    assert first not in suppressed.completion_ids[suppressed.completion_mask.bool()].tolist()

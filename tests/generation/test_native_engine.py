@@ -46,6 +46,22 @@ def test_greedy_equals_hf_generate_token_for_token(arch, attn, tokenizer, tiny_p
     assert native.logps is None and model.training
 
 
+@pytest.mark.parametrize("penalty", [1.5, 3.0])
+def test_greedy_with_a_repetition_penalty_equals_hf_generate(penalty, tokenizer):
+    """The penalty over each row's prompt and generated tokens, as transformers' processor applies it. The prompts
+    are unpadded: transformers' processor also counts a left-padded prompt's pad tokens (the padded input_ids),
+    lit_align's only its real tokens, as vLLM does."""
+    model = ARCHITECTURES["llama"](tokenizer, "sdpa")
+    prompt_ids, prompt_mask = left_padded(tokenizer, [PROMPTS[0]] * 2)
+    kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    settings = dict(max_new_tokens=16, temperature=0.0, repetition_penalty=penalty)
+    hf = HFEngine(**settings).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    native = NativeEngine(**settings, eos_check_every=3).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    assert native.completion_ids.tolist() == hf.completion_ids.tolist()
+    plain = HFEngine(max_new_tokens=16, temperature=0.0).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    assert plain.completion_ids.tolist() != hf.completion_ids.tolist()  # the penalty changed the completions
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_sampling_logps_equal_a_fresh_forward(arch, temperature, tokenizer, eos_heavy_model):

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import run_main
 from lit_align.errors import LitAlignError
-from lit_align.generation import VLLMOptions, VLLMEngine
+from lit_align.generation import SamplingConfig, VLLMEngine, VLLMOptions
 from lit_align.modules.base import RESUME_MAY_CHANGE
 from lit_align.modules.grpo import GRPOModule
 
@@ -39,9 +39,10 @@ def test_trls_flat_options_in_a_config_reach_the_engines_options(tiny_path):
     assert options == VLLMOptions(gpu_memory_utilization=0.5, max_model_length=256,
                                   importance_sampling_mode="token_mask")
     assert options.engine_settings() == {"gpu_memory_utilization": 0.5, "tensor_parallel_size": 1,
-                                         "max_model_length": 256, "enable_sleep_mode": False}
-    assert options.importance_sampling(top_k=0, top_p=1.0) == ("token_mask", None, 3.0)
-    assert VLLMOptions(importance_sampling_correction=False).importance_sampling(top_k=5, top_p=0.9) is None
+                                         "max_model_length": 256, "enable_sleep_mode": False,
+                                         "structured_outputs_regex": None}
+    assert options.importance_sampling(SamplingConfig()) == ("token_mask", None, 3.0)
+    assert VLLMOptions(importance_sampling_correction=False).importance_sampling(SamplingConfig(top_k=5)) is None
 
 
 def test_every_option_has_its_flat_name_on_the_module_with_the_engines_default():
@@ -63,8 +64,9 @@ def test_every_option_has_its_flat_name_on_the_module_with_the_engines_default()
 def test_the_engine_checks_its_options_by_their_flat_names(options, match):
     with pytest.raises(LitAlignError, match=match):
         VLLMOptions(**options)
-    with pytest.raises(LitAlignError, match="needs vLLM's sampling log-probs"):
-        VLLMOptions().importance_sampling(top_k=0, top_p=0.9)
+    for changed in ({"top_p": 0.9}, {"min_p": 0.1}, {"repetition_penalty": 1.2}, {"generation_kwargs": {"seed": 1}}):
+        with pytest.raises(LitAlignError, match="needs vLLM's sampling log-probs"):
+            VLLMOptions().importance_sampling(SamplingConfig(**changed))
 
 
 def test_the_engine_checks_its_options_before_importing_vllm(monkeypatch):
@@ -80,3 +82,22 @@ def test_an_option_set_wrong_for_the_vllm_engine_is_one_error_line(capfd, tmp_pa
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == ("error: model.vllm_mode 'server': only 'colocate' is supported (server "
                                             "mode is not)")
+
+
+def test_sampling_options_translate_to_vllms_sampling_params():
+    """TRL's translation: lit_align's settings, ``generation_kwargs`` over them, the structured-outputs regex last;
+    log-probs only where they are the trainer's (no filter, penalty or other keyword)."""
+    from lit_align.generation.vllm import sampling_params
+
+    plain = sampling_params(SamplingConfig(max_new_tokens=7, temperature=0.9), 4, [2], 11)
+    assert plain == {"n": 4, "temperature": 0.9, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                     "max_tokens": 7, "logprobs": 0, "stop_token_ids": [2], "ignore_eos": True, "detokenize": False,
+                     "seed": 11}
+    config = SamplingConfig(min_p=0.1, repetition_penalty=1.2,
+                            generation_kwargs={"top_p": 0.5, "structured_outputs": {"json": "{}"}})
+    params = sampling_params(config, 2, [2], None, structured_outputs_regex=r"\d+")
+    assert params["min_p"] == 0.1 and params["repetition_penalty"] == 1.2 and params["logprobs"] is None
+    assert params["top_p"] == 0.5  # generation_kwargs override lit_align's settings
+    assert params["structured_outputs"] == {"regex": r"\d+"}  # the regex takes precedence, as in TRL
+    with pytest.raises(LitAlignError, match=r"model.vllm_structured_outputs_regex '\[': not a regular expression"):
+        VLLMOptions(structured_outputs_regex="[")

@@ -433,25 +433,37 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
                                torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), padding_free=True)
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "dpo", "sft"])
+@pytest.mark.parametrize("recipe", ["grpo", "rloo", "dpo", "sft", "kto", "cpo", "orpo", "reward"])
 def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     """Every option named as in TRL defaults as in TRL, but the differences the README gives reasons for."""
     import dataclasses
 
     import trl
 
-    from lit_align.hub import recipe_defaults
-    from lit_align.modules import DPOModule, SFTModule
+    from trl.experimental.cpo import CPOConfig
+    from trl.experimental.orpo import ORPOConfig
 
-    module, config = {"grpo": (GRPOModule, trl.GRPOConfig), "dpo": (DPOModule, trl.DPOConfig),
-                      "sft": (SFTModule, trl.SFTConfig)}[recipe]
+    from lit_align.hub import recipe_defaults
+    from lit_align.data import RewardDataModule
+    from lit_align.modules import CPOModule, DPOModule, KTOModule, ORPOModule, RewardModule, RLOOModule, SFTModule
+
+    module, config = {"grpo": (GRPOModule, trl.GRPOConfig), "rloo": (RLOOModule, trl.RLOOConfig),
+                      "dpo": (DPOModule, trl.DPOConfig), "sft": (SFTModule, trl.SFTConfig),
+                      "kto": (KTOModule, trl.KTOConfig), "cpo": (CPOModule, CPOConfig),
+                      "orpo": (ORPOModule, ORPOConfig), "reward": (RewardModule, trl.RewardConfig)}[recipe]
     theirs = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
     ours = recipe_defaults(module)
     differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and v != theirs[k]}
     listed = {"gradient_checkpointing": (False, True), "optim": ("adamw_torch", "adamw_torch_fused")}
-    listed |= {"grpo": {"disable_dropout": (True, False), "steps_per_generation": (1, None)},  # None: 1 in TRL too
-               "sft": {"completion_only_loss": (True, None)}, "dpo": {}}[recipe]  # None: on for prompt-completion rows
+    round_defaults = {"disable_dropout": (True, False), "steps_per_generation": (1, None)}  # None: 1 in TRL too
+    listed |= {"grpo": round_defaults, "rloo": round_defaults,
+               "sft": {"completion_only_loss": (True, None)},  # None: on for prompt-completion rows
+               "dpo": {}, "kto": {}, "cpo": {}, "orpo": {}, "reward": {}}[recipe]
     assert differ == listed
+    if recipe == "reward":  # the reward model's data options are TRL's too
+        data = recipe_defaults(RewardDataModule)
+        assert {k: data[k] for k in ("max_length", "num_proc")} == {"max_length": theirs["max_length"],
+                                                                   "num_proc": theirs["dataset_num_proc"]}
 
 
 # -- settings flow one way, model -> data -----------------------------------------------------------------------------
@@ -466,6 +478,29 @@ def test_in_python_the_round_is_set_once_on_the_module_and_the_data_follows_it(t
     assert dm.round_shape is module.round_shape and dm.prompts_per_round == 6  # 4 x 3 completions / 2 per prompt
     assert dm.tokenizer.name_or_path == module.tokenizer.name_or_path
     assert probe.generate_steps == [0]  # one round serves the 3 steps
+
+
+# -- validation ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_generations_eval", [None, 3])
+def test_num_generations_eval_samples_that_many_completions_per_validation_prompt(num_generations_eval, prompts_file):
+    """None (lit_align's default): one greedy completion per prompt; n: n sampled with the training settings (TRL's
+    num_generations_eval), val/reward their mean."""
+    from helpers import _RecordingEngine, digit_fraction, trainer
+
+    module = GRPOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=4,
+                        num_generations=2, num_generations_eval=num_generations_eval)
+    dm = PromptDataModule(path=prompts_file, val_path=prompts_file, val_split="train", batch_size=4,
+                          val_batch_size=5)
+    rounds: list[dict] = []
+    module.greedy_engine = _RecordingEngine(module.greedy_engine, rounds)
+    module.engine = _RecordingEngine(module.engine, rounds)
+    metrics = trainer(limit_val_batches=2).validate(module, dm)[0]
+    assert len(rounds) == 2 and len(rounds[0]["prompts"]) == 5 * (num_generations_eval or 1)
+    completions = [[{"role": "assistant", "content": module.tokenizer.decode(ids, skip_special_tokens=True)}]
+                   for rnd in rounds for ids in rnd["ids"]]
+    assert metrics["val/reward"] == pytest.approx(sum(digit_fraction(completions)) / len(completions), abs=1e-6)
+    with pytest.raises(LitAlignError, match="model.num_generations_eval must be >= 1"):
+        GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, num_generations_eval=0)
 
 
 # -- TRL 1.16's loss options through `lit-align fit` ------------------------------------------------------------------------

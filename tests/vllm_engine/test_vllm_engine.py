@@ -110,3 +110,15 @@ def test_what_vllm_cannot_run_is_one_error(tiny_path, tokenizer):
     with pytest.raises(LitAlignError, match=r"model.engine 'vllm' could not start on .*tiny") as info:
         generate(engine, load_model("builtin:tiny"), tokenizer)
     assert "\n" not in str(info.value)
+
+
+def test_structured_outputs_regex_and_sampling_options_reach_vllm(tiny_path, tokenizer):
+    """``vllm_structured_outputs_regex`` constrains every completion; min_p / repetition_penalty are accepted by
+    vLLM's SamplingParams (and switch the trainer's log-probs off: they are no longer the training distribution's)."""
+    model = load_model("builtin:tiny").train()
+    digits = VLLMEngine(max_new_tokens=6, temperature=1.0, structured_outputs_regex=r"[0-9]{3}")
+    rollout = generate(digits, model, tokenizer)
+    texts = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    assert all(len(t.strip()) == 3 and t.strip().isdigit() for t in texts), texts
+    penalized = VLLMEngine(max_new_tokens=6, temperature=1.0, min_p=0.05, repetition_penalty=1.3)
+    assert generate(penalized, model, tokenizer).logps is None
