@@ -97,6 +97,7 @@ class StepBatch:
     dataset_rows: list[int] | None  # the dataset index of each completion's prompt
     is_ratio: torch.Tensor | None = None  # [n, C'] or [n, 1]: the sampling engine's importance weights (vLLM)
     sampling_logps: torch.Tensor | None = None  # [n, C'] vLLM's, when the off-policy mask compares them
+    tool_mask: torch.Tensor | None = None  # [n, C'] 0 on tool turns' tokens (already out of loss_mask)
 
 
 @dataclass
@@ -123,6 +124,7 @@ class GenerationRound:
     reward_funcs: dict[str, list[float]] = field(default_factory=dict)  # per row: each reward function's value
     is_ratio: torch.Tensor | None = None  # [N, C] or [N, 1]: importance weights for the sampling engine (vLLM)
     sampling_logps: torch.Tensor | None = None  # [N, C] vLLM's log-probs, kept for the off-policy mask
+    tool_mask: torch.Tensor | None = None  # [N, C] with tools: 0 on the tool turns' tokens (loss_mask leaves them out)
 
     def step_batch(self, position: int) -> StepBatch:
         """The rows of the round's ``position``-th step (passes repeat: ``position`` counts modulo ``steps``).
@@ -145,6 +147,7 @@ class GenerationRound:
             self.advantages[rows], completions(self.old_logps), completions(self.ref_logps),
             None if self.dataset_rows is None else [self.dataset_rows[i] for i in rows.tolist()],
             None if self.is_ratio is None else self.is_ratio[rows][:, :width], completions(self.sampling_logps),
+            completions(self.tool_mask),
         )
 
     def to(self, device: torch.device | str) -> GenerationRound:

@@ -41,6 +41,28 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
+# ``CHAT_TEMPLATE`` plus tools (``chat_template: builtin:tools``): without tools it renders the same text. The tools are
+# one line of signatures, ``<|system|>tools: add(a, b)``; an assistant turn's calls follow its content as Qwen's
+# ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (what ``lit_align.generation.tools`` parses), and a
+# tool's result is a ``<|tool|>`` turn.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}{{ '<|system|>tools: ' }}{% for tool in tools %}"
+    "{% set f = tool.function if tool.function is defined else tool %}"
+    "{{ f.name + '(' + (f.parameters.properties | list | join(', ')) + ')' }}{% if not loop.last %}{{ '; ' }}{% endif %}"
+    "{% endfor %}{{ '\n' }}{% endif %}"
+    "{%- for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}{% set f = call.function if call.function is defined else call %}"
+    "{{ '<tool_call>{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
+    "{% if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson }}{% endif %}{{ '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+# chat templates by name (``chat_template: builtin:tools``)
+NAMED_CHAT_TEMPLATES = {BUILTIN_PREFIX + "tools": TOOL_CHAT_TEMPLATE}
+
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The built-in character-level tokenizer: one id per printable ASCII character, no merges."""
@@ -108,7 +130,10 @@ def check_loadable(name_or_path: str, what: str) -> str:
 
 
 def read_chat_template(chat_template: str) -> str:
-    """A chat template given as a file (``.jinja``, ``.j2``, ``.txt``, or any existing file) or as the template."""
+    """A chat template given as a file (``.jinja``, ``.j2``, ``.txt``, or any existing file), as the template, or by
+    name (``NAMED_CHAT_TEMPLATES``: ``builtin:tools``)."""
+    if chat_template in NAMED_CHAT_TEMPLATES:
+        return NAMED_CHAT_TEMPLATES[chat_template]
     path = Path(chat_template).expanduser()
     if "{" not in chat_template or path.suffix in (".jinja", ".j2"):
         if not path.is_file():

@@ -412,3 +412,91 @@ def assert_same_gradients(model: torch.nn.Module, reference: torch.nn.Module, po
     for name, param in model.named_parameters():
         assert theirs[name].grad.abs().max() > 0, name
         assert_rounding_close(param.grad, theirs[name].grad, terms=positions * TINY_TERMS, msg=f"{name} gradient")
+
+
+class ScriptedEngine:
+    """An ``Engine`` whose every ``generate`` call "samples" the next texts of ``script`` (one per row it is given),
+    with log-prob ``-(position + 1) / 100`` at each token; it records the prompts (unpadded) it was called with. Once
+    the script is used up, ``then`` (another engine) samples, if given: a first turn forced, the rest sampled."""
+
+    def __init__(self, tokenizer, script: list[list[str]], then=None):
+        self.tokenizer, self.script, self.prompts, self.then = tokenizer, list(script), [], then
+
+    def generate(self, model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id):
+        from lit_align.generation import Rollout
+
+        if not self.script and self.then is not None:
+            return self.then.generate(model, prompt_ids, prompt_mask, num_samples, eos_token_ids, pad_token_id)
+        texts = self.script.pop(0)
+        self.prompts.append([p[m.bool()].tolist() for p, m in zip(prompt_ids, prompt_mask)])
+        assert len(texts) == len(prompt_ids) * num_samples
+        ids = [self.tokenizer(t)["input_ids"] for t in texts]
+        width = max(map(len, ids))
+        completion_ids = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in ids])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids])
+        logps = -(torch.arange(width) + 1).float().expand(len(ids), width) / 100 * mask
+        truncated = torch.tensor([r[-1] not in eos_token_ids for r in ids])
+        return Rollout(completion_ids, mask, truncated, logps)
+
+
+class CounterEnvironment:
+    """A test environment (``model.environment_factory: helpers.CounterEnvironment``): a counter the model moves
+    with its ``increment`` tool; rewarded 1.0 when the counter ends at the row's ``answer``."""
+
+    def reset(self, **row) -> str:
+        self.target, self.count = int(row["answer"]), 0
+        return f" (reach {self.target})"
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: how much to add
+        """
+        self.count += by
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count == self.target)
+
+
+class BrokenEnvironment:
+    """A test environment whose ``reset`` raises."""
+
+    def reset(self, **row) -> None:
+        raise ValueError("no such level")
+
+
+def replay_rollout(prompts, module):
+    """A test ``rollout_func``: each prompt rendered by the module's tokenizer, completion ``"<k>|env|ok</s>"`` for
+    the k-th prompt with ``|env|`` marked as not sampled (``env_mask`` 0), log-probs -0.5, and a ``score`` column
+    (k) for ``reward_score``."""
+    tok = module.tokenizer
+    prompt_ids = [tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False) if isinstance(p, list)
+                  else tok(p)["input_ids"] for p in prompts]
+    parts = [[tok(f"{k}")["input_ids"], tok("|env|")["input_ids"], tok("ok</s>")["input_ids"]]
+             for k in range(len(prompts))]
+    return {"prompt_ids": prompt_ids, "completion_ids": [a + b + c for a, b, c in parts],
+            "logprobs": [[-0.5] * (len(a) + len(b) + len(c)) for a, b, c in parts],
+            "env_mask": [[1] * len(a) + [0] * len(b) + [1] * len(c) for a, b, c in parts],
+            "score": [float(k) for k in range(len(prompts))]}
+
+
+def reward_score(completions, score, **_):
+    """Reads a rollout_func's own column."""
+    return list(score)
+
+
+def bad_rollout(prompts, module):
+    """A test ``rollout_func`` that returns the completions alone (no ids)."""
+    return ["12"] * len(prompts)
+
+
+def add(a: int, b: int) -> int:
+    """Add two whole numbers (a test tool: ``model.tools: [helpers.add]``).
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b

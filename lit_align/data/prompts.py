@@ -113,16 +113,22 @@ class PromptDataModule(AlignDataModule):
         self.round_settings = {name: value for name, value in given.items() if value is not None}
         self.round_shape: RoundShape | None = None
         self.prompts_per_round: int | None = None
+        self.tools: list[dict] | None = None  # the module's tool schemas, rendered into every prompt
         if self.round_settings and generation_batch_size is None:  # checked now, as every data setting (the
             self._use_round(RoundShape(**self.round_settings))      # module's defaults fill the others)
         elif generation_batch_size is not None and generation_batch_size % (num_generations or 1):
             raise LitAlignError(f"data.generation_batch_size {generation_batch_size} must be a multiple of "
                                 f"data.num_generations {num_generations} (whole groups)")
 
-    def connect(self, tokenizer: str | None = None, round_shape: RoundShape | None = None) -> None:
-        """The model's tokenizer and the round's shape (``GRPOModule`` owns it). A round setting also given here
-        must be the module's: a round of another shape would regroup the completions."""
+    def connect(self, tokenizer: str | None = None, round_shape: RoundShape | None = None,
+                tools: list[dict] | None = None) -> None:
+        """The model's tokenizer, the round's shape (``GRPOModule`` owns it) and the schemas of the tools its
+        completions may call (rendered into every prompt, as TRL does, unless a row has its own ``tools``). A round
+        setting also given here must be the module's: a round of another shape would regroup the completions."""
         super().connect(tokenizer)
+        if tools != self.tools:  # rows tokenized without these tools are tokenized again
+            self.train_data = self.val_data = None
+        self.tools = tools
         if round_shape is None:
             return
         for name, value in self.round_settings.items():
@@ -145,12 +151,17 @@ class PromptDataModule(AlignDataModule):
             raise LitAlignError(f"{source}: missing column 'prompt' (expected prompt-only rows)")
         tokenizer, max_length = self.tokenizer, self.max_length
 
-        chat_template_kwargs = self.chat_template_kwargs
+        chat_template_kwargs, tools = self.chat_template_kwargs, self.tools
 
         def tokenize(row, index):
             where = f"{source} row {index}"
             conversational = check_prompt(row["prompt"], where)
             template = template_kwargs(row, chat_template_kwargs, where)
+            if tools:
+                if not conversational:
+                    raise LitAlignError(f"{where}: field 'prompt' is text, but model.tools needs conversational "
+                                        "prompts (a list of {role, content} messages) to render the tools into")
+                template.setdefault("tools", tools)
             with naming_row(where):
                 ids = encode_prompt(tokenizer, row["prompt"], conversational, template)
             return {"prompt_ids": keep_end(ids, max_length)}

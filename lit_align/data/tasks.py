@@ -8,6 +8,7 @@ and prompt-only rows with the ``answer`` column that reward functions read.
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -209,4 +210,90 @@ class ArithmeticTask(GeneratedTask):
         })
 
 
-BUILTIN_TASKS = {"sort": SortTask, "arith": ArithmeticTask}
+class ModSumEnvironment:
+    """The modsum task's environment (GRPO's ``model.environment_factory: lit_align.data.tasks.ModSumEnvironment``):
+    a calculator that has read the question, so its one tool, ``compute``, takes no arguments."""
+
+    def reset(self, **row) -> None:
+        self.question = row["prompt"][-1]["content"]
+
+    def compute(self) -> int:
+        """Compute the answer to the question."""
+        return ModSumTask.solve(*map(int, self.question.removesuffix(" mod 7").split("+")))
+
+
+class ModSumTask(GeneratedTask):
+    """The sum of two numbers of ``min_digits``..``max_digits`` digits, mod 7: ``"4821+3907 mod 7"`` -> ``"6"``, with
+    a tool.
+
+    The tool task of the built-in models (``configs/grpo_tools.yaml``). The tiny character-level model does not learn
+    this arithmetic in a short run (a guess is right one time in seven); calling the environment's ``compute`` tool
+    (``ModSumEnvironment``) and copying its one-digit result is within its reach. Prompts are one user turn; the
+    ``answer`` column is the result. SFT rows demonstrate the tool on a seeded ``tool_fraction`` of the problems
+    (call, result, the result as the answer) and answer directly on the others, so a model trained on them samples a
+    call about that often: room for GRPO to learn that calling, and copying the result, pays. Their ``tools`` column
+    holds the tool's schema, rendered into the prompt as GRPO renders it. No preference rows.
+    """
+
+    name = "modsum"
+
+    def __init__(self, num_train: int = 2000, num_test: int = 100, min_digits: int = 3, max_digits: int = 4,
+                 tool_fraction: float = 0.5):
+        super().__init__(num_train, num_test)
+        self.min_digits, self.max_digits, self.tool_fraction = min_digits, max_digits, tool_fraction
+
+    @staticmethod
+    def solve(a: int, b: int) -> int:
+        return (a + b) % 7
+
+    def _number(self, rng: random.Random) -> int:
+        digits = rng.randint(self.min_digits, self.max_digits)
+        return rng.randint(10 ** (digits - 1), 10**digits - 1)
+
+    def _draw(self, n: int, seed: int, exclude: set) -> list[tuple[int, int]]:
+        rng = random.Random(seed)
+        out: list[tuple[int, int]] = []
+        seen = set(exclude)
+        while len(out) < n:
+            problem = (self._number(rng), self._number(rng))
+            if problem not in seen:
+                seen.add(problem)
+                out.append(problem)
+        return out
+
+    @staticmethod
+    def prompt(a: int, b: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"{a}+{b} mod 7"}]
+
+    @classmethod
+    def tool_turns(cls, a: int, b: int) -> list[dict]:
+        """The demonstration: call ``compute``, get the result, answer with it."""
+        call = {"type": "function", "function": {"name": "compute", "arguments": {}}}
+        result = str(cls.solve(a, b))
+        return [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "compute", "content": result},
+                {"role": "assistant", "content": result}]
+
+    def prompt_rows(self, split: str) -> Dataset:
+        problems = self._problems(split)
+        return Dataset.from_dict({"prompt": [self.prompt(a, b) for a, b in problems],
+                                  "answer": [str(self.solve(a, b)) for a, b in problems]})
+
+    def completion_rows(self, split: str) -> Dataset:
+        from transformers.utils import get_json_schema
+
+        rng = random.Random(200 + SPLIT_SEEDS[split])
+        problems = self._problems(split)
+        completions = [self.tool_turns(a, b) if rng.random() < self.tool_fraction
+                       else [{"role": "assistant", "content": str(self.solve(a, b))}] for a, b in problems]
+        schemas = json.dumps([get_json_schema(ModSumEnvironment().compute)])
+        return Dataset.from_dict({"prompt": [self.prompt(a, b) for a, b in problems],
+                                  "completion": completions, "tools": [schemas] * len(problems)})
+
+    def preference_rows(self, split: str) -> Dataset:
+        from lit_align.errors import LitAlignError
+
+        raise LitAlignError("builtin:modsum has prompts (GRPO) and SFT rows, no preference pairs")
+
+
+BUILTIN_TASKS = {"sort": SortTask, "arith": ArithmeticTask, "modsum": ModSumTask}

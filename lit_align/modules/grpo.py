@@ -11,6 +11,7 @@ behind ``lit_align.generation``; the reference behind ``lit_align.reference``.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from lit_align import layouts
 from lit_align.callbacks import RefModelSync
 from lit_align.errors import LitAlignError
 from lit_align.generation import SamplingConfig, VLLMOptions, make_engine
+from lit_align.generation.environments import Environments
+from lit_align.generation.tools import ToolLoop, load_tool, rollout_from_output, tool_schema, turns_text
 from lit_align.generation_round import GenerationRound, RoundShape
 from lit_align.logps import layout_logps
 from lit_align.losses.grpo import (
@@ -57,8 +60,13 @@ def check_sampling(temperature: float, max_completion_length: int) -> None:
                             f"got {max_completion_length}")
 
 
-def load_rewards(specs: list[str | dict] | None, weights: list[float] | None) -> tuple[list, list[str], list[float]]:
-    """``(reward functions, their names, their weights)`` from ``model.reward_funcs`` / ``model.reward_weights``."""
+def load_rewards(specs: list[str | dict] | None, weights: list[float] | None,
+                 owned: list | None = None) -> tuple[list, list[str], list[float]]:
+    """``(reward functions, their names, their weights)`` from ``model.reward_funcs`` / ``model.reward_weights``, and
+    the rewards environments own (``owned``: weight 1, after them, as TRL)."""
+    owned = owned or []
+    if not specs and owned:
+        return owned, [reward_name(fn) for fn in owned], [1.0] * len(owned)
     if not specs:  # TRL requires them: a default reward would fit one dataset and silently score others
         raise LitAlignError("model.reward_funcs: none given; GRPO scores completions only with the reward functions "
                             "you name (TRL's reward_funcs): e.g. [lit_align.rewards.sort_accuracy] for the built-in "
@@ -67,7 +75,8 @@ def load_rewards(specs: list[str | dict] | None, weights: list[float] | None) ->
     weights = weights or [1.0] * len(funcs)
     if len(weights) != len(funcs):
         raise LitAlignError(f"model.reward_weights has {len(weights)} values for {len(funcs)} reward_funcs")
-    return funcs, [reward_name(fn) for fn in funcs], weights
+    funcs += owned
+    return funcs, [reward_name(fn) for fn in funcs], list(weights) + [1.0] * len(owned)
 
 
 class GRPOModule(AlignModule):
@@ -166,6 +175,22 @@ class GRPOModule(AlignModule):
         vllm_importance_sampling_clip_max: upper bound of the ratio (TRL's cap; None: none).
         vllm_structured_outputs_regex: with ``engine: vllm``, constrain every completion to this regular expression
             (vLLM's structured outputs; None: free text).
+        tools: functions the model may call during its rollouts (TRL's ``tools``): dotted paths or
+            ``{class_path, init_args}`` objects, plain or ``async``, with type hints and a Google-style docstring
+            (their schemas go to the chat template). Completions then run as ``lit_align.generation.tools.ToolLoop``
+            does: tool turns appended token in token out and left out of the loss (``tool_mask``). Needs
+            conversational prompts and a chat template that renders tool calls (``builtin:tools`` for the
+            built-in models). None: one completion per sample, no tools.
+        max_tool_calling_iterations: rounds of tool calls per completion at most (TRL's; None: until no call).
+        environment_factory: an environment class per rollout (TRL's): a class path, ``{class_path, init_args}``, or
+            a mapping of names to those picked per row by its ``environment`` column. Its ``reset(**row)`` may append
+            text to the prompt, its public methods are the rollout's tools, and a ``get_reward()`` makes it a reward
+            source (``reward_funcs`` may then be empty). See ``lit_align.generation.environments``.
+        rollout_func: a dotted path to ``f(prompts, module) -> dict`` that makes the round's completions instead of
+            the engine (TRL's ``rollout_func``; ``prompts``: one per completion, each prompt ``num_generations``
+            times in a row): per completion its ``prompt_ids``, ``completion_ids`` and ``logprobs`` (lists; None:
+            computed by a forward), optionally ``env_mask`` (0 on tokens the model did not sample, as the tool mask)
+            and other keys, passed to the reward functions. It makes the validation completions too.
     """
 
     def __init__(
@@ -225,6 +250,10 @@ class GRPOModule(AlignModule):
         vllm_importance_sampling_clip_min: float | None = None,
         vllm_importance_sampling_clip_max: float | None = 3.0,
         vllm_structured_outputs_regex: str | None = None,
+        tools: list[str | dict] | None = None,
+        max_tool_calling_iterations: int | None = None,
+        environment_factory: str | dict | None = None,
+        rollout_func: str | None = None,
         **kwargs,
     ):
         # the arguments as given: under LightningCLI ``self.hparams`` is the parsed config, which leaves out what a
@@ -236,7 +265,9 @@ class GRPOModule(AlignModule):
         self.loss_fn = GRPOLoss(**{name: arguments[name] for name in GRPOLoss.__dataclass_fields__})
         self.entropy_control = EntropyControl.from_loss(self.loss_fn)
         self.entropy_window: torch.Tensor | None = None  # adaptive: (entropy sum, tokens) of this accumulation window
-        self.reward_funcs, self.reward_names, weights = load_rewards(reward_funcs, reward_weights)
+        self.environments = None if environment_factory is None else Environments(environment_factory)
+        owned = [] if self.environments is None else self.environments.reward_functions()
+        self.reward_funcs, self.reward_names, weights = load_rewards(reward_funcs, reward_weights, owned)
         self.register_buffer("reward_weights", torch.tensor(weights, dtype=torch.float32), persistent=False)
         self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
         self.temperature, self.padding_free = temperature, padding_free
@@ -256,13 +287,21 @@ class GRPOModule(AlignModule):
         self.engine, self.greedy_engine = self.make_engines(
             engine, arguments, max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p, top_k=top_k,
             min_p=min_p, repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs)
+        self.tools = [load_tool(spec) for spec in tools or []]
+        self.tool_schemas = [tool_schema(tool) for tool in self.tools]  # the data renders its prompts with them
+        if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
+            raise LitAlignError(f"model.max_tool_calling_iterations must be >= 0 or null, got "
+                                f"{max_tool_calling_iterations}")
+        self.tool_loop: ToolLoop | None = None  # built with the tokenizer (configure_model)
+        self.rollout_func = None if rollout_func is None else load_tool(rollout_func, "model.rollout_func")
         self.round: GenerationRound | None = None
         self.reward_metrics: dict[str, list[float]] = {}  # what reward functions log this round (log_metric)
         self.reward_columns: dict[str, list] = {}  # and their completions-table columns (log_extra)
         self.generation_rounds = 0
         self.generation_seed = torch.initial_seed()  # re-read at fit start (after ``seed_everything``)
         self.val_metrics = torch.nn.ModuleDict(
-            {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names)]})
+            {name: MeanMetric() for name in ["reward", *(f"rewards_{n}_mean" for n in self.reward_names),
+                                             *(["tool_calls"] if tools or environment_factory else [])]})
 
     def make_engines(self, engine: str, settings: dict[str, Any], temperature: float, **sampling):
         """The ``engine`` sampling the rounds and its greedy twin for validation (``SamplingConfig``'s settings; the
@@ -284,7 +323,7 @@ class GRPOModule(AlignModule):
 
     def data_settings(self) -> dict:
         """The data follows the round's shape too (``PromptDataModule.connect``)."""
-        return {**super().data_settings(), "round_shape": self.round_shape}
+        return {**super().data_settings(), "round_shape": self.round_shape, "tools": self.tool_schemas or None}
 
     def configure_callbacks(self):
         return [self.ref_sync] if self.ref_sync is not None else []
@@ -299,6 +338,11 @@ class GRPOModule(AlignModule):
         for fn in self.reward_funcs:  # reward models load with the policy's settings (TRL: model_init_kwargs)
             if isinstance(fn, RewardModel):
                 fn.load(hp.dtype, hp.trust_remote_code, hp.model_init_kwargs)
+        # the tool loop refuses a template that cannot call tools: now, before training
+        if (self.tools or self.environments is not None) and self.tool_loop is None:
+            self.tool_loop = ToolLoop(self.tools, self.tokenizer, self.max_completion_length,
+                                      hp.max_tool_calling_iterations,
+                                      getattr(self.network.config, "max_position_embeddings", None))
 
     def weights_version(self) -> int:
         """The policy weights' version, for engines that hold a copy of them (vllm): the optimizer steps taken."""
@@ -309,10 +353,20 @@ class GRPOModule(AlignModule):
         """``num_samples`` completions per prompt: the ``Rollout``, the prompts (repeated) and the completions (text,
         or an assistant message for conversational prompts)."""
         tok = self.tokenizer
-        rollout = engine.generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples,
-                                   eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
-        texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        eos_pad = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id}
+        if self.rollout_func is not None:  # the user's rollouts (TRL's rollout_func), in training and validation
+            output = self.rollout_func(_repeat(batch["prompts"], num_samples), self)
+            rollout = rollout_from_output(output, self.hparams.rollout_func, len(batch["prompts"]) * num_samples,
+                                          device=self.device, **eos_pad)
+        elif self.environments is not None:  # a fresh environment per rollout, its prompt rendered after its reset
+            rollout = self.environments.rollout(self.tool_loop, engine, self.policy, batch, num_samples, **eos_pad)
+        else:
+            generate = engine.generate if self.tool_loop is None else partial(self.tool_loop.generate, engine)
+            rollout = generate(self.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples, **eos_pad)
         prompts = _repeat(batch["prompts"], num_samples)
+        if getattr(rollout, "messages", None) is not None:  # the turns: assistant (with tool_calls), tool, ...
+            return rollout, prompts, rollout.messages
+        texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
         return rollout, prompts, completions
 
@@ -325,6 +379,9 @@ class GRPOModule(AlignModule):
         extra = {"trainer_state": state, "log_metric": lambda name, value: self.reward_metrics.setdefault(
                      name, []).append(float(value)),
                  "log_extra": lambda column, values: self.reward_columns.setdefault(column, []).extend(values)}
+        if getattr(rollout, "environments", None) is not None:  # TRL: every reward function sees them
+            extra["environments"] = rollout.environments
+        extra.update(getattr(rollout, "extra", None) or {})  # a rollout_func's own columns
         for fn in self.reward_funcs:
             if isinstance(fn, RewardModel):
                 fn.to(self.device)
@@ -368,10 +425,13 @@ class GRPOModule(AlignModule):
 
         prompt_ids = batch["prompt_ids"].repeat_interleave(group, 0)
         prompt_mask = batch["prompt_mask"].repeat_interleave(group, 0)
+        if getattr(rollout, "prompt_ids", None) is not None:  # each rollout's own prompt (environments)
+            prompt_ids, prompt_mask = rollout.prompt_ids, rollout.prompt_mask
         completion_ids, completion_mask = rollout.completion_ids, rollout.completion_mask
-        loss_mask = completion_mask
+        tool_mask = getattr(rollout, "tool_mask", None)  # 0 on tool turns: not the policy's tokens
+        loss_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
         if self.mask_truncated_completions:
-            loss_mask = completion_mask * (~rollout.truncated).unsqueeze(1)
+            loss_mask = loss_mask * (~rollout.truncated).unsqueeze(1)
         sequences = (prompt_ids, prompt_mask, completion_ids, completion_mask)
 
         old_logps, is_ratio, sampling_stats = self.old_logps(rollout, sequences)
@@ -390,23 +450,25 @@ class GRPOModule(AlignModule):
             order=order, steps=shape.steps_per_generation,
             num_tokens=shape.tokens_per_step(float(num_tokens), self.trainer.world_size),
             stats={**self.round_stats(rollout, per_func, rewards, all_rewards), **sampling_stats},
-            prompts=prompts, completions=[c if isinstance(c, str) else c[0]["content"] for c in completions],
+            prompts=prompts, completions=[c if isinstance(c, str) else turns_text(c) for c in completions],
             rewards=rewards.tolist(), dataset_rows=None if prompt_rows is None else _repeat(prompt_rows, group),
             extra={k: v for k, v in self.reward_columns.items() if len(v) == len(prompts)}, is_ratio=is_ratio,
             sampling_logps=rollout.logps if is_ratio is not None and self.loss_fn.off_policy_mask_threshold is not None
             else None,
             reward_funcs={name: per_func[:, i].tolist() for i, name in enumerate(self.reward_names)},
+            tool_mask=tool_mask,
         )
 
     def old_logps(self, rollout, sequences: tuple) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """``(old log-probs, importance weights, sampling/* metrics)`` of a round's ``sequences`` (prompt ids and mask,
-        completion ids and mask). The old (sampling)
-        policy's log-probs matter only when the policy moves before the round is used up
+        completion ids and mask; the weights over the sampled tokens only, not tool turns). The old (sampling) policy's
+        log-probs matter only when the policy moves before the round is used up
         (``RoundShape.needs_old_logps``): the engine's, or a forward pass. With vLLM's sampling corrected for, they
         are the training forward's (TRL) and the weights compare them with vLLM's."""
         if self.importance_sampling is not None:
             old_logps = self.completion_logps(self.network, *sequences)[0]
-            mask = sequences[3]
+            tool_mask = getattr(rollout, "tool_mask", None)
+            mask = sequences[3] if tool_mask is None else sequences[3] * tool_mask
             is_ratio = importance_sampling_ratio(old_logps, rollout.logps, mask, *self.importance_sampling)
             return old_logps, is_ratio, self.sampling_stats(old_logps, rollout.logps, mask, is_ratio)
         if not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches):
@@ -434,7 +496,8 @@ class GRPOModule(AlignModule):
     def round_stats(self, rollout, per_func, rewards, all_rewards) -> dict[str, torch.Tensor]:
         """TRL's per-round metrics, averaged over ranks; std, min and max are over every rank's completions
         (gathered), not averages of per-rank values."""
-        lengths = rollout.completion_mask.sum(1).float()
+        tool_mask = getattr(rollout, "tool_mask", None)  # TRL counts the sampled tokens only
+        lengths = (rollout.completion_mask if tool_mask is None else rollout.completion_mask * tool_mask).sum(1).float()
         all_lengths = self.trainer.strategy.all_gather(lengths).reshape(-1)
         groups = rewards.view(-1, self.round_shape.num_generations)
         zero_std = (nanstd(groups, dim=1) < 1e-6).float()  # as the advantages see it
@@ -449,6 +512,12 @@ class GRPOModule(AlignModule):
             **{f"rewards/{n}/mean": per_func[:, i].nanmean() for i, n in enumerate(self.reward_names)},
             **{name: torch.tensor(sum(v) / len(v), device=self.device) for name, v in self.reward_metrics.items()},
         }
+        if self.tool_loop is not None:  # TRL's: calls per completion, and the failed share of the calls (all ranks)
+            calls, failures = self.trainer.strategy.reduce(
+                torch.tensor([rollout.tool_calls, rollout.tool_failures], dtype=torch.float32, device=self.device),
+                reduce_op="sum")
+            stats["tools/call_frequency"] = calls / (len(lengths) * self.trainer.world_size)
+            stats["tools/failure_frequency"] = failures / calls if calls > 0 else torch.zeros((), device=self.device)
         values = self.trainer.strategy.reduce(torch.stack(list(stats.values())), reduce_op="mean")
         return dict(zip(stats, values))
 
@@ -584,5 +653,9 @@ class GRPOModule(AlignModule):
             if not values.isnan().all():
                 metric.update(values[~values.isnan()])
                 self.log(f"val/rewards/{name}/mean", metric)
+        if "tool_calls" in self.val_metrics:  # tool calls per completion (TRL's tools/call_frequency)
+            calls = self.val_metrics["tool_calls"]
+            calls.update(torch.tensor(rollout.tool_calls / len(prompts), device=self.device), weight=len(prompts))
+            self.log("val/tools/call_frequency", calls)
 
     test_step = validation_step

@@ -32,7 +32,7 @@ _NOT_RLOO = (
     "top_entropy_quantile", "off_policy_mask_threshold", "use_bias_correction_kl", "entropy_coef",
     "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
     "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
-    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_max", "tools", "max_tool_calling_iterations", "environment_factory", "rollout_func",
 )
 
 
@@ -78,7 +78,8 @@ class RLOOModule(GRPOModule):
             use_bias_correction_kl=False, entropy_coef=0.0, use_adaptive_entropy=False, entropy_coef_min=0.0,
             entropy_coef_max=1.0, entropy_coef_delta=0.005, entropy_target=0.2,
             vllm_importance_sampling_correction=False, vllm_importance_sampling_mode="sequence_mask",
-            vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=None, **kwargs)
+            vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=None, tools=None,
+            max_tool_calling_iterations=None, environment_factory=None, rollout_func=None, **kwargs)
         for name in _NOT_RLOO:
             self.hparams.pop(name, None)
         self.normalize_advantages = normalize_advantages

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from lit_align.cli import run as cli
 from lit_align.data.tasks import ArithmeticTask
 from lit_align.rewards import arith_exact, arith_format, last_number_match
@@ -67,3 +69,31 @@ def test_lit_align_validates_a_model_on_the_arith_task(tmp_path, tiny_path):
     metrics = cli(args).trainer.callback_metrics
     assert float(metrics["val/rewards/arith_format/mean"]) == 0.0
     assert 0.0 <= float(metrics["val/rewards/last_number_match/mean"]) <= 1.0
+
+
+def test_modsum_task_demonstrates_its_tool_on_a_fraction_of_the_sft_rows():
+    import json
+
+    from lit_align.data.tasks import ModSumEnvironment, ModSumTask
+    from lit_align.errors import LitAlignError
+
+    task = ModSumTask(num_train=400, num_test=20)
+    train, test = task.prompt_rows("train"), task.prompt_rows("test")
+    assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in test}
+    for r in train:
+        a, b = map(int, r["prompt"][0]["content"].removesuffix(" mod 7").split("+"))
+        assert r["answer"] == str((a + b) % 7) and 100 <= min(a, b) and max(a, b) <= 9999
+        environment = ModSumEnvironment()
+        environment.reset(**r)
+        assert str(environment.compute()) == r["answer"]
+    sft = task.completion_rows("train")
+    calls = [r for r in sft if len(r["completion"]) == 3]
+    assert 0.4 < len(calls) / len(sft) < 0.6  # tool_fraction 0.5, seeded
+    for row in calls:
+        call, result, answer = row["completion"]
+        assert call["tool_calls"][0]["function"] == {"name": "compute", "arguments": {}}
+        a, b = map(int, row["prompt"][0]["content"].removesuffix(" mod 7").split("+"))
+        assert result["content"] == answer["content"] == str((a + b) % 7)
+    assert json.loads(sft[0]["tools"])[0]["function"]["name"] == "compute"
+    with pytest.raises(LitAlignError, match="builtin:modsum has prompts"):
+        task.preference_rows("train")
