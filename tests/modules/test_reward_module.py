@@ -137,5 +137,6 @@ def test_a_bad_margin_through_the_cli_is_one_error_line(tmp_path, capfd, write_j
     path = write_jsonl([{"prompt": "sort 31:", "chosen": "13", "rejected": "31", "margin": "wide"}])
     code, _, err = run_main(["fit", "-c", "configs/reward.yaml", "--data.init_args.path", path,
                              "--data.init_args.val_split", "null", "--trainer.max_steps", "1",
-                             "--trainer.logger", "false", "--export.enabled", "false"], capfd)
+                             "--trainer.logger", "false", "--export.enabled", "false",
+                             "--trainer.default_root_dir", str(tmp_path)], capfd)
     assert_one_line_error(code, err, f"{path} row 0: field 'margin' must be a finite number, got 'wide'")
