@@ -21,6 +21,17 @@ from lightning.pytorch.strategies import FSDPStrategy
 
 TESTS = Path(__file__).resolve().parent
 
+# what a launcher sets for its ranks: a run started as a subprocess gets none of this process's (Lightning would take
+# itself for externally launched and wait for ranks it never starts)
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI run in a subprocess: this one's, without launcher variables, ``tests`` importable."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH")]))
+    return {**env, **extra}
+
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
     """A CSVLogger ``metrics.csv`` as a list of rows, empty cells dropped, numbers parsed; or a run directory's
@@ -220,7 +231,7 @@ def ddp_and_single(tmp_path_factory, ddp_args, single_args=None, strategy: list[
     strategy, DDP by default) and meanwhile, in this process and with ``single_args(out_dir)``, on one; returns both
     output directories."""
     ddp_dir, single_dir = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("single")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    env = cli_env()
     ddp = subprocess.Popen(
         [sys.executable, "-m", "lit_align", *ddp_args(ddp_dir), *(strategy or ["--trainer.strategy", "ddp"]),
          "--trainer.devices", "2"],

@@ -186,9 +186,13 @@ class ColocatedEngine:
         vllm = import_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process, not an engine-core child
         kwargs = {}
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
             # each rank runs its own engine in its own process, beside the process group the trainer set up; vLLM
-            # reads the rank from the environment (Lightning leaves rank 0's unset: its local rank 0 by default)
+            # reads the rank from the environment (Lightning leaves rank 0's unset: its local rank 0 by default).
+            # A group of one is vLLM's own (its first engine in this process made it): nothing to launch beside it,
+            # and a LOCAL_RANK set here would tell a Lightning run started from this process that it was launched
+            # externally (it would wait for ranks it never starts).
             rank = torch.distributed.get_rank()
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(torch.distributed.get_world_size()))
             os.environ.setdefault("LOCAL_RANK", "0")

@@ -8,7 +8,6 @@ completions). Two runs of one seeded config give one loss trajectory.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import lightning as L
 import pytest
 import torch
 from helpers import fit as run_fit
-from helpers import read_metrics, write_sort_rows
+from helpers import cli_env, read_metrics, write_sort_rows
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_align.data import PreferenceDataModule, PromptDataModule, RewardDataModule, UnpairedPreferenceDataModule
@@ -180,8 +179,7 @@ def test_grpo_ddp_resume_mid_round_is_exact(tmp_path, prompts_file, lit_align_ca
             "--export.enabled", "false", *extra,
         ]
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "LIT_ALIGN_CACHE": str(lit_align_cache)}
+    env = cli_env(LIT_ALIGN_CACHE=str(lit_align_cache))
 
     def run(args):
         proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

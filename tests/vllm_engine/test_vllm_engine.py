@@ -4,6 +4,8 @@ training forward's, LoRA adapters are merged for generation, and what vLLM canno
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import left_padded
@@ -122,3 +124,20 @@ def test_structured_outputs_regex_and_sampling_options_reach_vllm(tiny_path, tok
     assert all(len(t.strip()) == 3 and t.strip().isdigit() for t in texts), texts
     penalized = VLLMEngine(max_new_tokens=6, temperature=1.0, min_p=0.05, repetition_penalty=1.3)
     assert generate(penalized, model, tokenizer).logps is None
+
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def test_engines_of_one_process_leave_the_launcher_variables_alone(tiny_path, tokenizer, monkeypatch):
+    """vLLM's first engine makes a process group of one; a second engine (other settings) must not read it as a
+    trainer's and export LOCAL_RANK: a DDP run started from this process would take itself for externally launched
+    and wait for ranks it never starts."""
+    for name in LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    model = load_model("builtin:tiny").eval()
+    first = generate(VLLMEngine(max_new_tokens=4, temperature=0.0), model, tokenizer)
+    second = generate(VLLMEngine(max_new_tokens=4, temperature=0.0, max_model_length=64), model, tokenizer)
+    assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
+    assert_same_rollout(first, second)
+    assert {name: os.environ.get(name) for name in LAUNCHER_VARIABLES} == dict.fromkeys(LAUNCHER_VARIABLES)

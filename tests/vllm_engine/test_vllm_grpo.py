@@ -4,7 +4,6 @@ a run resumed mid-round is exact; under DDP each rank has its own engine, synced
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from helpers import fit, read_metrics, write_sort_rows
+from helpers import cli_env, fit, read_metrics, write_sort_rows
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_align.data import PromptDataModule
@@ -100,8 +99,7 @@ def test_ddp_runs_one_synced_engine_per_rank(tmp_path, prompts_file, lit_align_c
             "--trainer.max_steps", "3", "--trainer.val_check_interval", "null", "--trainer.log_every_n_steps", "1",
             "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
             "--export.enabled", "false"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]),
-           "LIT_ALIGN_CACHE": str(lit_align_cache)}
+    env = cli_env(LIT_ALIGN_CACHE=str(lit_align_cache))
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(next((tmp_path / "grpo").glob("version_*")))
