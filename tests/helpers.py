@@ -511,3 +511,21 @@ def add(a: int, b: int) -> int:
         b: the second number
     """
     return a + b
+
+
+def increment_call(by: int) -> str:
+    """A first turn that calls ``CounterEnvironment.increment`` (the built-in tool template's call format)."""
+    return f'<tool_call>{{"name": "increment", "arguments": {{"by": {by}}}}}</tool_call></s>'
+
+
+class ForceToolCalls(L.Callback):
+    """Script the first round's first turns (a plain Lightning callback, usable from the CLI): on a rank listed in
+    ``calling_ranks`` every completion calls ``increment(1)``, elsewhere every one answers ``no``; the turns after a
+    tool result, and later rounds, are sampled by the module's own engine."""
+
+    def __init__(self, completions: int, calling_ranks: list[int] = (0,)):
+        self.completions, self.calling_ranks = completions, list(calling_ranks)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        turn = increment_call(1) if trainer.global_rank in self.calling_ranks else "no</s>"
+        pl_module.engine = ScriptedEngine(pl_module.tokenizer, [[turn] * self.completions], then=pl_module.engine)
