@@ -241,7 +241,13 @@ def test_tools_are_loaded_and_described():
     assert results == [("add", 3), ("unknown", {"error": "Unsupported tool call type: code"})] and failures == 1
 
 
-@pytest.mark.parametrize("engine_class", [HFEngine, NativeEngine])
+def vllm_engine(**kwargs):
+    from lit_align.generation import VLLMEngine
+
+    return VLLMEngine(**kwargs)
+
+
+@pytest.mark.parametrize("engine_class", [HFEngine, NativeEngine, pytest.param(vllm_engine, marks=pytest.mark.vllm)])
 def test_the_loop_runs_on_the_real_engines(tiny_path, engine_class):
     """On the tiny model (which calls no tool by itself), with a tool call forced into the first turn by a scripted
     first call: every row that called a tool continues through the real engine from the exact ids, and the sampled
