@@ -7,9 +7,7 @@ import collections
 
 import pytest
 
-from lit_align.cli import class_default
 from lit_align.errors import LitAlignError
-from lit_align.generation.environments import _factory
 from lit_align.imports import callable_name, import_object, load_callable
 from lit_align.rewards import sort_exact
 
@@ -60,17 +58,3 @@ def test_load_callable_refuses_each_mistake_in_one_line(spec, message):
     with pytest.raises(LitAlignError, match=message):
         load_callable(spec, LABEL, "a function")
 
-
-def test_an_environment_class_path_is_a_factory_of_new_instances():
-    factory = _factory({"class_path": "collections.Counter", "init_args": {"a": 2}})
-    first, second = factory(), factory()
-    assert first == second == collections.Counter(a=2) and first is not second
-    assert _factory("collections.Counter") is collections.Counter
-    with pytest.raises(LitAlignError, match=r"^model.environment_factory: 'sort_exact': expected a class path$"):
-        _factory("sort_exact")
-
-
-def test_class_default_reads_a_class_default_or_falls_back():
-    assert class_default("lit_align.modules.GRPOModule", "beta", "fallback") == 0.0
-    for path in ("GRPOModule", "lit_align.no_such_module.X", "lit_align.modules.NoSuchModule"):
-        assert class_default(path, "beta", "fallback") == "fallback"
