@@ -191,7 +191,7 @@ def run_trl(args, spec: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from lit_align.rewards import import_reward
+    from lit_align.rewards import load_reward
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -219,7 +219,7 @@ def run_trl(args, spec: dict) -> dict:
     )
     prompts = load_dataset("json", data_files=spec["prompts"], split="train")
     clock = Clock()
-    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=[import_reward(REWARD)], args=config,
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=[load_reward(REWARD)], args=config,
                           train_dataset=prompts, processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
                           callbacks=[clock])
     generation = trainer.generation_config

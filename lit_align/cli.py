@@ -28,6 +28,7 @@ from lit_align.callbacks import HFExport, SigtermCheckpoint
 from lit_align.checkpoint_io import AtomicCheckpointIO
 from lit_align.errors import LitAlignError
 from lit_align.generation_round import ROUND_SETTINGS, steps_per_generation_for
+from lit_align.imports import import_object
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process the signal ended: the run is not finished
 
@@ -91,13 +92,10 @@ def world_size(devices: Any, num_nodes: Any, accelerator: Any) -> int:
 
 def class_default(class_path: str, name: str, fallback: Any) -> Any:
     """The ``__init__`` default of ``name`` in the class ``class_path`` (its bases' included), else ``fallback``."""
-    import importlib
-
     from lit_align.hub import recipe_defaults
 
-    module, _, attr = class_path.rpartition(".")
     try:
-        return recipe_defaults(getattr(importlib.import_module(module), attr)).get(name, fallback)
+        return recipe_defaults(import_object(class_path)).get(name, fallback)
     except (ImportError, AttributeError, ValueError):
         return fallback
 

@@ -14,7 +14,6 @@ Completions are strings, or ``[{"role": "assistant", "content": ...}]`` for conv
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import re
@@ -28,6 +27,7 @@ import torch
 from lit_align.data.rows import with_eos
 from lit_align.data.tasks import ArithmeticTask, SortTask
 from lit_align.errors import LitAlignError
+from lit_align.imports import callable_name, load_callable
 
 
 def _text(completion: Any) -> str:
@@ -63,23 +63,6 @@ def arith_exact(completions: list, answer: list[str], **_: Any) -> list[float]:
     """1.0 when the completion is one equation whose result is the answer (format and correctness), else 0."""
     return [float(ArithmeticTask.is_equation(_text(c)) and _text(c).strip().rsplit("=", 1)[1].strip() == a)
             for c, a in zip(completions, answer)]
-
-
-def import_reward(path: str) -> Callable:
-    """Resolve ``package.module.function`` to the callable."""
-    module_name, _, attr = path.rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError) as exc:
-        raise LitAlignError(f"reward function {path!r}: cannot import it ({exc})") from None
-    if not callable(fn):
-        raise LitAlignError(f"reward function {path!r}: expected a dotted path to a callable like 'pkg.module.fn', "
-                            "or a reward model's hub name ('org/name') or directory")
-    return fn
-
-
-def reward_name(fn: Callable) -> str:
-    return getattr(fn, "__name__", type(fn).__name__)
 
 
 @dataclass
@@ -179,18 +162,10 @@ def is_model_name(spec: str) -> bool:
 def load_reward(spec: str | dict) -> Callable:
     """A reward from a config: a dotted path to a callable; a reward model's hub name or directory (``RewardModel``);
     or ``{class_path, init_args}`` for a parametrised one (an object whose ``__call__`` is the reward)."""
-    if isinstance(spec, str):
-        return RewardModel(spec) if is_model_name(spec) else import_reward(spec)
-    if not isinstance(spec, dict) or "class_path" not in spec:
-        raise LitAlignError(f"reward function {spec!r}: expected a dotted path, or {{class_path, init_args}}")
-    cls = import_reward(spec["class_path"])
-    try:
-        reward = cls(**(spec.get("init_args") or {}))
-    except TypeError as exc:
-        raise LitAlignError(f"reward function {spec['class_path']!r}: {exc}") from exc
-    if not callable(reward):
-        raise LitAlignError(f"reward function {spec['class_path']!r}: its instances are not callable (define __call__)")
-    return reward
+    if isinstance(spec, str) and is_model_name(spec):
+        return RewardModel(spec)
+    return load_callable(spec, "reward function {!r}", "a dotted path to a callable like 'pkg.module.fn', or a "
+                                                       "reward model's hub name ('org/name') or directory")
 
 
 def _is_async(fn: Callable) -> bool:
@@ -235,7 +210,7 @@ _NOT_RUN = object()
 def score(fn: Callable, prompts: list, completions: list, completion_ids: list[list[int]],
           columns: dict[str, list], extra: dict | None = None, returned: Any = _NOT_RUN) -> list[float]:
     """Call one reward function (or take what it ``returned``) and check it; None becomes NaN (not applicable)."""
-    name = reward_name(fn)
+    name = callable_name(fn)
     try:
         if returned is _NOT_RUN:
             returned = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,

@@ -358,6 +358,16 @@ def test_a_grpo_rounds_settings_are_set_under_data_and_reach_the_module(tiny_pat
     assert [getattr(cli.model.round_shape, name) for name in settings] == [4, 2, 3]
 
 
+
+def test_class_default_reads_a_classs_default_or_falls_back():
+    """What a link compares a setting with when the config leaves it out: the default of the class it names."""
+    from lit_align.cli import class_default
+
+    assert class_default("lit_align.modules.GRPOModule", "beta", "fallback") == 0.0
+    assert class_default("lit_align.modules.DPOModule", "beta", "fallback") == 0.1
+    for path in ("GRPOModule", "lit_align.no_such_module.X", "lit_align.modules.NoSuchModule"):
+        assert class_default(path, "beta", "fallback") == "fallback"
+
 def test_a_module_whose_round_disagrees_with_its_datamodule_is_refused(tmp_path, tiny_path):
     """Outside the CLI both take the settings; a mismatch stops before anything runs, naming both values."""
     from lit_align.data import PromptDataModule

@@ -18,7 +18,7 @@ from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
 from lit_align.generation_round import RoundShape
 from lit_align.modules.grpo import GRPOModule
-from lit_align.rewards import import_reward, score, sort_accuracy, sort_exact
+from lit_align.rewards import load_reward, score, sort_accuracy, sort_exact
 from numerics import assert_rounding_close
 
 # -- reward functions the tests name by dotted path (this module is importable as ``test_rewards``) -------------------
@@ -74,10 +74,10 @@ def reward_length_or_none(completions, **_):
     return [None if len(c) > 2 else float(len(c)) for c in completions]
 
 
-# -- import_reward ----------------------------------------------------------------------------------------------------
-def test_import_reward_resolves_dotted_paths():
-    assert import_reward("lit_align.rewards.sort_accuracy") is sort_accuracy
-    assert import_reward("test_rewards.reward_echo").__name__ == "reward_echo"
+# -- load_reward ------------------------------------------------------------------------------------------------------
+def test_load_reward_resolves_dotted_paths():
+    assert load_reward("lit_align.rewards.sort_accuracy") is sort_accuracy
+    assert load_reward("test_rewards.reward_echo").__name__ == "reward_echo"
 
 
 @pytest.mark.parametrize("path,match", [
@@ -87,9 +87,9 @@ def test_import_reward_resolves_dotted_paths():
     ("lit_align.rewards", r"'lit_align.rewards': expected a dotted path to a callable"),
     ("lit_align.rewards.math", r"'lit_align.rewards.math': expected a dotted path to a callable"),
 ])
-def test_import_reward_bad_paths(path, match):
+def test_load_reward_bad_paths(path, match):
     with pytest.raises(LitAlignError, match=match):
-        import_reward(path)
+        load_reward(path)
 
 
 def test_grpo_module_reports_a_bad_reward_path_and_weights():

@@ -20,7 +20,8 @@ import torch
 
 from lit_align.data.rows import encode_messages
 from lit_align.errors import LitAlignError, one_line
-from lit_align.generation.tools import ToolLoop, ToolRollout, load_tool, tool_schema
+from lit_align.generation.tools import ToolLoop, ToolRollout, tool_schema
+from lit_align.imports import load_callable
 
 WHERE = "model.environment_factory"
 
@@ -132,15 +133,12 @@ class Environments:
 
 
 def _factory(spec) -> Callable:
-    """A factory from its spec: a class path (the class is the factory) or ``{class_path, init_args}``."""
-    if isinstance(spec, dict):
-        cls = load_tool(spec["class_path"], WHERE) if "class_path" in spec else None
-        if cls is None:
-            raise LitAlignError(f"{WHERE}: {spec!r}: expected a class path or {{class_path, init_args}}")
-        init_args = spec.get("init_args") or {}
+    """A factory from its spec: a callable, a class path (the class is the factory) or ``{class_path, init_args}``
+    (a new instance of the class per call)."""
+    if callable(spec):
+        return spec
+    label, expected = WHERE + ": {!r}", "a class path"
+    if isinstance(spec, dict) and "class_path" in spec:
+        cls, init_args = load_callable(spec["class_path"], label, expected), spec.get("init_args") or {}
         return lambda: cls(**init_args)
-    factory = load_tool(spec, WHERE)
-    if not callable(factory):
-        raise LitAlignError(f"{WHERE}: {spec!r} is not callable")
-    return factory
-
+    return load_callable(spec, label, expected)

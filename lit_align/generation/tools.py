@@ -22,7 +22,6 @@ are read off a rendering), and a response template for its tool-call format. The
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import torch
 
 from lit_align.errors import LitAlignError, one_line
 from lit_align.generation.base import Rollout
+from lit_align.imports import callable_name, load_callable
 
 
 def _tool_call_fields(end_pattern: str) -> dict:
@@ -103,28 +103,7 @@ def check_tool_template(tokenizer, name: str) -> dict:
 def load_tool(spec: str | dict | Callable, where: str = "model.tools") -> Callable:
     """A tool from a config: a callable, a dotted path to a function, or ``{class_path, init_args}`` (an object whose
     ``__call__`` is the tool; its name is the class's)."""
-    if callable(spec):
-        return spec
-    path = spec if isinstance(spec, str) else spec.get("class_path") if isinstance(spec, dict) else None
-    if not isinstance(path, str):
-        raise LitAlignError(f"{where}: {spec!r}: expected a dotted path to a function, or {{class_path, init_args}}")
-    module_name, _, attr = path.rpartition(".")
-    try:
-        target = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError) as exc:
-        raise LitAlignError(f"{where}: {path!r}: cannot import it ({exc})") from None
-    if isinstance(spec, dict) and target is not None:
-        try:
-            target = target(**(spec.get("init_args") or {}))
-        except TypeError as exc:
-            raise LitAlignError(f"{where}: {path!r}: {exc}") from None
-    if not callable(target):
-        raise LitAlignError(f"{where}: {path!r} is not callable (expected a function, or a class with __call__)")
-    return target
-
-
-def tool_name(tool: Callable) -> str:
-    return getattr(tool, "__name__", type(tool).__name__)
+    return spec if callable(spec) else load_callable(spec, where + ": {!r}", "a dotted path to a function")
 
 
 def tool_schema(tool: Callable, where: str = "model.tools") -> dict:
@@ -133,12 +112,13 @@ def tool_schema(tool: Callable, where: str = "model.tools") -> dict:
     from transformers.utils import get_json_schema
 
     function = tool if inspect.isfunction(tool) or inspect.ismethod(tool) else type(tool).__call__
+    name = callable_name(tool)
     try:
         schema = get_json_schema(function)
     except Exception as exc:  # noqa: BLE001 - transformers raises its own types for each missing piece
-        raise LitAlignError(f"{where}: tool {tool_name(tool)!r}: {one_line(exc, 200)} (a tool needs type hints and a "
+        raise LitAlignError(f"{where}: tool {name!r}: {one_line(exc, 200)} (a tool needs type hints and a "
                             "Google-style docstring with an Args: section)") from None
-    schema["function"]["name"] = tool_name(tool)
+    schema["function"]["name"] = name
     return schema
 
 
@@ -253,7 +233,7 @@ class ToolLoop:
         if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
             raise LitAlignError(f"model.max_tool_calling_iterations must be >= 0 or null, got "
                                 f"{max_tool_calling_iterations}")
-        self.tools = {tool_name(t): t for t in tools}
+        self.tools = {callable_name(t): t for t in tools}
         self.schemas = [tool_schema(t) for t in tools]
         self.tokenizer = tokenizer
         self.response_template = check_tool_template(tokenizer, tokenizer.name_or_path)

@@ -24,6 +24,7 @@ from lit_align.generation import SamplingConfig, VLLMOptions, make_engine
 from lit_align.generation.environments import Environments
 from lit_align.generation.tools import ToolLoop, load_tool, rollout_from_output, tool_schema, turns_text
 from lit_align.generation_round import GenerationRound, RoundShape
+from lit_align.imports import callable_name
 from lit_align.logps import layout_logps
 from lit_align.losses.grpo import (
     decoupled_advantages, group_advantages, importance_sampling_ratio, masked_mean, nanstd, sequence_means,
@@ -32,7 +33,7 @@ from lit_align.losses.grpo_loss import EntropyControl, GRPOLoss
 from lit_align.models import cast_lm_head_to_fp32
 from lit_align.modules.base import AlignModule
 from lit_align.reference import FrozenReference, choose_reference
-from lit_align.rewards import RewardModel, RewardState, load_reward, reward_name, score_all
+from lit_align.rewards import RewardModel, RewardState, load_reward, score_all
 
 
 def _repeat(values: list, times: int) -> list:
@@ -66,7 +67,7 @@ def load_rewards(specs: list[str | dict] | None, weights: list[float] | None,
     the rewards environments own (``owned``: weight 1, after them, as TRL)."""
     owned = owned or []
     if not specs and owned:
-        return owned, [reward_name(fn) for fn in owned], [1.0] * len(owned)
+        return owned, [callable_name(fn) for fn in owned], [1.0] * len(owned)
     if not specs:  # TRL requires them: a default reward would fit one dataset and silently score others
         raise LitAlignError("model.reward_funcs: none given; GRPO scores completions only with the reward functions "
                             "you name (TRL's reward_funcs): e.g. [lit_align.rewards.sort_accuracy] for the built-in "
@@ -76,7 +77,7 @@ def load_rewards(specs: list[str | dict] | None, weights: list[float] | None,
     if len(weights) != len(funcs):
         raise LitAlignError(f"model.reward_weights has {len(weights)} values for {len(funcs)} reward_funcs")
     funcs += owned
-    return funcs, [reward_name(fn) for fn in funcs], list(weights) + [1.0] * len(owned)
+    return funcs, [callable_name(fn) for fn in funcs], list(weights) + [1.0] * len(owned)
 
 
 class GRPOModule(AlignModule):

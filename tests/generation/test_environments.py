@@ -71,6 +71,22 @@ def test_environments_by_name_and_a_reset_that_raises(tok):
         Environments({"class_path": "collections.Counter"})
 
 
+
+class CounterFrom(CounterEnvironment):
+    """A ``CounterEnvironment`` built with ``init_args`` (``{class_path: test_environments.CounterFrom, ...}``)."""
+
+    def __init__(self, start: int):
+        self.start = start
+
+
+def test_a_class_path_with_init_args_makes_a_new_environment_per_call():
+    environments = Environments({"class_path": "test_environments.CounterFrom", "init_args": {"start": 5}})
+    first, second = environments.factories[None](), environments.factories[None]()
+    assert type(first) is CounterFrom and first.start == second.start == 5 and first is not second
+    with pytest.raises(LitAlignError, match=r"^model.environment_factory: 'lit_align.rewards.math': expected a class "
+                                            r"path$"):
+        Environments("lit_align.rewards.math")
+
 def test_grpo_with_an_environment_that_owns_the_reward(tmp_path, write_jsonl, tiny_path):
     """No reward_funcs: the environment's get_reward is the reward (rewards/CounterEnvironment/mean), the prompts are
     rendered after each reset, and the tool calls count."""
