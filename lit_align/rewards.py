@@ -159,9 +159,12 @@ def is_model_name(spec: str) -> bool:
     return "/" in spec or Path(spec).expanduser().is_dir()
 
 
-def load_reward(spec: str | dict) -> Callable:
-    """A reward from a config: a dotted path to a callable; a reward model's hub name or directory (``RewardModel``);
-    or ``{class_path, init_args}`` for a parametrised one (an object whose ``__call__`` is the reward)."""
+def load_reward(spec: str | dict | Callable) -> Callable:
+    """A reward: a callable (from Python, as TRL takes it); from a config, a dotted path to a callable, a reward
+    model's hub name or directory (``RewardModel``), or ``{class_path, init_args}`` for a parametrised one (an object
+    whose ``__call__`` is the reward)."""
+    if callable(spec):
+        return spec
     if isinstance(spec, str) and is_model_name(spec):
         return RewardModel(spec)
     return load_callable(spec, "reward function {!r}", "a dotted path to a callable like 'pkg.module.fn', or a "

@@ -80,6 +80,12 @@ def test_load_reward_resolves_dotted_paths():
     assert load_reward("test_rewards.reward_echo").__name__ == "reward_echo"
 
 
+def test_reward_functions_given_from_python_are_taken_as_they_are():
+    """As TRL's ``reward_funcs=[fn]``: a callable is the reward, named by its ``__name__``."""
+    module = GRPOModule(model="builtin:tiny", reward_funcs=[reward_echo, "lit_align.rewards.sort_accuracy"])
+    assert module.reward_funcs[0] is reward_echo and module.reward_names == ["reward_echo", "sort_accuracy"]
+
+
 @pytest.mark.parametrize("path,match", [
     ("lit_align.rewards.no_such_reward", r"'lit_align.rewards.no_such_reward': cannot import it"),
     ("no_such_package_xyz.reward", r"'no_such_package_xyz.reward': cannot import it .*No module named"),

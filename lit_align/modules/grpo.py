@@ -84,7 +84,8 @@ class GRPOModule(AlignModule):
     """Group Relative Policy Optimization, with TRL's loss types and metric names.
 
     Args:
-        reward_funcs: reward functions: dotted paths (``lit_align.rewards.sort_accuracy``, ``my_pkg.mod.fn``),
+        reward_funcs: reward functions: dotted paths (``lit_align.rewards.sort_accuracy``, ``my_pkg.mod.fn``; from
+            Python, the functions themselves),
             ``{class_path, init_args}`` objects, plain or ``async``, with TRL's calling convention
             (``lit_align.rewards``); or reward models by hub name or directory (``lit_align.rewards.RewardModel``).
             Required, as in TRL: none is an error (no reward fits every dataset).
