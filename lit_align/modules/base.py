@@ -54,7 +54,7 @@ class AlignModule(L.LightningModule):
         gradient_checkpointing: recompute activations in backward to save memory (``lit_align.recompute``): true
             (transformers' own: each layer's forward again, about a third more step time) or ``selective`` (only the
             elementwise ops again, matmuls and attention kept: bitwise the same results, about half the activation
-            memory, a few percent more time).
+            memory, 5-10% more time on SmolLM2-135M).
         logps_chunk_size: compute log-probs ``logps_chunk_size`` positions at a time from the decoder's hidden states
             instead of from full ``[N, T, V]`` logits (``lit_align.logps``): same values and gradients, a fraction of
             the memory at large vocabularies. None: off. E.g. 1024 (a chunk holds ``chunk * V`` fp32 logits).
