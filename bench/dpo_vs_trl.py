@@ -29,9 +29,11 @@ What both sides get, so that they do the same work:
     printed), as policy and as the reference (a second copy: TRL loads it again, lit_align deep-copies the policy);
   - the same rows (the built-in sort preference pairs), the same batches in the same order (no shuffling), the same
     ``max_length``, tokenization and right padding;
-  - AdamW (``torch.optim.AdamW``, TRL's ``optim="adamw_torch"``), the same constant learning rate, no weight decay,
-    gradient clipping at 1.0 (TRL's default, set on Lightning), no gradient checkpointing, no mixed precision (TRL's
-    ``bf16`` default is turned off), CPU, ``torch.set_num_threads(--threads)``;
+  - AdamW (``torch.optim.AdamW``, TRL's ``optim="adamw_torch"``; ``--optim adamw_torch_fused``: fused), the same
+    constant learning rate, no weight decay, gradient clipping at 1.0 (TRL's default, set on Lightning), no gradient
+    checkpointing (TRL's default is turned off; ``--checkpointing selective`` gives lit_align its selective one,
+    ``full`` both sides transformers' own), no mixed precision (TRL's ``bf16`` default is turned off), CPU,
+    ``torch.set_num_threads(--threads)``;
   - no logger/report, no checkpoints, no progress bar, no HF export, no evaluation.
 The one difference in how the work is laid out: lit_align's ``DPOModule(share_prompt=True)`` (its default) runs each
 pair as one sequence ``[prompt, chosen, rejected]``, so the prompt goes through the policy and the reference once per
@@ -54,6 +56,8 @@ import time
 from pathlib import Path
 
 from child import child_role, launch
+
+LIT_CHECKPOINTING = {"none": False, "selective": "selective", "full": True}  # --checkpointing -> lit_align's setting
 
 
 def rss_mib(field: str = "VmHWM") -> float:
@@ -112,7 +116,8 @@ def run_lit(args, spec: dict, on_step=lambda step: None) -> dict:
             on_step(len(self.ends))
 
     module = DPOModule(model=spec["model_dir"], beta=0.1, learning_rate=args.lr, lr_scheduler_type="constant",
-                       weight_decay=0.0, attn_implementation="sdpa", dtype="float32", gradient_checkpointing=False,
+                       weight_decay=0.0, optim=args.optim, attn_implementation="sdpa", dtype="float32",
+                       gradient_checkpointing=LIT_CHECKPOINTING[args.checkpointing],
                        share_prompt=not args.no_share_prompt, padding_free=args.padding_free,
                        logps_chunk_size=args.chunk_size)
     data = PreferenceDataModule(path=spec["rows"], tokenizer=spec["model_dir"], batch_size=args.batch_size,
@@ -164,9 +169,10 @@ def run_trl(args, spec: dict, on_step=lambda step: None) -> dict:
     config = DPOConfig(
         output_dir=str(Path(spec["workdir"]) / "trl"), beta=0.1, max_length=args.max_length,
         per_device_train_batch_size=args.batch_size, max_steps=args.steps, learning_rate=args.lr,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0,
-        train_sampling_strategy="sequential", bf16=False, use_cpu=True, gradient_checkpointing=False,
-        report_to="none", save_strategy="no", eval_strategy="no", logging_steps=args.steps, disable_tqdm=True,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, optim=args.optim, max_grad_norm=1.0,
+        train_sampling_strategy="sequential", bf16=False, use_cpu=True,
+        gradient_checkpointing=args.checkpointing == "full", report_to="none", save_strategy="no", eval_strategy="no",
+        logging_steps=args.steps, disable_tqdm=True,
         dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"},  # attention: TRL's default
     )
     rows = load_dataset("json", data_files=spec["rows"], split="train")
@@ -214,6 +220,13 @@ def main() -> None:
                         help="max tokens per sequence (default 64; realistic 1024, TRL's default)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch",
+                        help="both sides' optimizer, by TRL's name (default adamw_torch; adamw_torch_fused is TRL's "
+                             "default: the same update in one kernel, without AdamW's parameter-sized temporaries)")
+    parser.add_argument("--checkpointing", choices=list(LIT_CHECKPOINTING), default="none",
+                        help="activation checkpointing: none (default, both sides), selective (lit_align's "
+                             "gradient_checkpointing: selective, same values; TRL has none such and runs without), "
+                             "full (both: transformers' own, TRL's default)")
     parser.add_argument("--engines", default="lit,trl", help="which to run, in order (default lit,trl)")
     parser.add_argument("--repeat", type=int, default=2,
                         help="runs per engine, alternating; the fastest is reported (default 2)")
@@ -256,8 +269,8 @@ def main() -> None:
     print(f"\nDPO, {args.model} ({spec['model_dir']}), {'padding_free, ' if args.padding_free else ''}"
           f"{args.batch_size} pairs/step, max_length {args.max_length}, "
           f"{args.steps} steps ({args.warmup} warmup), fp32, CPU, {args.threads} threads, "
-          f"{'plain [chosen; rejected] batches' if args.no_share_prompt else 'shared prompt'} on lit_align"
-          f"{f', best of {args.repeat}' if args.repeat > 1 else ''}\n")
+          f"{'plain [chosen; rejected] batches' if args.no_share_prompt else 'shared prompt'} on lit_align, "
+          f"checkpointing {args.checkpointing}, {args.optim}{f', best of {args.repeat}' if args.repeat > 1 else ''}\n")
     header = (f"{'engine':<9}{'pairs/s':>9}{'s/step':>8}{'CPU s/step':>11}{'peak RSS':>10}{'RSS@start':>11}"
               f"{'imports':>9}{'threads':>8}{'load':>6}{'wall s':>8}")
     print(header)

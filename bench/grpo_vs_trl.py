@@ -33,9 +33,10 @@ What both sides get, so that they do the same work:
   - sampling at temperature 1.0, top-k 0, top-p 1.0 (no min-p, no repetition penalty), ``--max-new-tokens``, EOS
     the tokenizer's, pad the tokenizer's: nothing else stops generation early (the generated tokens are counted on
     both sides and printed, so a difference would show);
-  - AdamW, constant learning rate, no weight decay, gradient clipping at 1.0, no gradient checkpointing (TRL's
-    default is turned off), no mixed precision (TRL's ``bf16`` default is turned off), CPU,
-    ``torch.set_num_threads(--threads)``;
+  - AdamW (``--optim``: ``adamw_torch`` or fused), constant learning rate, no weight decay, gradient clipping at 1.0,
+    no gradient checkpointing (TRL's default is turned off; ``--checkpointing selective`` gives lit_align its
+    selective one, ``full`` both sides transformers' own), no mixed precision (TRL's ``bf16`` default is turned off),
+    CPU, ``torch.set_num_threads(--threads)``;
   - no logger/report, no checkpoints, no saving, no evaluation, no progress bar.
 
 Where they differ by design (and this is what is measured): lit_align keeps the engine's own log-probs as the old
@@ -72,6 +73,8 @@ import time
 from pathlib import Path
 
 from child import child_role, launch
+
+LIT_CHECKPOINTING = {"none": False, "selective": "selective", "full": True}  # --checkpointing -> lit_align's setting
 
 REWARD = "lit_align.rewards.sort_accuracy"
 
@@ -155,8 +158,9 @@ def run_lit(args, spec: dict) -> dict:
         model=spec["model_dir"], reward_funcs=[REWARD], loss_type="dapo", beta=0.0, epsilon=0.2,
         scale_rewards="group", max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         engine=args.engine_name.removesuffix("+padfree"), padding_free=args.engine_name.endswith("+padfree"),
-        learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0,
-        dtype="float32", attn_implementation="sdpa", gradient_checkpointing=False, disable_dropout=True,
+        learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0, optim=args.optim,
+        dtype="float32", attn_implementation="sdpa", gradient_checkpointing=LIT_CHECKPOINTING[args.checkpointing],
+        disable_dropout=True,
         num_generations=args.num_generations, steps_per_generation=args.steps_per_generation,
     )
     timer = GenTimer(module.engine.generate, lambda rollout: int(rollout.completion_mask.sum()))
@@ -212,8 +216,9 @@ def run_trl(args, spec: dict) -> dict:
         gradient_accumulation_steps=1, max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0,
         top_k=0, min_p=None, repetition_penalty=1.0, beta=0.0, loss_type="dapo", epsilon=0.2, scale_rewards="group",
         mask_truncated_completions=False, max_steps=steps, learning_rate=args.lr, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, optim="adamw_torch", max_grad_norm=1.0, bf16=False, use_cpu=True,
-        gradient_checkpointing=False, disable_dropout=True, shuffle_dataset=False, report_to="none",
+        warmup_steps=0, weight_decay=0.0, optim=args.optim, max_grad_norm=1.0, bf16=False, use_cpu=True,
+        gradient_checkpointing=args.checkpointing == "full", disable_dropout=True, shuffle_dataset=False,
+        report_to="none",
         save_strategy="no", eval_strategy="no", logging_steps=steps, disable_tqdm=True, log_completions=False,
         dataloader_num_workers=0, seed=0, model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
     )
@@ -277,6 +282,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="max completion tokens (default 32)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
+    parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch",
+                        help="both sides' optimizer, by TRL's name (default adamw_torch; adamw_torch_fused is TRL's "
+                             "default: the same update in one kernel, without AdamW's parameter-sized temporaries)")
+    parser.add_argument("--checkpointing", choices=list(LIT_CHECKPOINTING), default="none",
+                        help="activation checkpointing: none (default, both sides), selective (lit_align's "
+                             "gradient_checkpointing: selective, same values; TRL has none such and runs without), "
+                             "full (both: transformers' own, TRL's default)")
     parser.add_argument("--lit-engine", default="hf",
                         help="lit_align engine(s), comma-separated: hf, native; +padfree: padding_free training "
                              "(default hf)")
@@ -322,7 +334,8 @@ def main() -> None:
     print(f"\nGRPO, {args.model} ({spec['model_dir']}), {per_round} completions per round "
           f"({per_round // args.num_generations} prompts x {args.num_generations}), {args.steps_per_generation} steps "
           f"of {args.batch_size}, max {args.max_new_tokens} new tokens, {args.rounds} rounds (1 warm-up), fp32, CPU, "
-          f"{args.threads} threads; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
+          f"{args.threads} threads, checkpointing {args.checkpointing}, {args.optim}; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
     header = (f"{'engine':<12}{'compl/s':>9}{'tok/s':>8}{'compl/CPU-s':>13}{'gen s/round':>13}{'gen CPU-s/round':>17}"
               f"{'tok/compl':>11}{'peak RSS MiB':>14}{'threads':>9}{'wall s':>8}")
     print(header)

@@ -140,3 +140,25 @@ def test_nonfinite_gradients_skip(tiny_path):
         trainer = fit_sort(module, [NanGradient(step=1)])
     assert trainer.global_step == 3 and module.skipped_batches == 2
     assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
+    """They exist when the optimizer steps and are gone before the next batch's forward (Lightning alone would zero
+    them only after that forward, beside its activations); under accumulation they survive the window's batches."""
+    class Grads(L.Callback):
+        def __init__(self):
+            self.at_step, self.at_batch_end = [], []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.at_step.append(sum(p.grad is not None for p in pl_module.policy.parameters()))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.at_batch_end.append(sum(p.grad is not None for p in pl_module.policy.parameters()))
+
+    grads = Grads()
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3)
+    data = PreferenceDataModule(path="builtin:sort", batch_size=4, max_length=32, val_split=None, shuffle=False)
+    fit(module, data, max_steps=2, callbacks=[grads], accumulate_grad_batches=2)
+    trained = sum(1 for _ in module.policy.parameters())
+    assert grads.at_step == [trained, trained]
+    assert grads.at_batch_end == [trained, 0, trained, 0]  # kept inside the window, freed at its end
