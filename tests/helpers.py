@@ -529,3 +529,37 @@ class ForceToolCalls(L.Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         turn = increment_call(1) if trainer.global_rank in self.calling_ranks else "no</s>"
         pl_module.engine = ScriptedEngine(pl_module.tokenizer, [[turn] * self.completions], then=pl_module.engine)
+
+
+# A tool-using SFT prompt/completion row: an earlier exchange in the prompt; the completion calls the tool, gets its
+# result (a tool turn) and answers. Each piece as the builtin:tools template renders it, with whether it is an
+# assistant turn's (assistant_mask) and whether it is the completion's (completion_mask).
+TOOL_ROW = {
+    "prompt": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+               {"role": "user", "content": "4821+3907 mod 7?"}],
+    "completion": [{"role": "assistant", "content": "",
+                    "tool_calls": [{"type": "function", "function": {"name": "compute", "arguments": {}}}]},
+                   {"role": "tool", "name": "compute", "content": "66666666"},
+                   {"role": "assistant", "content": "6"}],
+    "tools": '[{"type": "function", "function": {"name": "compute", "description": "Compute the answer.", '
+             '"parameters": {"type": "object", "properties": {}}}}]',
+}
+TOOL_ROW_PIECES = [  # (text, assistant, completion)
+    ("<|system|>tools: compute()\n<|user|>hi\n<|assistant|>", 0, 0),
+    ("hello</s>", 1, 0),
+    ("<|user|>4821+3907 mod 7?\n<|assistant|>", 0, 0),
+    ('<tool_call>{"name": "compute", "arguments": {}}</tool_call></s>', 1, 1),
+    ("<|tool|>66666666\n<|assistant|>", 0, 1),
+    ("6</s>", 1, 1),
+]
+
+
+def tool_row_tokens(tokenizer) -> dict[str, list[int]]:
+    """``TOOL_ROW``'s ``input_ids``, ``completion_mask`` and ``assistant_mask``, piece by piece."""
+    out = {"input_ids": [], "completion_mask": [], "assistant_mask": []}
+    for text, assistant, completion in TOOL_ROW_PIECES:
+        piece = tokenizer(text)["input_ids"]
+        out["input_ids"] += piece
+        out["assistant_mask"] += [assistant] * len(piece)
+        out["completion_mask"] += [completion] * len(piece)
+    return out

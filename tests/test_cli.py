@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -424,6 +425,26 @@ def test_assistant_only_loss_is_set_on_the_model_and_the_data_follows_it(tmp_pat
     assert assert_one_line_error(code, err) == (
         "error: data.assistant_only_loss is set by model.assistant_only_loss (model: owns it; data: follows it): "
         "set model.assistant_only_loss instead")
+
+
+def test_sft_tools_yaml_trains_the_calls_and_answers_not_the_tool_results():
+    """configs/sft_tools.yaml: the data follows the model's assistant_only_loss, so a demonstration's loss is over
+    its call and its answer; the tool's result (builtin:modsum's digit, 8 times) is not the model's to learn."""
+    from lit_align.modules.sft import loss_mask
+
+    cli = parse(config="sft_tools.yaml")
+    assert cli.datamodule.assistant_only_loss is cli.model.hparams.assistant_only_loss is True
+    cli.datamodule.connect(**cli.model.data_settings())  # what the module's setup hands over
+    cli.datamodule.setup("fit")
+    rows = [r for r in cli.datamodule.train_data if 1 in r["completion_mask"]][:40]
+    batch = cli.datamodule.collate(rows)
+    tok = cli.datamodule.tokenizer
+    trained = [tok.decode(ids[mask.bool()]) for ids, mask in zip(batch["input_ids"], loss_mask(batch, True, True))]
+    calls = [t for t in trained if t.startswith("<tool_call>")]
+    assert calls and len(calls) < len(trained)  # some rows call the tool, the others answer directly
+    for text in trained:
+        call = '<tool_call>{"name": "compute", "arguments": {}}</tool_call></s>'
+        assert re.fullmatch(f"({re.escape(call)})?[0-6]</s>", text), text
 
 
 def test_a_template_that_rewrites_earlier_turns_names_model_chat_template(tmp_path, capfd):

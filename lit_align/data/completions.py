@@ -4,13 +4,13 @@ The row formats and their checks are in ``lit_align.data.rows``. Each row become
 and ``assistant_mask``, cut to ``max_length`` keeping the start:
 
 - prompt/completion rows: prompt ids, then completion ids (the completion starts where the tokenized prompt and the
-  tokenized prompt + completion diverge, as in TRL); ``completion_mask`` is 1 on the completion, and so is
-  ``assistant_mask`` when the rows are conversational;
+  tokenized prompt + completion diverge, as in TRL); ``completion_mask`` is 1 on the completion; when the rows are
+  conversational, ``assistant_mask`` is 1 on each assistant turn (of the prompt too), not on ``tool`` turns;
 - ``messages`` rows (whole conversations) and ``text`` rows: language modelling, as TRL's: ``completion_mask`` is 1
   everywhere; ``assistant_mask`` is 1 on every assistant turn of a conversation (empty for text).
 
-``SFTModule`` trains on ``completion_mask`` (``completion_only_loss``) or ``assistant_mask``
-(``assistant_only_loss``).
+``SFTModule`` trains on ``completion_mask`` (``completion_only_loss``), ``assistant_mask``
+(``assistant_only_loss``), or both: the assistant turns of the completion, as TRL's ``SFTTrainer`` combines them.
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ def tokenize_sft_row(tokenizer, row: dict[str, Any], where: str, chat_template_k
     prompt, completion, conversational = normalize_completion(row, where)
     out = tokenize_completion(tokenizer, prompt, completion, conversational, template)
     mask = out["completion_mask"]
-    return {**out, "assistant_mask": mask if conversational else [],
-            "prompt_length": mask.index(1) if 1 in mask else len(mask)}
+    # the assistant turns of the whole conversation, the prompt's too (TRL's mask; the loss keeps those of the
+    # completion under completion_only_loss): a completion's tool turns are not the model's to learn
+    assistant = encode_conversation(tokenizer, prompt + completion, template, where)[1] if conversational else []
+    return {**out, "assistant_mask": assistant, "prompt_length": mask.index(1) if 1 in mask else len(mask)}
 
 
 def collate_completions(rows: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:

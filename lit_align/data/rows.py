@@ -4,7 +4,8 @@ Row formats, as TRL accepts them:
   - standard: ``prompt`` and completion(s) (``completion``, or ``chosen`` and ``rejected``) are strings; EOS is
     appended to each completion unless it already ends with it.
   - conversational: ``prompt`` is a list of ``{role, content}`` messages and each completion a list of assistant
-    messages, rendered with the tokenizer's chat template (which closes assistant turns itself).
+    messages (an SFT completion may hold tool turns between them), rendered with the tokenizer's chat template
+    (which closes assistant turns itself); each assistant turn's tokens are marked (``assistant_only_loss``).
   - implicit prompt (pairs): only ``chosen`` and ``rejected`` (strings or messages); their longest shared prefix is
     the prompt.
   - messages (SFT): one ``messages`` list, a whole conversation (several turns, tool calls, tool results): a

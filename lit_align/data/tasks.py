@@ -217,34 +217,57 @@ class ModSumEnvironment:
     def reset(self, **row) -> None:
         self.question = row["prompt"][-1]["content"]
 
-    def compute(self) -> int:
+    def compute(self) -> str:
         """Compute the answer to the question."""
-        return ModSumTask.solve(*map(int, self.question.removesuffix(" mod 7").split("+")))
+        return ModSumTask.tool_result(*ModSumTask.parse(self.question))
 
 
 class ModSumTask(GeneratedTask):
-    """The sum of two numbers of ``min_digits``..``max_digits`` digits, mod 7: ``"4821+3907 mod 7"`` -> ``"6"``, with
-    a tool.
+    """The sum of two numbers of ``min_digits``..``max_digits`` digits, mod 7: ``"4821+3907 mod 7?"`` -> ``"6"``,
+    with a tool.
 
-    The tool task of the built-in models (``configs/grpo_tools.yaml``). The tiny character-level model does not learn
-    this arithmetic in a short run (a guess is right one time in seven); calling the environment's ``compute`` tool
-    (``ModSumEnvironment``) and copying its one-digit result is within its reach. Prompts are one user turn; the
-    ``answer`` column is the result. SFT rows demonstrate the tool on a seeded ``tool_fraction`` of the problems
-    (call, result, the result as the answer) and answer directly on the others, so a model trained on them samples a
-    call about that often: room for GRPO to learn that calling, and copying the result, pays. Their ``tools`` column
-    holds the tool's schema, rendered into the prompt as GRPO renders it. No preference rows.
+    The tool task of the built-in models (``configs/sft_tools.yaml``, ``configs/grpo_tools.yaml``). The tiny
+    character-level model does not learn this arithmetic in a short run (a guess is right one time in seven); calling
+    the environment's ``compute`` tool (``ModSumEnvironment``) and copying the digit of its result is within its
+    reach. Prompts are one user turn; the ``answer`` column is the digit. SFT rows demonstrate the tool on a seeded
+    ``tool_fraction`` of the problems (call, result, the digit as the answer) and answer directly on the others, so a
+    model trained on them samples a call about that often: room for GRPO to learn that calling pays. Train them with
+    ``assistant_only_loss`` (the tool's result is not the model's to write). Their ``tools`` column holds the tool's
+    schema, rendered into the prompt as GRPO renders it. No preference rows.
+
+    What makes the copy learnable in ``configs/sft_tools.yaml``'s 600 steps (measured with the tiny model): the
+    result is the digit ``RESULT_REPEATS`` times (``"66666666"``; with the digit once, the model's answers after it
+    stayed guesses), and 30% of the rows demonstrate it (with 20%, guesses too).
     """
 
     name = "modsum"
+    RESULT_REPEATS = 8
 
     def __init__(self, num_train: int = 2000, num_test: int = 100, min_digits: int = 3, max_digits: int = 4,
-                 tool_fraction: float = 0.5):
+                 tool_fraction: float = 0.3):
         super().__init__(num_train, num_test)
         self.min_digits, self.max_digits, self.tool_fraction = min_digits, max_digits, tool_fraction
 
     @staticmethod
     def solve(a: int, b: int) -> int:
         return (a + b) % 7
+
+    @staticmethod
+    def question(a: int, b: int) -> str:
+        return f"{a}+{b} mod 7?"
+
+    @staticmethod
+    def parse(question: str) -> tuple[int, int]:
+        """The two numbers of a ``question``: ``"4821+3907 mod 7?"`` -> ``(4821, 3907)``."""
+        match = re.fullmatch(r"(\d+)\+(\d+) mod 7\?", question.strip())
+        if match is None:
+            raise ValueError(f"not a modsum question: {question!r}")
+        return int(match[1]), int(match[2])
+
+    @classmethod
+    def tool_result(cls, a: int, b: int) -> str:
+        """What ``compute`` answers: the result's digit ``RESULT_REPEATS`` times."""
+        return str(cls.solve(a, b)) * cls.RESULT_REPEATS
 
     def _number(self, rng: random.Random) -> int:
         digits = rng.randint(self.min_digits, self.max_digits)
@@ -261,18 +284,17 @@ class ModSumTask(GeneratedTask):
                 out.append(problem)
         return out
 
-    @staticmethod
-    def prompt(a: int, b: int) -> list[dict[str, str]]:
-        return [{"role": "user", "content": f"{a}+{b} mod 7"}]
+    @classmethod
+    def prompt(cls, a: int, b: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": cls.question(a, b)}]
 
     @classmethod
     def tool_turns(cls, a: int, b: int) -> list[dict]:
-        """The demonstration: call ``compute``, get the result, answer with it."""
+        """The demonstration: call ``compute``, get its result, answer with the result's digit."""
         call = {"type": "function", "function": {"name": "compute", "arguments": {}}}
-        result = str(cls.solve(a, b))
         return [{"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "name": "compute", "content": result},
-                {"role": "assistant", "content": result}]
+                {"role": "tool", "name": "compute", "content": cls.tool_result(a, b)},
+                {"role": "assistant", "content": str(cls.solve(a, b))}]
 
     def prompt_rows(self, split: str) -> Dataset:
         problems = self._problems(split)

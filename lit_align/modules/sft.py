@@ -22,15 +22,17 @@ from lit_align.rewards import sort_exact
 
 def loss_mask(batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
               assistant_only_loss: bool = False) -> torch.Tensor:
-    """Which tokens the loss is taken over, as TRL's ``SFTTrainer`` decides: the assistant turns
-    (``assistant_only_loss``), the completion (``completion_only_loss``; for ``messages`` and ``text`` rows that is
-    every token: they are language modelling), or every attended token."""
+    """Which tokens the loss is taken over, as TRL's ``SFTTrainer`` decides: the completion
+    (``completion_only_loss``; for ``messages`` and ``text`` rows that is every token: they are language modelling)
+    or every attended token, and of those only the assistant turns' with ``assistant_only_loss`` (a conversational
+    prompt/completion row: its completion's assistant turns, not the tool results between them)."""
+    mask = batch["completion_mask"] if completion_only_loss else batch["attention_mask"]
     if assistant_only_loss:
         if "assistant_mask" not in batch:
             raise LitAlignError("model.assistant_only_loss needs conversational rows (messages, or prompt/completion "
                                 "as message lists); these rows are plain text")
-        return batch["assistant_mask"]
-    return batch["completion_mask"] if completion_only_loss else batch["attention_mask"]
+        mask = mask * batch["assistant_mask"]
+    return mask
 
 
 def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
@@ -63,7 +65,8 @@ class SFTModule(AlignModule):
         completion_only_loss: train on completion tokens only (TRL's default for prompt/completion rows); false:
             on the prompt tokens too. ``messages`` and ``text`` rows are language modelling: every token.
         assistant_only_loss: train on the assistant turns only, every one of a multi-turn conversation (TRL's name;
-            default false); for conversational rows.
+            default false); for conversational rows. With ``completion_only_loss``, a prompt/completion row's are
+            those of its completion: the tool turns between them are not trained.
         val_exact_match: at validation, also complete each prompt greedily and log the fraction whose text equals
             the reference completion (whitespace-stripped; ``lit_align.rewards.sort_exact``).
         val_max_new_tokens: generation cap for ``val_exact_match``.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from helpers import TOOL_ROW, tool_row_tokens
 
 from lit_align.data.completions import CompletionDataModule, tokenize_completion
 from lit_align.errors import LitAlignError
@@ -57,6 +58,14 @@ def test_all_formats_through_a_file(write_jsonl, tokenizer):
     assert messages.train_data[0] == {"input_ids": expected["input_ids"],
                                       "completion_mask": [1] * len(expected["input_ids"]),
                                       "assistant_mask": expected["completion_mask"]}
+
+
+def test_a_conversational_completion_marks_its_assistant_turns_not_its_tool_turns(write_jsonl, tokenizer):
+    """TRL's masks for a prompt/completion row with a tool turn: ``assistant_mask`` on every assistant turn (the
+    prompt's too; the loss keeps the completion's: tests/modules/test_sft_module.py), not on the tool's result."""
+    dm = datamodule(write_jsonl([TOOL_ROW]), chat_template="builtin:tools", assistant_only_loss=True)
+    dm.setup("fit")
+    assert dm.train_data[0] == tool_row_tokens(tokenizer)
 
 
 def test_collate_right_pads_and_truncation_keeps_the_start(write_jsonl, tokenizer):

@@ -77,23 +77,34 @@ def test_modsum_task_demonstrates_its_tool_on_a_fraction_of_the_sft_rows():
     from lit_align.data.tasks import ModSumEnvironment, ModSumTask
     from lit_align.errors import LitAlignError
 
+    assert ModSumTask.parse("4821+3907 mod 7?") == (4821, 3907)
+    assert ModSumTask.tool_result(4821, 3907) == "66666666"  # (4821 + 3907) % 7 = 6, RESULT_REPEATS times
+    with pytest.raises(ValueError, match="not a modsum question"):
+        ModSumTask.parse("4821+3907 mod 7")
     task = ModSumTask(num_train=400, num_test=20)
     train, test = task.prompt_rows("train"), task.prompt_rows("test")
     assert not {r["prompt"][0]["content"] for r in train} & {r["prompt"][0]["content"] for r in test}
     for r in train:
-        a, b = map(int, r["prompt"][0]["content"].removesuffix(" mod 7").split("+"))
-        assert r["answer"] == str((a + b) % 7) and 100 <= min(a, b) and max(a, b) <= 9999
+        question = r["prompt"][0]["content"]
+        a, b = map(int, question.removesuffix(" mod 7?").split("+"))
+        assert question == f"{a}+{b} mod 7?" and r["answer"] == str((a + b) % 7)
+        assert 100 <= min(a, b) and max(a, b) <= 9999
         environment = ModSumEnvironment()
         environment.reset(**r)
-        assert str(environment.compute()) == r["answer"]
+        assert environment.compute() == r["answer"] * 8
     sft = task.completion_rows("train")
     calls = [r for r in sft if len(r["completion"]) == 3]
-    assert 0.4 < len(calls) / len(sft) < 0.6  # tool_fraction 0.5, seeded
+    assert 0.25 < len(calls) / len(sft) < 0.35  # tool_fraction 0.3, seeded
     for row in calls:
         call, result, answer = row["completion"]
         assert call["tool_calls"][0]["function"] == {"name": "compute", "arguments": {}}
-        a, b = map(int, row["prompt"][0]["content"].removesuffix(" mod 7").split("+"))
-        assert result["content"] == answer["content"] == str((a + b) % 7)
+        a, b = map(int, row["prompt"][0]["content"].removesuffix(" mod 7?").split("+"))
+        assert (result["role"], result["name"], result["content"]) == ("tool", "compute", str((a + b) % 7) * 8)
+        assert (answer["role"], answer["content"]) == ("assistant", str((a + b) % 7))
+    direct = [r for r in sft if len(r["completion"]) == 1]
+    assert len(direct) + len(calls) == len(sft)
+    assert all(r["completion"][0]["content"] == str(sum(ModSumTask.parse(r["prompt"][0]["content"])) % 7)
+               for r in direct)
     assert json.loads(sft[0]["tools"])[0]["function"]["name"] == "compute"
     with pytest.raises(LitAlignError, match="builtin:modsum has prompts"):
         task.preference_rows("train")

@@ -5,13 +5,14 @@ The rows and batches of CompletionDataModule: tests/data/test_completions_data.p
 
 from __future__ import annotations
 
+import json
 import math
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
-from helpers import fit, read_metrics
+from helpers import TOOL_ROW, fit, read_metrics
 
 from lit_align.data.completions import CompletionDataModule, collate_completions, tokenize_completion
 from lit_align.modules.sft import SFTModule, sft_token_stats
@@ -85,6 +86,69 @@ def test_prompt_tokens_are_masked_when_completion_only_loss():
 
     assert loss(scrambled, True) == loss(logits, True)
     assert loss(scrambled, False) != pytest.approx(loss(logits, False))
+
+
+@pytest.mark.parametrize("completion_only, assistant_only, trained", [
+    (True, True, ['<tool_call>{"name": "compute", "arguments": {}}</tool_call></s>', "6</s>"]),  # TRL: both masks
+    (False, True, ["hello</s>", '<tool_call>{"name": "compute", "arguments": {}}</tool_call></s>', "6</s>"]),
+    (True, False, ['<tool_call>{"name": "compute", "arguments": {}}</tool_call></s><|tool|>66666666\n<|assistant|>6</s>']),
+])
+def test_assistant_only_loss_trains_a_completions_assistant_turns_not_its_tool_turns(
+        write_jsonl, tokenizer, completion_only, assistant_only, trained):
+    """A prompt/completion row whose completion calls a tool (helpers.TOOL_ROW): with ``assistant_only_loss`` the
+    loss is over the completion's two assistant turns, not the tool's result, not the prompt; every assistant turn
+    without ``completion_only_loss``; the whole completion, the tool turn included, without ``assistant_only_loss``."""
+    dm = CompletionDataModule(write_jsonl([TOOL_ROW]), tokenizer="builtin:tiny", chat_template="builtin:tools",
+                              val_split=None, assistant_only_loss=assistant_only)
+    dm.setup("fit")
+    batch = dm.collate(list(dm.train_data))
+    ids = batch["input_ids"][0].tolist()
+    logits = torch.randn(1, len(ids), len(tokenizer), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    model = FixedLogits(logits)
+    loss, _, count = sft_token_stats(model, batch, completion_only, assistant_only_loss=assistant_only)
+    loss.backward()
+    predicting = model.logits.grad[0].abs().sum(-1) > 0  # position t - 1 predicts token t
+    positions = [t for t in range(1, len(ids)) if predicting[t - 1]]
+    runs = [[positions[0]]]
+    for t in positions[1:]:
+        runs[-1].append(t) if t == runs[-1][-1] + 1 else runs.append([t])
+    assert [tokenizer.decode([ids[t] for t in run]) for run in runs] == trained
+    expected, n = hand_loss(logits, batch, [(0, t) for t in positions])
+    assert count == n == sum(len(tokenizer(text)["input_ids"]) for text in trained)
+    assert loss.item() == formula(expected)
+
+
+def test_assistant_only_loss_trains_the_positions_trl_trains(write_jsonl, tiny_path, tmp_path):
+    """TRL's SFTTrainer on helpers.TOOL_ROW with ``assistant_only_loss`` (its assistant masks come from the chat
+    template's generation markers: builtin:tools with them, the same text): the same ``input_ids`` and the same
+    trained positions (labels != -100) as our ``loss_mask``, with and without ``completion_only_loss``."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from lit_align.models import TOOL_CHAT_TEMPLATE, load_tokenizer
+    from lit_align.modules.sft import loss_mask
+
+    head, body = TOOL_CHAT_TEMPLATE.split("{%- for message in messages %}")
+    calls = body[body.index("{%- for call"): body.index("{%- endfor %}") + len("{%- endfor %}")]
+    marked = (head + "{%- for message in messages %}{{ '<|' + message['role'] + '|>' }}"
+              "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] or '' }}" + calls +
+              "{{ eos_token }}{% endgeneration %}{% else %}{{ message['content'] + '\\n' }}{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    dm = CompletionDataModule(write_jsonl([TOOL_ROW]), tokenizer="builtin:tiny", chat_template="builtin:tools",
+                              val_split=None, assistant_only_loss=True)
+    dm.setup("fit")
+    batch = dm.collate(list(dm.train_data))
+    tokenizer = load_tokenizer("builtin:tiny", chat_template=marked)
+    assert tokenizer.apply_chat_template(TOOL_ROW["prompt"] + TOOL_ROW["completion"], tokenize=False,
+                                         tools=json.loads(TOOL_ROW["tools"])) == tokenizer.decode(batch["input_ids"][0])
+    for completion_only in (True, False):
+        args = trl.SFTConfig(output_dir=str(tmp_path), max_length=256, report_to="none", use_cpu=True, bf16=False,
+                             assistant_only_loss=True, completion_only_loss=completion_only)
+        trainer = trl.SFTTrainer(model=tiny_path, args=args, train_dataset=Dataset.from_list([TOOL_ROW]),
+                                 processing_class=tokenizer)
+        theirs = trainer.train_dataset[0]
+        assert theirs["input_ids"] == batch["input_ids"][0].tolist()
+        assert [int(x != -100) for x in theirs["labels"]] == loss_mask(batch, completion_only, True)[0].tolist()
 
 
 def test_sft_loss_equals_the_hf_labels_loss_on_the_tiny_model(write_jsonl, tiny_path):
