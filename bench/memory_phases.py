@@ -3,6 +3,8 @@
     python bench/memory_phases.py --model M         # DPO: the real model's chat rows, as dpo_vs_trl.py --lab real
     python bench/memory_phases.py --model M --checkpointing selective --optim adamw_torch_fused
     python bench/memory_phases.py --recipe grpo --model M --checkpointing selective --optim adamw_torch_fused
+    python bench/memory_phases.py --recipe grpo --model M --checkpointing selective --optim adamw_torch_fused \
+        --mmap-activations
 
 One process, 1 thread. ``--recipe dpo``: ``dpo_vs_trl.py --lab real --padding-free``'s module, rows and batches (2
 pairs a step, max_length 1024, 5 steps). ``--recipe grpo``: ``grpo_vs_trl.py --lab real --lit-engine native+padfree
@@ -11,9 +13,10 @@ pairs a step, max_length 1024, 5 steps). ``--recipe grpo``: ``grpo_vs_trl.py --l
 A sampler thread (every 2 ms) records the highest RSS of each phase: ``sample`` (GRPO: the engine's ``generate``),
 ``round`` (GRPO: the rest of the round: rewards, advantages, old log-probs where needed), ``fwd`` (the training
 forward and the loss; DPO: the policy's and the reference's), ``bwd``, ``opt`` (clipping and the optimizer step) and
-``between`` (Lightning's loop between two steps). Per step it prints each phase's peak and the RSS at its end, and
+``between`` (Lightning's loop between two steps). Per step it prints each phase's peak and the RSS at its end,
 glibc's own count of the bytes in use (``mallinfo2``: allocated chunks plus mmapped blocks; the rest of the RSS is
-memory glibc keeps after it was freed, and the interpreter's and libraries' own pages). With ``--checkpointing none``
+memory glibc keeps after it was freed, and the interpreter's and libraries' own pages), the step's CPU time and its
+page faults (each a first write to a 4 KiB page the process did not have). With ``--checkpointing none``
 it also sums the bytes autograd saved for backward (each storage once; parameters left out).
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import resource
 import threading
 import time
 
@@ -69,7 +73,8 @@ def dpo_run(args, model_dir: str, phase: list):
     rows = str(lab.chat_rows(model_dir) / "preference.jsonl")
     module = DPOModule(model=model_dir, beta=0.1, learning_rate=1e-5, lr_scheduler_type="constant", weight_decay=0.0,
                        optim=args.optim, attn_implementation="sdpa", dtype="float32", padding_free=True,
-                       gradient_checkpointing=LIT_CHECKPOINTING[args.checkpointing])
+                       gradient_checkpointing=LIT_CHECKPOINTING[args.checkpointing],
+                       mmap_activations=args.mmap_activations)
     data = PreferenceDataModule(path=rows, tokenizer=model_dir, batch_size=2, max_length=1024, val_split=None,
                                 shuffle=False)
     return module, data, args.steps or 5
@@ -89,7 +94,7 @@ def grpo_run(args, model_dir: str, phase: list):
         max_completion_length=64, temperature=1.0, top_p=1.0, top_k=0, engine="native", padding_free=True,
         learning_rate=0.0, lr_scheduler_type="constant", weight_decay=0.0, optim=args.optim, dtype="float32",
         attn_implementation="sdpa", gradient_checkpointing=LIT_CHECKPOINTING[args.checkpointing],
-        disable_dropout=True, num_generations=4, steps_per_generation=2)
+        mmap_activations=args.mmap_activations, disable_dropout=True, num_generations=4, steps_per_generation=2)
 
     def tagged(name, fn):
         def call(*a, **kw):
@@ -114,6 +119,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a real chat model: a .gguf file or an HF directory")
     parser.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none")
     parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch")
+    parser.add_argument("--mmap-activations", action="store_true", help="lit_align's model.mmap_activations")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: DPO 5, GRPO 6: 3 rounds)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--trace", help="write a timeline here (CSV, every 10 ms: phase, step, RSS, glibc's counts)")
@@ -177,6 +183,7 @@ def main() -> None:
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.parts, self.cpu, saved[0], step[0] = [], time.process_time(), 0, batch_idx
+            self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             self.enter("fwd")
             for name in ("sample", "round"):
                 peaks.pop(name, None)
@@ -207,7 +214,9 @@ def main() -> None:
                 size = (f"{int(step.prompt_mask.sum() + step.completion_mask.sum())} tokens, "
                         f"{layout.input_ids.numel()} positions")
             print(f"step {batch_idx}, {size}: " + ", ".join(self.parts)
-                  + f" MiB; CPU {time.process_time() - self.cpu:.1f} s", flush=True)
+                  + f" MiB; CPU {time.process_time() - self.cpu:.1f} s, "
+                  f"{(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults) / 1000:.0f}k page faults",
+                  flush=True)
 
     module, data, steps = (dpo_run if args.recipe == "dpo" else grpo_run)(args, model_dir, phase)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, precision="32-true", logger=False,
@@ -219,7 +228,8 @@ def main() -> None:
             f.writelines(trace)
     print(f"peak RSS {rss('VmHWM'):.0f} MiB (sampled {top[0]:.0f}, in {top[1]}: anonymous {top[2]:.0f}, file-backed "
           f"{top[3]:.0f}, glibc in use {top[4]:.0f}); {args.recipe}, checkpointing {args.checkpointing}, {args.optim}, "
-          f"{args.threads} thread(s), load {os.getloadavg()[0]:.1f}")
+          f"{'mmap_activations, ' if args.mmap_activations else ''}{args.threads} thread(s), "
+          f"load {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
