@@ -178,15 +178,15 @@ def shared_prompt_completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     if rows == n:
         return None
     # each completion's first column in its group's row: after the prompt and the group's earlier completions
-    same = group[:, None] == group[None, :]
-    earlier = (same & (torch.arange(n, device=device)[None, :] < torch.arange(n, device=device)[:, None])).long()
+    order = torch.arange(n, device=device)
+    earlier = (group[:, None] == group[None, :]) & (order[None, :] < order[:, None])  # [i, j]: j before i, same row
     prompt_of_row = torch.zeros(rows, dtype=torch.long, device=device).scatter_(0, group, prompt_lengths)
-    offset = prompt_lengths + earlier @ completion_lengths
+    offset = prompt_lengths + (earlier * completion_lengths[None, :]).sum(1)
     row_lengths = prompt_of_row + torch.zeros_like(prompt_of_row).index_add_(0, group, completion_lengths)
     length = int(row_lengths.max())
     pos = torch.arange(length, device=device)
     segment = torch.full((rows, length), -2, dtype=torch.long, device=device)  # -1: the prompt, i: completion i
-    member = torch.zeros(rows, dtype=torch.long, device=device).scatter_(0, group, torch.arange(n, device=device))
+    member = torch.zeros(rows, dtype=torch.long, device=device).scatter_(0, group, order)
     in_prompt = pos < prompt_of_row[:, None]
     prompt_cols = (width - prompt_of_row[:, None] + pos).clamp(max=width - 1)  # a row's prompt, from any of its rows
     input_ids = torch.where(in_prompt, prompt_ids[member[:, None], prompt_cols], 0)
