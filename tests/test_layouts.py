@@ -59,28 +59,20 @@ def test_completion_logps_do_not_depend_on_left_padding(tokenizer, tiny_path):
         assert_rounding_close(batched[i][m], alone[0][m], terms=TINY_TERMS)  # other padding, other kernels
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("arch,chunk_size", [("llama", None), ("llama", 3), ("qwen2", None)])
-def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, attn, tokenizer):
-    """Packed (``right_aligned`` rows packed as wide as the longest, two sequences sharing a row),
-    ``completion_token_logps`` gives the padded log-probs, entropy and gradients: left-padded prompts and completions
-    of different lengths, one completion a single token."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def grpo_model(arch: str, attn: str, tokenizer):
+    """The tiny Llama, or a tiny Qwen2 (GQA and q/k/v biases), in training mode."""
     if arch == "llama":
         model = load_model("builtin:tiny", attn_implementation=attn)
-    else:  # GQA and q/k/v biases
+    else:
         config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    model.train()
-    torch.manual_seed(1)
-    prompt_ids, completion_ids = torch.randint(10, 90, (4, 6)), torch.randint(10, 90, (4, 5))
-    prompt_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]])
-    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
-    layout = packed_rows(right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
-    assert layout.input_ids.shape == (3, 11)  # real lengths 7, 11, 3, 7: [11], [7 + 3], [7]
+    return model.train()
+
+
+def assert_packed_equals_padded(model, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk_size):
+    """``completion_token_logps`` with ``padding_free`` gives the padded log-probs, entropy and gradients."""
     results = []
     for packed in (False, True):
         model.zero_grad()
@@ -97,6 +89,22 @@ def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size,
     positions = int(completion_mask.sum())
     for a, b in zip(packed_grads, padded_grads):  # each weight's gradient sums every position's products
         assert_rounding_close(a, b, terms=TINY_TERMS * positions)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch,chunk_size", [("llama", None), ("llama", 3), ("qwen2", None)])
+def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, attn, tokenizer):
+    """Packed (``right_aligned`` rows packed as wide as the longest, two sequences sharing a row),
+    ``completion_token_logps`` gives the padded log-probs, entropy and gradients: left-padded prompts and completions
+    of different lengths, one completion a single token."""
+    model = grpo_model(arch, attn, tokenizer)
+    torch.manual_seed(1)
+    prompt_ids, completion_ids = torch.randint(10, 90, (4, 6)), torch.randint(10, 90, (4, 5))
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    layout = packed_rows(right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
+    assert layout.input_ids.shape == (3, 11)  # real lengths 7, 11, 3, 7: [11], [7 + 3], [7]
+    assert_packed_equals_padded(model, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk_size)
 
 
 def repeated_prompts(seed: int = 1):
@@ -149,30 +157,7 @@ def test_shared_prompt_completions_refuse_other_rows():
 def test_shared_prompt_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, attn, tokenizer):
     """Completions of repeated prompts, ``padding_free``: one row per prompt (``shared_prompt_completions``), the
     padded log-probs, entropy and gradients."""
-    if arch == "llama":
-        model = load_model("builtin:tiny", attn_implementation=attn)
-    else:  # GQA and q/k/v biases
-        config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    model.train()
-    prompt_ids, prompt_mask, completion_ids, completion_mask = repeated_prompts()
-    results = []
-    for packed in (False, True):
-        model.zero_grad()
-        logps, entropy = completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7,
-                                                with_entropy=True, chunk_size=chunk_size, padding_free=packed)
-        (logps * completion_mask).sum().backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        results.append((logps * completion_mask, entropy * completion_mask, grads))
-    (padded, padded_entropy, padded_grads), (packed, packed_entropy, packed_grads) = results
-    assert_rounding_close(packed, padded, terms=TINY_TERMS)
-    assert_rounding_close(packed_entropy, padded_entropy, terms=TINY_TERMS)
-    assert len(packed_grads) == len(padded_grads) > 0
-    positions = int(completion_mask.sum())
-    for a, b in zip(packed_grads, padded_grads):
-        assert_rounding_close(a, b, terms=TINY_TERMS * positions)
+    assert_packed_equals_padded(grpo_model(arch, attn, tokenizer), *repeated_prompts(), chunk_size)
 
 
 def test_packed_log_probs_run_the_head_on_the_predicting_positions_only(tokenizer):
