@@ -225,8 +225,8 @@ def main() -> None:
                         help="both sides' optimizer, by TRL's name (default adamw_torch; adamw_torch_fused is TRL's "
                              "default: the same update in one kernel, without AdamW's parameter-sized temporaries)")
     parser.add_argument("--mmap-activations", action="store_true",
-                        help="lit_align's mmap_activations: a step's large tensors mapped one by one up to its "
-                             "backward, not fragmenting glibc's heap (same values; TRL has none such)")
+                        help="lit_align's mmap_activations: a step's forward maps the large tensors glibc's free heap "
+                             "cannot hold, the free heap's pages go back at backward (same values; TRL has none such)")
     parser.add_argument("--checkpointing", choices=list(LIT_CHECKPOINTING), default="none",
                         help="activation checkpointing: none (default, both sides), selective (lit_align's "
                              "gradient_checkpointing: selective, same values; TRL has none such and runs without), "

@@ -37,15 +37,16 @@ What both sides get, so that they do the same work:
     no gradient checkpointing (TRL's default is turned off; ``--checkpointing selective`` gives lit_align its
     selective one, ``full`` both sides transformers' own), no mixed precision (TRL's ``bf16`` default is turned off),
     CPU, ``torch.set_num_threads(--threads)``; ``--mmap-activations`` gives lit_align its ``mmap_activations``
-    (glibc's heap left out of the step's large tensors up to backward; TRL has none such);
+    (a step's forward maps the large tensors glibc's free heap cannot hold; TRL has none such);
   - no logger/report, no checkpoints, no saving, no evaluation, no progress bar.
 
 Where they differ by design (and this is what is measured): lit_align keeps the engine's own log-probs as the old
 policy's (TRL recomputes them with a forward pass when a round feeds several optimizer steps), and with
 ``--lit-engine native`` it samples with ``NativeEngine`` (one prefill per prompt, static KV cache); with
-``+padfree`` (``native+padfree``) its training forward packs each step's rows into one sequence (``padding_free``),
-where TRL pads them. ``--lr 0`` keeps the policy where it started: completion lengths then stay alike on both sides
-(with learning, they drift apart by chance, and long completions cost more to sample and to train on).
+``+padfree`` (``native+padfree``) its training forward packs each step's rows without padding, each prompt once for
+the step's completions of it (``padding_free``), where TRL pads them and runs a prompt once per completion. ``--lr 0``
+keeps the policy where it started: completion lengths then stay alike on both sides (with learning, they drift apart
+by chance, and long completions cost more to sample and to train on).
 
 Throughput: whole generation rounds after the first (the warm-up): the wall time from the end of the warm-up round's
 last step to the end of the last step (each side's own step-end callback, after the optimizer step), divided into the
@@ -291,8 +292,8 @@ def main() -> None:
                              "gradient_checkpointing: selective, same values; TRL has none such and runs without), "
                              "full (both: transformers' own, TRL's default)")
     parser.add_argument("--mmap-activations", action="store_true",
-                        help="lit_align's mmap_activations: a step's large tensors mapped one by one up to its "
-                             "backward, not fragmenting glibc's heap (same values; TRL has none such)")
+                        help="lit_align's mmap_activations: a step's forward maps the large tensors glibc's free heap "
+                             "cannot hold, the free heap's pages go back at backward (same values; TRL has none such)")
     parser.add_argument("--lit-engine", default="hf",
                         help="lit_align engine(s), comma-separated: hf, native; +padfree: padding_free training "
                              "(default hf)")
