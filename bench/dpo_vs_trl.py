@@ -118,6 +118,7 @@ def run_lit(args, spec: dict, on_step=lambda step: None) -> dict:
     module = DPOModule(model=spec["model_dir"], beta=0.1, learning_rate=args.lr, lr_scheduler_type="constant",
                        weight_decay=0.0, optim=args.optim, attn_implementation="sdpa", dtype="float32",
                        gradient_checkpointing=LIT_CHECKPOINTING[args.checkpointing],
+                       mmap_activations=args.mmap_activations,
                        share_prompt=not args.no_share_prompt, padding_free=args.padding_free,
                        logps_chunk_size=args.chunk_size)
     data = PreferenceDataModule(path=spec["rows"], tokenizer=spec["model_dir"], batch_size=args.batch_size,
@@ -223,6 +224,9 @@ def main() -> None:
     parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch",
                         help="both sides' optimizer, by TRL's name (default adamw_torch; adamw_torch_fused is TRL's "
                              "default: the same update in one kernel, without AdamW's parameter-sized temporaries)")
+    parser.add_argument("--mmap-activations", action="store_true",
+                        help="lit_align's mmap_activations: a step's forward maps the large tensors glibc's free heap "
+                             "cannot hold, the free heap's pages go back at backward (same values; TRL has none such)")
     parser.add_argument("--checkpointing", choices=list(LIT_CHECKPOINTING), default="none",
                         help="activation checkpointing: none (default, both sides), selective (lit_align's "
                              "gradient_checkpointing: selective, same values; TRL has none such and runs without), "

@@ -36,15 +36,17 @@ What both sides get, so that they do the same work:
   - AdamW (``--optim``: ``adamw_torch`` or fused), constant learning rate, no weight decay, gradient clipping at 1.0,
     no gradient checkpointing (TRL's default is turned off; ``--checkpointing selective`` gives lit_align its
     selective one, ``full`` both sides transformers' own), no mixed precision (TRL's ``bf16`` default is turned off),
-    CPU, ``torch.set_num_threads(--threads)``;
+    CPU, ``torch.set_num_threads(--threads)``; ``--mmap-activations`` gives lit_align its ``mmap_activations``
+    (a step's forward maps the large tensors glibc's free heap cannot hold; TRL has none such);
   - no logger/report, no checkpoints, no saving, no evaluation, no progress bar.
 
 Where they differ by design (and this is what is measured): lit_align keeps the engine's own log-probs as the old
 policy's (TRL recomputes them with a forward pass when a round feeds several optimizer steps), and with
 ``--lit-engine native`` it samples with ``NativeEngine`` (one prefill per prompt, static KV cache); with
-``+padfree`` (``native+padfree``) its training forward packs each step's rows into one sequence (``padding_free``),
-where TRL pads them. ``--lr 0`` keeps the policy where it started: completion lengths then stay alike on both sides
-(with learning, they drift apart by chance, and long completions cost more to sample and to train on).
+``+padfree`` (``native+padfree``) its training forward packs each step's rows without padding, each prompt once for
+the step's completions of it (``padding_free``), where TRL pads them and runs a prompt once per completion. ``--lr 0``
+keeps the policy where it started: completion lengths then stay alike on both sides (with learning, they drift apart
+by chance, and long completions cost more to sample and to train on).
 
 Throughput: whole generation rounds after the first (the warm-up): the wall time from the end of the warm-up round's
 last step to the end of the last step (each side's own step-end callback, after the optimizer step), divided into the
@@ -160,7 +162,7 @@ def run_lit(args, spec: dict) -> dict:
         engine=args.engine_name.removesuffix("+padfree"), padding_free=args.engine_name.endswith("+padfree"),
         learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0, optim=args.optim,
         dtype="float32", attn_implementation="sdpa", gradient_checkpointing=LIT_CHECKPOINTING[args.checkpointing],
-        disable_dropout=True,
+        mmap_activations=args.mmap_activations, disable_dropout=True,
         num_generations=args.num_generations, steps_per_generation=args.steps_per_generation,
     )
     timer = GenTimer(module.engine.generate, lambda rollout: int(rollout.completion_mask.sum()))
@@ -289,6 +291,9 @@ def main() -> None:
                         help="activation checkpointing: none (default, both sides), selective (lit_align's "
                              "gradient_checkpointing: selective, same values; TRL has none such and runs without), "
                              "full (both: transformers' own, TRL's default)")
+    parser.add_argument("--mmap-activations", action="store_true",
+                        help="lit_align's mmap_activations: a step's forward maps the large tensors glibc's free heap "
+                             "cannot hold, the free heap's pages go back at backward (same values; TRL has none such)")
     parser.add_argument("--lit-engine", default="hf",
                         help="lit_align engine(s), comma-separated: hf, native; +padfree: padding_free training "
                              "(default hf)")
@@ -334,7 +339,8 @@ def main() -> None:
     print(f"\nGRPO, {args.model} ({spec['model_dir']}), {per_round} completions per round "
           f"({per_round // args.num_generations} prompts x {args.num_generations}), {args.steps_per_generation} steps "
           f"of {args.batch_size}, max {args.max_new_tokens} new tokens, {args.rounds} rounds (1 warm-up), fp32, CPU, "
-          f"{args.threads} threads, checkpointing {args.checkpointing}, {args.optim}; "
+          f"{args.threads} threads, checkpointing {args.checkpointing}, {args.optim}"
+          f"{', mmap_activations' if args.mmap_activations else ''}; "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
     header = (f"{'engine':<12}{'compl/s':>9}{'tok/s':>8}{'compl/CPU-s':>13}{'gen s/round':>13}{'gen CPU-s/round':>17}"
               f"{'tok/compl':>11}{'peak RSS MiB':>14}{'threads':>9}{'wall s':>8}")

@@ -3,24 +3,26 @@
 A ``Layout`` is the forward's input (``input_ids [R, L]``, a 2D padding mask or a 4D ``allowed`` mask, positions),
 the first label column ``start``, optionally which position predicts each label (``source``), and the map from the
 forward's ``[R, L - start]`` log-probs to the caller's grid ``[N, C]`` (``index``; None: the same grid) with the
-grid's ``mask`` of scored tokens. ``lit_align.logps.layout_logps`` runs any of them. Six layouts, and each recipe's
+grid's ``mask`` of scored tokens. ``lit_align.logps.layout_logps`` runs any of them. Seven layouts, and each recipe's
 choice among them (``sft``, ``pairs``, ``completions``):
 
 - ``padded``: right-padded rows (SFT rows, DPO's ``[chosen_1..B; rejected_1..B]``), scoring a masked subset;
 - ``prompt_completion``: left-padded prompts, right-padded completions (GRPO), positions following the mask;
 - ``right_aligned``: the same rows as ``[prompt, completion, padding]``, for ``packed_rows`` (GRPO's ``padding_free``);
 - ``shared_prompt_pairs``: each DPO pair as one row ``[prompt, chosen, rejected]``, the prompt computed once;
+- ``shared_prompt_completions``: GRPO's completions as one row per prompt ``[prompt, completion, completion, ...]``;
 - ``segments``: packed SFT rows, several sequences per row with a block-causal mask; ``one_row`` makes a batch's
   rows (padded or packed) one such row (SFT's ``padding_free``);
-- ``packed_rows``: a right-padded layout (DPO's two pair layouts, GRPO's ``right_aligned``) without padding (their
+- ``packed_rows``: a right-padded layout (DPO's two pair layouts, GRPO's two) without padding (their
   ``padding_free``), its rows packed into as few rows as hold them, the LM head on the scored tokens only
   (``targets``).
 
 ``padding_free`` means the same for every recipe: the step's sequences packed without padding, each attending only to
 itself, the same log-probs up to float rounding. SFT makes the batch one row (TRL's way; under flash attention the
 restarting positions mark the sequences, no mask); DPO and GRPO pack rows as wide as the longest (``packed_rows``,
-the LM head on the scored tokens only). The 4D layouts need a model that takes a custom mask
-(``lit_align.capabilities``); ``pairs`` picks the shared-prompt layout only for a model that does.
+the LM head on the scored tokens only), each prompt once where they can (a pair's prompt, the prompt of a step's
+completions). The 4D layouts need a model that takes a custom mask (``lit_align.capabilities``); ``pairs`` picks the
+shared-prompt layout only for a model that does.
 """
 
 from __future__ import annotations
@@ -146,6 +148,69 @@ def right_aligned(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completio
     index = rows * (width - 1) + label_columns.clamp(0, max(width - 2, 0))
     return Layout("right_aligned", input_ids.masked_fill(attention_mask == 0, 0), 1, completion_mask.bool(),
                   attention_mask=attention_mask, index=index, window=width)
+
+
+def shared_prompt_completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                              completion_mask: torch.Tensor) -> Layout | None:
+    """GRPO's completions as one row per distinct prompt, ``[prompt, completion_a, completion_b, ..., padding]``.
+
+    Each completion's tokens attend to the prompt and to their own completion only, at the positions they would have
+    right after the prompt, so every token sees exactly the context it has in ``right_aligned``'s rows and the
+    log-probs are the same up to float rounding, while a prompt goes through the network once per step instead of
+    once per completion of it (a step of 8 completions of 4 prompts: about half its prompt tokens). The grid is the
+    completions' ``[N, C]``.
+
+    None when no prompt repeats, or the rows are not of that form: a prompt that is not left-padded, or a completion
+    that is not one run from its first column.
+    """
+    device = prompt_ids.device
+    n, width = prompt_ids.shape
+    prompt_lengths, completion_lengths = prompt_mask.bool().sum(1), completion_mask.bool().sum(1)
+    columns = torch.arange(width, device=device)
+    if not (torch.equal(prompt_mask.bool(), columns >= width - prompt_lengths[:, None])
+            and torch.equal(completion_mask.bool(),
+                            torch.arange(completion_ids.shape[1], device=device) < completion_lengths[:, None])
+            and bool((prompt_lengths > 0).all())):
+        return None
+    keys = prompt_ids.masked_fill(~prompt_mask.bool(), -1)  # pad ids may differ between equal prompts
+    _, group = torch.unique(keys, dim=0, return_inverse=True)
+    rows = int(group.max()) + 1
+    if rows == n:
+        return None
+    # each completion's first column in its group's row: after the prompt and the group's earlier completions
+    order = torch.arange(n, device=device)
+    earlier = (group[:, None] == group[None, :]) & (order[None, :] < order[:, None])  # [i, j]: j before i, same row
+    prompt_of_row = torch.zeros(rows, dtype=torch.long, device=device).scatter_(0, group, prompt_lengths)
+    offset = prompt_lengths + (earlier * completion_lengths[None, :]).sum(1)
+    row_lengths = prompt_of_row + torch.zeros_like(prompt_of_row).index_add_(0, group, completion_lengths)
+    length = int(row_lengths.max())
+    pos = torch.arange(length, device=device)
+    segment = torch.full((rows, length), -2, dtype=torch.long, device=device)  # -1: the prompt, i: completion i
+    member = torch.zeros(rows, dtype=torch.long, device=device).scatter_(0, group, order)
+    in_prompt = pos < prompt_of_row[:, None]
+    prompt_cols = (width - prompt_of_row[:, None] + pos).clamp(max=width - 1)  # a row's prompt, from any of its rows
+    input_ids = torch.where(in_prompt, prompt_ids[member[:, None], prompt_cols], 0)
+    segment[in_prompt] = -1
+    position_ids = torch.where(in_prompt, pos, 0)
+    tokens = completion_mask.bool()
+    token_rows, token_cols = tokens.nonzero(as_tuple=True)
+    target_cols = offset[token_rows] + token_cols
+    input_ids[group[token_rows], target_cols] = completion_ids[token_rows, token_cols]
+    segment[group[token_rows], target_cols] = token_rows
+    position_ids[group[token_rows], target_cols] = prompt_lengths[token_rows] + token_cols
+    valid = pos < row_lengths[:, None]
+    causal = pos[None, :] <= pos[:, None]  # [L(query), L(key)]
+    sees = (segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None])
+    allowed = (causal & sees & valid[:, None, :]) | torch.eye(length, dtype=torch.bool, device=device)
+    # label column c (c >= 1) is predicted by column c - 1, but a completion's first token by its prompt's last one
+    source = (pos[1:] - 1).repeat(rows, 1)
+    starts = offset[completion_lengths > 0]
+    source[group[completion_lengths > 0], starts - 1] = prompt_of_row[group[completion_lengths > 0]] - 1
+    completion_columns = offset[:, None] + torch.arange(completion_ids.shape[1], device=device)
+    index = group[:, None] * (length - 1) + (completion_columns - 1).clamp(0, length - 2)
+    return Layout("shared_prompt_completions", input_ids, 1, tokens, attention_mask=valid.long(),
+                  allowed=allowed[:, None], position_ids=position_ids, source=source, index=index,
+                  window=int((prompt_lengths + completion_lengths).max()))
 
 
 def shared_prompt_pairs(batch: dict[str, torch.Tensor]) -> Layout | None:
@@ -283,7 +348,11 @@ def pairs(batch: dict[str, torch.Tensor], model: torch.nn.Module, share_prompt: 
 def completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                 completion_mask: torch.Tensor, padding_free: bool = False) -> Layout:
     """The layout GRPO's completions run in: after their left-padded prompts (``prompt_completion``), or with
-    ``padding_free`` as ``[prompt, completion]`` rows packed without padding (``packed_rows`` of ``right_aligned``)."""
+    ``padding_free`` packed without padding (``packed_rows``): one row per prompt, its completions after it, where a
+    prompt repeats (``shared_prompt_completions``), else ``[prompt, completion]`` rows (``right_aligned``)."""
     if padding_free:
-        return packed_rows(right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
+        layout = shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        if layout is None:
+            layout = right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        return packed_rows(layout)
     return prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask)

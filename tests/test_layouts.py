@@ -11,7 +11,9 @@ from torch.overrides import TorchFunctionMode
 
 from lit_align.capabilities import supports_shared_prompt
 from lit_align.data.preference import collate_pairs
-from lit_align.layouts import packed_rows, padded, right_aligned, shared_prompt_pairs
+from lit_align.layouts import (
+    completions, packed_rows, padded, right_aligned, shared_prompt_completions, shared_prompt_pairs,
+)
 from lit_align.logps import layout_logps
 from lit_align.models import load_model
 from lit_align.modules.grpo import completion_token_logps
@@ -57,28 +59,20 @@ def test_completion_logps_do_not_depend_on_left_padding(tokenizer, tiny_path):
         assert_rounding_close(batched[i][m], alone[0][m], terms=TINY_TERMS)  # other padding, other kernels
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("arch,chunk_size", [("llama", None), ("llama", 3), ("qwen2", None)])
-def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, attn, tokenizer):
-    """Packed (``right_aligned`` rows packed as wide as the longest, two sequences sharing a row),
-    ``completion_token_logps`` gives the padded log-probs, entropy and gradients: left-padded prompts and completions
-    of different lengths, one completion a single token."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def grpo_model(arch: str, attn: str, tokenizer):
+    """The tiny Llama, or a tiny Qwen2 (GQA and q/k/v biases), in training mode."""
     if arch == "llama":
         model = load_model("builtin:tiny", attn_implementation=attn)
-    else:  # GQA and q/k/v biases
+    else:
         config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
-    model.train()
-    torch.manual_seed(1)
-    prompt_ids, completion_ids = torch.randint(10, 90, (4, 6)), torch.randint(10, 90, (4, 5))
-    prompt_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]])
-    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
-    layout = packed_rows(right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
-    assert layout.input_ids.shape == (3, 11)  # real lengths 7, 11, 3, 7: [11], [7 + 3], [7]
+    return model.train()
+
+
+def assert_packed_equals_padded(model, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk_size):
+    """``completion_token_logps`` with ``padding_free`` gives the padded log-probs, entropy and gradients."""
     results = []
     for packed in (False, True):
         model.zero_grad()
@@ -95,6 +89,75 @@ def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size,
     positions = int(completion_mask.sum())
     for a, b in zip(packed_grads, padded_grads):  # each weight's gradient sums every position's products
         assert_rounding_close(a, b, terms=TINY_TERMS * positions)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch,chunk_size", [("llama", None), ("llama", 3), ("qwen2", None)])
+def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, attn, tokenizer):
+    """Packed (``right_aligned`` rows packed as wide as the longest, two sequences sharing a row),
+    ``completion_token_logps`` gives the padded log-probs, entropy and gradients: left-padded prompts and completions
+    of different lengths, one completion a single token."""
+    model = grpo_model(arch, attn, tokenizer)
+    torch.manual_seed(1)
+    prompt_ids, completion_ids = torch.randint(10, 90, (4, 6)), torch.randint(10, 90, (4, 5))
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1], [0, 1, 1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
+    layout = packed_rows(right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
+    assert layout.input_ids.shape == (3, 11)  # real lengths 7, 11, 3, 7: [11], [7 + 3], [7]
+    assert_packed_equals_padded(model, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk_size)
+
+
+def repeated_prompts(seed: int = 1):
+    """Six completions of three left-padded prompts (two, three and one of them, interleaved; the pad ids differ
+    between copies of a prompt), completions of 1-5 tokens."""
+    torch.manual_seed(seed)
+    prompts, masks = torch.randint(10, 90, (3, 6)), torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1],
+                                                                  [0, 0, 0, 0, 1, 1]])
+    which = torch.tensor([0, 1, 0, 2, 1, 1])
+    prompt_ids, prompt_mask = prompts[which].clone(), masks[which]
+    prompt_ids[prompt_mask == 0] = torch.randint(10, 90, (int((prompt_mask == 0).sum()),))
+    completion_ids = torch.randint(10, 90, (6, 5))
+    completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
+                                    [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def test_shared_prompt_completions_put_each_prompt_once_before_its_completions():
+    prompt_ids, prompt_mask, completion_ids, completion_mask = repeated_prompts()
+    layout = shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    lengths = layout.attention_mask.sum(1).sort().values.tolist()
+    assert lengths == [2 + 2, 4 + 3 + 1, 6 + 5 + 4 + 5]  # each prompt once, then each of its completions
+    row = int(layout.attention_mask.sum(1).argmax())  # the prompt of rows 1, 4, 5: completions of 5, 4, 5 tokens
+    assert layout.input_ids[row, :6].tolist() == prompt_ids[1].tolist()
+    assert layout.input_ids[row, 6:20].tolist() == (completion_ids[1].tolist() + completion_ids[4, :4].tolist()
+                                                    + completion_ids[5].tolist())
+    assert layout.position_ids[row, :20].tolist() == list(range(11)) + list(range(6, 10)) + list(range(6, 11))
+    allowed = layout.allowed[row, 0]
+    assert allowed[12, :6].all() and allowed[12, 11:13].all()  # the second completion: the prompt and itself
+    assert not allowed[12, 6:11].any() and not allowed[12, 13:].any()
+    packed = completions(prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free=True)
+    assert packed.name == "shared_prompt_completions+padding_free"  # GRPO's padding_free packs these rows
+    assert packed.input_ids.numel() < packed_rows(
+        right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask)).input_ids.numel()
+
+
+def test_shared_prompt_completions_refuse_other_rows():
+    prompt_ids, prompt_mask, completion_ids, completion_mask = repeated_prompts()
+    distinct = torch.tensor([0, 1, 3])  # no prompt twice: nothing to share
+    assert shared_prompt_completions(prompt_ids[distinct], prompt_mask[distinct], completion_ids[distinct],
+                                     completion_mask[distinct]) is None
+    gap = completion_mask.clone()
+    gap[1, 2] = 0  # a completion that is not one run
+    assert shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, gap) is None
+    assert shared_prompt_completions(prompt_ids, prompt_mask.flip(1), completion_ids, completion_mask) is None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch,chunk_size", [("llama", None), ("llama", 3), ("qwen2", None)])
+def test_shared_prompt_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, attn, tokenizer):
+    """Completions of repeated prompts, ``padding_free``: one row per prompt (``shared_prompt_completions``), the
+    padded log-probs, entropy and gradients."""
+    assert_packed_equals_padded(grpo_model(arch, attn, tokenizer), *repeated_prompts(), chunk_size)
 
 
 def test_packed_log_probs_run_the_head_on_the_predicting_positions_only(tokenizer):

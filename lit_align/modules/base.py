@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import Metric
 from transformers import get_scheduler
 
+from lit_align import host_memory
 from lit_align.errors import LitAlignError
 from lit_align.capabilities import sharded_strategy
 from lit_align.data.base import AlignDataModule
@@ -29,9 +30,9 @@ from lit_align.reference import Reference
 
 
 # Model settings a resume may change: how the same numbers are computed or exported, not which numbers.
-RESUME_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "on_nonfinite_loss", "export_merged", "engine",
-                     "precompute_ref_batch_size", "vllm_gpu_memory_utilization", "vllm_max_model_length",
-                     "vllm_enable_sleep_mode", "num_generations_eval")
+RESUME_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "mmap_activations", "on_nonfinite_loss",
+                     "export_merged", "engine", "precompute_ref_batch_size", "vllm_gpu_memory_utilization",
+                     "vllm_max_model_length", "vllm_enable_sleep_mode", "num_generations_eval")
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -55,6 +56,11 @@ class AlignModule(L.LightningModule):
             (transformers' own: each layer's forward again, about a third more step time) or ``selective`` (only the
             elementwise ops again, matmuls and attention kept: bitwise the same results, about half the activation
             memory, 5-10% more time on SmolLM2-135M).
+        mmap_activations: on CPU under glibc (Linux), keep freed heap out of the peak RSS: a training step's forward
+            maps the tensors of 1 MiB and more that glibc's free heap blocks cannot hold one by one (returned to the
+            system when freed) instead of growing the heap, and the free blocks' pages go back to the system before
+            backward (``lit_align.host_memory``). GRPO on SmolLM2-135M: peak RSS 13% lower (3.8 -> 3.3 GB), about
+            5% more CPU time per training step (page faults). The same values; process-wide, nothing elsewhere.
         logps_chunk_size: compute log-probs ``logps_chunk_size`` positions at a time from the decoder's hidden states
             instead of from full ``[N, T, V]`` logits (``lit_align.logps``): same values and gradients, a fraction of
             the memory at large vocabularies. None: off. E.g. 1024 (a chunk holds ``chunk * V`` fp32 logits).
@@ -104,6 +110,7 @@ class AlignModule(L.LightningModule):
         attn_implementation: str | None = "sdpa",
         trust_remote_code: bool = False,
         gradient_checkpointing: bool | Literal["selective"] = False,
+        mmap_activations: bool = False,
         logps_chunk_size: int | None = None,
         disable_dropout: bool = True,
         learning_rate: float = 1e-6,
@@ -196,6 +203,20 @@ class AlignModule(L.LightningModule):
         """The Hugging Face model that forwards run on: the policy, or under PEFT the model inside the wrapper (its
         layers carry the adapters; its ``forward`` takes ``position_ids`` and ``logits_to_keep`` explicitly)."""
         return self.policy.get_base_model() if self.lora_config is not None else self.policy
+
+    # -- model.mmap_activations: a step's large tensors mapped one by one up to its backward (lit_align.host_memory) --
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._mapped_forward(True)
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self._mapped_forward(False)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        self._mapped_forward(False)  # a skipped step (no backward) ends here
+
+    def _mapped_forward(self, active: bool) -> None:
+        if self.hparams.mmap_activations and self.device.type == "cpu":
+            host_memory.mapped_forward(active)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         """Step, then free the gradients at once (as transformers' Trainer does): Lightning would zero them only

@@ -155,9 +155,10 @@ class GRPOModule(AlignModule):
             ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with ``vllm_mode: colocate``; its own
             environment, see the README).
         padding_free: compute each step's training log-probs with its rows packed without padding, several per row,
-            rows as wide as the longest (``lit_align.layouts.packed_rows``), the LM head on completion tokens only:
-            the same values, without the cost of completions that ended early and of prompt padding. sdpa or eager
-            attention. The round-level no-grad passes (old and reference log-probs) stay padded.
+            rows as wide as the longest (``lit_align.layouts.packed_rows``), each prompt once for the step's
+            completions of it (``shared_prompt_completions``), the LM head on completion tokens only: the same
+            values, without the cost of completions that ended early, of prompt padding and of repeated prompts.
+            sdpa or eager attention. The round-level no-grad passes (old and reference log-probs) stay padded.
         vllm_mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported). The ``vllm_*`` options are
             TRL's flat names for the vLLM engine's options, routed to it (``lit_align.generation.vllm.VLLMOptions``,
             which checks them) when ``engine`` is ``vllm``.
