@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--recipes", nargs="+", default=["dpo", "grpo"])
     parser.add_argument("--model", help="a real chat model (.gguf or HF directory) on its chat rows, for --lab-model")
+    parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch")
+    parser.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none")
+    parser.add_argument("--mmap-activations", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
@@ -84,7 +87,8 @@ def main() -> None:
         if "dpo" in args.recipes:
             dpo = argparse.Namespace(lab=kind, lab_model=args.lab_model, model=name, steps=3, warmup=1,
                                      batch_size=2 if args.model else 4, max_length=1024, threads=args.threads, lr=1e-5,
-                                     no_share_prompt=False, padding_free=True, chunk_size=None)
+                                     no_share_prompt=False, padding_free=True, chunk_size=None, optim=args.optim,
+                                     checkpointing=args.checkpointing, mmap_activations=args.mmap_activations)
             spec = {"workdir": workdir, **dpo_vs_trl.prepare(dpo, Path(workdir))}
             prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             dpo_vs_trl.run_lit(dpo, spec, on_step=lambda step: prof.start() if step == 1 else
@@ -94,7 +98,8 @@ def main() -> None:
             grpo = argparse.Namespace(lab=kind, lab_model=args.lab_model, model=name, rounds=2,
                                       batch_size=8, num_generations=4, steps_per_generation=2,
                                       max_new_tokens=64 if args.model else 128,
-                                      threads=args.threads, lr=1e-5, engine_name="native+padfree")
+                                      threads=args.threads, lr=1e-5, engine_name="native+padfree", optim=args.optim,
+                                      checkpointing=args.checkpointing, mmap_activations=args.mmap_activations)
             spec = {"workdir": workdir, **grpo_vs_trl.prepare(grpo, Path(workdir))}
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 grpo_vs_trl.run_lit(grpo, spec)
