@@ -298,6 +298,7 @@ def test_peft_config_errors():
 
 
 # -- DDP: each rank computes its share, rank 0 writes the cache ------------------------------------------------------
+@pytest.mark.slow  # two processes (~20-45 s): run by .ci/run (make test-slow), not by make test
 def test_precompute_under_ddp_matches_one_process(tmp_path, rows_path, lit_align_cache, tiny_path):
     """Two CPU ranks (the real CLI in a subprocess) fill the cache with the numbers one process computes.
 

@@ -124,6 +124,7 @@ def args(out: Path, recipe: str, batch_size: int, *extra: str) -> list[str]:
             "--data.init_args.val_split", "null", *extra]
 
 
+@pytest.mark.slow  # two processes (~20-45 s): run by .ci/run (make test-slow), not by make test
 def test_fsdp_dpo_trains_like_one_process_and_exports_a_hf_model(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
@@ -156,6 +157,7 @@ def test_fsdp_dpo_trains_like_one_process_and_exports_a_hf_model(tmp_path_factor
     assert metric_at(resumed, "train/loss", 2) != pytest.approx(math.log(2), abs=1e-4)  # not a fresh policy
 
 
+@pytest.mark.slow  # two processes (~20-45 s): run by .ci/run (make test-slow), not by make test
 def test_fsdp_grpo_generates_with_a_sharded_policy_and_reference(tmp_path_factory):
     """12 new tokens: the native engine's EOS check (every 8) runs, an all-reduce across the two ranks."""
     grpo = ["--model.init_args.model", "builtin:tiny", "--model.init_args.beta", "0.04",

@@ -25,6 +25,8 @@ import pytest
 from helpers import ddp_and_single, metric_at, read_metrics, run_single
 from numerics import TINY_TERMS, assert_rounding_close
 
+pytestmark = pytest.mark.slow  # two processes per check (~70 s in all): run by .ci/run (make test-slow), not by make test
+
 TESTS = Path(__file__).resolve().parents[1]  # tests/
 CONFIGS = TESTS.parent / "configs"
 DPO = str(CONFIGS / "dpo.yaml")

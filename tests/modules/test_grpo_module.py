@@ -315,6 +315,7 @@ def test_engine_vllm_without_vllm_says_how_to_install(monkeypatch):
 
 
 # -- DDP through the CLI ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # two processes (~20-45 s): run by .ci/run (make test-slow), not by make test
 def test_ddp_two_processes_generate_once_per_round_on_each_rank(tmp_path, prompts_file, lit_align_cache, tiny_path):
     out = tmp_path / "probe"
     cmd = [
