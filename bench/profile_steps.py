@@ -83,12 +83,13 @@ def main() -> None:
         vocab = AutoConfig.from_pretrained(name).vocab_size
     else:
         kind, name, vocab = "realistic", args.lab_model, lab.LAB_MODELS[args.lab_model]["vocab_size"]
+    settings = {"threads": args.threads, "lr": 1e-5, "optim": args.optim, "checkpointing": args.checkpointing,
+                "mmap_activations": args.mmap_activations}  # both recipes' runs
     with tempfile.TemporaryDirectory() as workdir:
         if "dpo" in args.recipes:
             dpo = argparse.Namespace(lab=kind, lab_model=args.lab_model, model=name, steps=3, warmup=1,
-                                     batch_size=2 if args.model else 4, max_length=1024, threads=args.threads, lr=1e-5,
-                                     no_share_prompt=False, padding_free=True, chunk_size=None, optim=args.optim,
-                                     checkpointing=args.checkpointing, mmap_activations=args.mmap_activations)
+                                     batch_size=2 if args.model else 4, max_length=1024, no_share_prompt=False,
+                                     padding_free=True, chunk_size=None, **settings)
             spec = {"workdir": workdir, **dpo_vs_trl.prepare(dpo, Path(workdir))}
             prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
             dpo_vs_trl.run_lit(dpo, spec, on_step=lambda step: prof.start() if step == 1 else
@@ -98,8 +99,7 @@ def main() -> None:
             grpo = argparse.Namespace(lab=kind, lab_model=args.lab_model, model=name, rounds=2,
                                       batch_size=8, num_generations=4, steps_per_generation=2,
                                       max_new_tokens=64 if args.model else 128,
-                                      threads=args.threads, lr=1e-5, engine_name="native+padfree", optim=args.optim,
-                                      checkpointing=args.checkpointing, mmap_activations=args.mmap_activations)
+                                      engine_name="native+padfree", **settings)
             spec = {"workdir": workdir, **grpo_vs_trl.prepare(grpo, Path(workdir))}
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 grpo_vs_trl.run_lit(grpo, spec)
