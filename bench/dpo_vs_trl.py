@@ -222,8 +222,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
     parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch",
-                        help="both sides' optimizer, by TRL's name (default adamw_torch; adamw_torch_fused is TRL's "
-                             "default: the same update in one kernel, without AdamW's parameter-sized temporaries)")
+                        help="both sides' optimizer, by TRL's name (default adamw_torch; adamw_torch_fused is TRL's and "
+                             "lit_align's default: the same update in one kernel, without AdamW's parameter-sized "
+                             "temporaries)")
     parser.add_argument("--mmap-activations", action="store_true",
                         help="lit_align's mmap_activations: a step's forward maps the large tensors glibc's free heap "
                              "cannot hold, the free heap's pages go back at backward (same values; TRL has none such)")

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_align.errors import LitAlignError
 
-DEFAULT_OPTIM = "adamw_torch"
+DEFAULT_OPTIM = "adamw_torch_fused"  # TRL's (transformers' on torch >= 2.8): AdamW in one kernel
 
 
 def _bitsandbytes(name: str):

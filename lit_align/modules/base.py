@@ -23,7 +23,7 @@ from lit_align.errors import LitAlignError
 from lit_align.capabilities import sharded_strategy
 from lit_align.data.base import AlignDataModule
 from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
-from lit_align.optimizers import build_optimizer, check_optimizer_choice
+from lit_align.optimizers import DEFAULT_OPTIM, build_optimizer, check_optimizer_choice
 from lit_align.pretrained import gguf_path
 from lit_align.recompute import check_mode, enable_checkpointing
 from lit_align.reference import Reference
@@ -71,7 +71,7 @@ class AlignModule(L.LightningModule):
             ``constant``, ``constant_with_warmup``, ``cosine_with_min_lr``, ...
         lr_scheduler_kwargs: that scheduler's own arguments (TRL's name), e.g. ``{num_cycles: 2}`` for
             ``cosine_with_restarts`` or ``{min_lr: 1e-7}`` for ``cosine_with_min_lr``.
-        optim: the optimizer by TRL's name: ``adamw_torch`` (default), ``adamw_torch_fused``, ``sgd``,
+        optim: the optimizer by TRL's name: ``adamw_torch_fused`` (default, as TRL's), ``adamw_torch``, ``sgd``,
             ``adafactor``, ``adamw_8bit``, ``paged_adamw_8bit`` (the last two: ``pip install "lit_align[bnb]"``,
             bitsandbytes), with ``learning_rate`` and ``weight_decay``.
         optimizer: any optimizer the LightningCLI way instead, e.g. ``{class_path: torch.optim.SGD, init_args:
@@ -117,7 +117,7 @@ class AlignModule(L.LightningModule):
         weight_decay: float = 0.0,
         lr_scheduler_type: str = "linear",
         lr_scheduler_kwargs: dict | None = None,
-        optim: str = "adamw_torch",
+        optim: str = DEFAULT_OPTIM,
         optimizer: OptimizerCallable | None = None,
         warmup_ratio: float = 0.0,
         warmup_steps: int = 0,

@@ -72,7 +72,7 @@ def trl_trainer(setup, out: Path, **config) -> trl.DPOTrainer:
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
-        optim="adamw_torch",  # transformers' default on torch >= 2.8 is the fused AdamW: same math, other rounding
+        optim="adamw_torch_fused",  # lit_align's default, and transformers' on torch >= 2.8
         max_grad_norm=MAX_GRAD_NORM,
         train_sampling_strategy="sequential",  # no shuffling: batch k is rows [k * PAIRS, (k + 1) * PAIRS)
         bf16=False,

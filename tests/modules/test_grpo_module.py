@@ -455,7 +455,7 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     theirs = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
     ours = recipe_defaults(module)
     differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and v != theirs[k]}
-    listed = {"gradient_checkpointing": (False, True), "optim": ("adamw_torch", "adamw_torch_fused")}
+    listed = {"gradient_checkpointing": (False, True)}
     round_defaults = {"disable_dropout": (True, False), "steps_per_generation": (1, None)}  # None: 1 in TRL too
     listed |= {"grpo": round_defaults, "rloo": round_defaults,
                "sft": {"completion_only_loss": (True, None)},  # None: on for prompt-completion rows

@@ -1,0 +1,151 @@
+"""Attention under a sparse 4D mask that computes only what the mask lets through (CPU).
+
+torch's CPU attention kernels skip hidden blocks only under ``is_causal``: given an explicit mask, they score every
+query against every key of the row. The packed layouts' masks (``lit_align.layouts``: several sequences per row,
+each seeing only itself; a pair's rejected tokens not seeing its chosen ones; GRPO's completions seeing their prompt
+and themselves) hide most of a row: 75% of the real model's packed DPO rows, more of GRPO's.
+
+``sparse_mask(allowed)`` is that bool mask as a ``SparseMask``: the same tensor, plus ``tiles``, for each row's run of
+``TILE`` queries the keys they see (a range, or the columns when they are not one run) and the tile's mask on those
+keys (None when it lets everything through, ``is_causal`` when it is a causal square). transformers' ``sdpa``
+attention hands the mask to ``F.scaled_dot_product_attention`` as it is; given a ``SparseMask``, that call runs
+``sparse_attention``: each tile against its keys only, in torch's CPU flash-attention kernels, forward and backward
+(``SparseAttention``), the same values as the full call up to float rounding. Any other use of the mask, and any call
+it does not cover (another device, dropout, fp64), is the plain tensor's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+TILE = 128  # queries per tile: small enough to follow a mask's blocks, large enough for the kernel's efficiency
+
+_KERNELS = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+@dataclass(frozen=True)
+class Tile:
+    row: int
+    start: int  # queries start .. stop - 1
+    stop: int
+    keys: slice | torch.Tensor  # the keys any of them sees: a range, or their columns
+    mask: torch.Tensor | None  # [1, 1, stop - start, keys] additive (0 / -inf) float32; None: all of ``keys``
+    causal: bool = False  # the tile's mask is causal from its first key (``keys`` as long as the tile)
+
+
+def plan(allowed: torch.Tensor, tile: int = TILE) -> list[Tile]:
+    """The tiles of a bool ``allowed [R, 1, Q, K]`` mask (query ``q`` sees key ``k``); every query sees some key."""
+    allowed = allowed.cpu()
+    tiles = []
+    for row in range(allowed.shape[0]):
+        for start in range(0, allowed.shape[2], tile):
+            stop = min(start + tile, allowed.shape[2])
+            block = allowed[row, 0, start:stop]
+            columns = block.any(0).nonzero().flatten()
+            first, last = int(columns[0]), int(columns[-1]) + 1
+            keys = slice(first, last) if last - first == len(columns) else columns
+            block = block[:, keys]
+            if bool(block.all()):
+                tiles.append(Tile(row, start, stop, keys, None))
+            elif (isinstance(keys, slice) and block.shape[0] == block.shape[1]
+                  and torch.equal(block, torch.ones_like(block).tril_())):
+                tiles.append(Tile(row, start, stop, keys, None, causal=True))
+            else:
+                tiles.append(Tile(row, start, stop, keys, additive(block)))
+    return tiles
+
+
+def additive(block: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(block.shape, dtype=torch.float32).masked_fill_(~block, float("-inf"))[None, None]
+
+
+def _keys(x: torch.Tensor, tile: Tile) -> torch.Tensor:
+    row = x[tile.row:tile.row + 1]
+    return row[:, :, tile.keys] if isinstance(tile.keys, slice) else row.index_select(2, tile.keys)
+
+
+class SparseAttention(torch.autograd.Function):
+    """``softmax(q k^T * scale + mask) v`` tile by tile (``plan``), in torch's CPU flash-attention kernels."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, tiles, scale):
+        out = torch.empty_like(query)
+        logsumexp = query.new_empty(query.shape[:3], dtype=torch.float32)
+        for tile in tiles:
+            mask = None if tile.mask is None else tile.mask.to(query.dtype)
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query[tile.row:tile.row + 1, :, tile.start:tile.stop], _keys(key, tile), _keys(value, tile), 0.0,
+                tile.causal, attn_mask=mask, scale=scale)
+            out[tile.row:tile.row + 1, :, tile.start:tile.stop] = o
+            logsumexp[tile.row:tile.row + 1, :, tile.start:tile.stop] = lse
+        ctx.save_for_backward(query, key, value, out, logsumexp)
+        ctx.tiles, ctx.scale = tiles, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out, logsumexp = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        for tile in ctx.tiles:
+            queries = (slice(tile.row, tile.row + 1), slice(None), slice(tile.start, tile.stop))
+            mask = None if tile.mask is None else tile.mask.to(query.dtype)
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad[queries], query[queries], _keys(key, tile), _keys(value, tile), out[queries],
+                logsumexp[queries], 0.0, tile.causal, attn_mask=mask, scale=ctx.scale)
+            grad_query[queries] = gq
+            if isinstance(tile.keys, slice):
+                grad_key[tile.row:tile.row + 1, :, tile.keys] += gk
+                grad_value[tile.row:tile.row + 1, :, tile.keys] += gv
+            else:
+                grad_key[tile.row:tile.row + 1].index_add_(2, tile.keys, gk)
+                grad_value[tile.row:tile.row + 1].index_add_(2, tile.keys, gv)
+        return grad_query, grad_key, grad_value, None, None
+
+
+def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tiles: list[Tile],
+                     scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(query, key, value, attn_mask=<the mask of tiles>, scale=scale)`` computing
+    only the tiles' keys: ``query [R, H, Q, D]``, ``key``/``value [R, H_kv, K, D]`` (``H_kv < H`` with
+    ``enable_gqa``, each key head serving ``H // H_kv`` query heads)."""
+    if key.shape[1] != query.shape[1]:
+        if not enable_gqa:
+            raise ValueError(f"key has {key.shape[1]} heads and query {query.shape[1]}: pass enable_gqa=True")
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], 1)
+        value = value.repeat_interleave(query.shape[1] // value.shape[1], 1)
+    return SparseAttention.apply(query, key, value, tiles, query.shape[-1] ** -0.5 if scale is None else scale)
+
+
+class SparseMask(torch.Tensor):
+    """A bool ``[R, 1, Q, K]`` attention mask with its ``tiles``: ``F.scaled_dot_product_attention`` given it computes
+    only what it lets through (``sparse_attention``), where it can; everything else sees the plain tensor."""
+
+    tiles: list[Tile]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            call = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
+                            args), **kwargs)
+            mask, query, key, value = call.get("attn_mask"), call["query"], call["key"], call["value"]
+            if torch.is_autocast_enabled("cpu"):  # what autocast would give the kernel: its lower precision
+                query, key, value = (x.to(torch.get_autocast_dtype("cpu")) for x in (query, key, value))
+            if (isinstance(mask, SparseMask) and _KERNELS and query.device.type == "cpu"
+                    and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                    and query.dtype == key.dtype == value.dtype
+                    and not call.get("dropout_p") and not call.get("is_causal")
+                    and tuple(query.shape[::2]) == (mask.shape[0], mask.shape[2]) and key.shape[2] == mask.shape[3]):
+                return sparse_attention(query, key, value, mask.tiles, call.get("scale"), bool(call.get("enable_gqa")))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def sparse_mask(allowed: torch.Tensor) -> SparseMask:
+    """``allowed`` (bool ``[R, 1, Q, K]``, every query seeing some key) as a ``SparseMask``."""
+    mask = allowed.as_subclass(SparseMask)
+    mask.tiles = plan(allowed)
+    return mask

@@ -1,0 +1,154 @@
+"""lit_align.attention: attention under a packed layout's mask, computing only what the mask lets through, gives
+``F.scaled_dot_product_attention``'s values and gradients under the full mask (rule 3 of tests/numerics.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_align.attention import SparseAttention, SparseMask, plan, sparse_mask
+from lit_align.layouts import packed_rows, shared_prompt_completions, shared_prompt_pairs
+from lit_align.logps import attention_mask_4d, layout_logps
+from lit_align.models import load_model
+from numerics import assert_rounding_close
+
+pytestmark = pytest.mark.numerics
+
+
+def pair_mask(specs: list[tuple[int, int, int]]) -> torch.Tensor:
+    """DPO's packed shared-prompt rows (``[prompt, chosen, rejected]`` pairs, several per row) for ``(prompt, chosen,
+    rejected)`` lengths."""
+    n, width = len(specs), max(p + max(c, r) for p, c, r in specs)
+    ids = torch.ones(2 * n, width, dtype=torch.long)
+    attention, completion = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (p, c, r) in enumerate(specs):
+        for row, length in ((i, c), (n + i, r)):
+            attention[row, :p + length], completion[row, p:p + length] = 1, 1
+    batch = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+    return packed_rows(shared_prompt_pairs(batch)).allowed
+
+
+def completions_mask(prompts: list[int], completions: list[int], per_prompt: int) -> torch.Tensor:
+    """GRPO's packed rows of each prompt followed by its completions (``shared_prompt_completions``)."""
+    width, length = max(prompts), max(completions)
+    prompt_mask = torch.tensor([[0] * (width - p) + [1] * p for p in prompts for _ in range(per_prompt)])
+    completion_mask = torch.tensor([[1] * c + [0] * (length - c) for c in completions])
+    prompt_ids = torch.tensor([[i + 1] * width for i in range(len(prompts)) for _ in range(per_prompt)])
+    return packed_rows(shared_prompt_completions(prompt_ids, prompt_mask, torch.ones_like(completion_mask),
+                                                 completion_mask)).allowed
+
+
+MASKS = {
+    "pairs": lambda: pair_mask([(150, 120, 100), (60, 50, 70), (30, 20, 40)]),
+    "completions": lambda: completions_mask([40, 90], [30, 50, 10, 64, 20, 33, 64, 5], 4),
+    "causal": lambda: torch.ones(2, 1, 300, 300, dtype=torch.bool).tril_(),
+}
+
+
+def attend(query, key, value, mask):
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True, scale=0.125)
+    return (out, *torch.autograd.grad(out, (query, key, value), torch.linspace(-1, 1, out.numel()).view_as(out)))
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_sparse_attention_matches_full_mask(name):
+    allowed = MASKS[name]()
+    rows, _, length, _ = allowed.shape
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(rows, heads, length, 16, requires_grad=True) for heads in (6, 2, 2))
+    expected = attend(query, key, value, allowed)
+    calls = []
+    apply = SparseAttention.apply
+    SparseAttention.apply = lambda *args: calls.append(1) or apply(*args)
+    try:
+        actual = attend(query, key, value, sparse_mask(allowed))
+    finally:
+        SparseAttention.apply = apply
+    assert calls, "the sparse kernel did not run"
+    for what, a, e, terms in zip(("output", "d query", "d key", "d value"), actual, expected,
+                                 (length, 16 * length, length, length)):
+        assert type(a) is torch.Tensor
+        assert_rounding_close(a, e, terms=terms, msg=what)
+
+
+def test_plan_skips_what_the_mask_hides():
+    allowed = MASKS["pairs"]()
+    tiles = plan(allowed, tile=64)
+    computed = sum((t.stop - t.start) * (len(range(allowed.shape[3])[t.keys]) if isinstance(t.keys, slice)
+                                         else len(t.keys)) for t in tiles)
+    assert allowed.sum() <= computed < 0.6 * allowed[:, 0].numel()  # a fraction of the rows' square, all it lets in
+    assert any(t.causal for t in tiles) and any(not isinstance(t.keys, slice) for t in tiles)  # the rejected tokens
+    for t in tiles:  # each tile's keys hold every key its queries see
+        keys = torch.zeros(allowed.shape[3], dtype=torch.bool)
+        keys[t.keys] = True
+        assert not (allowed[t.row, 0, t.start:t.stop] & ~keys).any()
+
+
+def test_sparse_mask_is_the_plain_mask_elsewhere():
+    allowed = MASKS["completions"]()
+    mask = sparse_mask(allowed)
+    assert type(mask[:, :, :5]) is torch.Tensor and torch.equal(mask[:, :, :5], allowed[:, :, :5])
+    assert int(mask.sum()) == int(allowed.sum())
+    rows, _, length, _ = allowed.shape
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(rows, 4, length, 8, dtype=torch.float64) for _ in range(3))
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask)  # fp64: the plain kernels
+    assert torch.equal(out, F.scaled_dot_product_attention(query, key, value, attn_mask=allowed))
+
+
+def test_packed_logps_take_the_sparse_path():
+    model = load_model("builtin:tiny")
+    allowed = MASKS["pairs"]()
+    assert isinstance(attention_mask_4d(model, allowed), SparseMask)
+    model.config._attn_implementation = "eager"
+    assert type(attention_mask_4d(model, allowed)) is torch.Tensor  # additive for eager
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_sparse_attention_in_half_precision(dtype):
+    """bf16 against fp32: no further from it than the full-mask kernel in bf16 (rule 4)."""
+    allowed = MASKS["pairs"]()
+    rows, _, length, _ = allowed.shape
+    torch.manual_seed(0)
+    inputs = [torch.randn(rows, heads, length, 16) for heads in (6, 2, 2)]
+    reference = attend(*(x.clone().requires_grad_() for x in inputs), allowed)
+    half = [x.to(dtype).requires_grad_() for x in inputs]
+    full, sparse = attend(*half, allowed), attend(*half, sparse_mask(allowed))
+    for r, f, s in zip(reference, full, sparse):
+        assert (s.float() - r).abs().max() <= 2 * (f.float() - r).abs().max() + 1e-6
+
+
+def test_layout_logps_equal_with_and_without_sparse_attention(monkeypatch):
+    torch.manual_seed(0)
+    model = load_model("builtin:tiny")
+    ids = torch.randint(3, model.config.vocab_size, (4, 40))
+    attention = torch.ones_like(ids)
+    attention[1, 30:] = attention[3, 25:] = 0
+    completion = attention.clone()
+    completion[:, :12] = 0
+    batch = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+    batch["input_ids"][2:, :12] = batch["input_ids"][:2, :12]  # pairs share their prompt
+    layout = packed_rows(shared_prompt_pairs(batch))
+    sparse = layout_logps(model, layout).tokens
+    (grad_sparse,) = torch.autograd.grad(sparse.sum(), model.model.layers[0].self_attn.q_proj.weight)
+    monkeypatch.setattr("lit_align.logps.sparse_mask", lambda allowed: allowed)
+    plain = layout_logps(model, layout).tokens
+    (grad_plain,) = torch.autograd.grad(plain.sum(), model.model.layers[0].self_attn.q_proj.weight)
+    assert_rounding_close(sparse, plain, terms=384)
+    assert_rounding_close(grad_sparse, grad_plain, scale=grad_plain.abs().max() * 40, terms=384)
+
+
+def test_sparse_attention_under_autocast():
+    """bf16 autocast (``precision: bf16-mixed``): the kernel gets what autocast gives the full-mask call, fp32 queries
+    after the rotary embedding and bf16 values alike."""
+    allowed = MASKS["pairs"]()
+    rows, _, length, _ = allowed.shape
+    torch.manual_seed(0)
+    query = torch.randn(rows, 6, length, 16, requires_grad=True)
+    key, value = (torch.randn(rows, 2, length, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full, sparse = attend(query, key, value, allowed), attend(query, key, value, sparse_mask(allowed))
+    for f, s in zip(full, sparse):
+        assert s.dtype == f.dtype
+        assert_rounding_close(s, f, dtype=torch.bfloat16)
