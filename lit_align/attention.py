@@ -138,7 +138,7 @@ class SparseMask(torch.Tensor):
                     and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
                     and query.dtype == key.dtype == value.dtype
                     and not call.get("dropout_p") and not call.get("is_causal")
-                    and tuple(query.shape[::2]) == (mask.shape[0], mask.shape[2]) and key.shape[2] == mask.shape[3]):
+                    and (query.shape[0], query.shape[2], key.shape[2]) == tuple(mask.shape[i] for i in (0, 2, 3))):
                 return sparse_attention(query, key, value, mask.tiles, call.get("scale"), bool(call.get("enable_gqa")))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
