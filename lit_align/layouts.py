@@ -339,7 +339,8 @@ def packed_rows(layout: Layout, width: int | None = None) -> Layout:
     allowed = inner & (owner[:, :, None] == owner[:, None, :]) & (owner >= 0)[:, None, :]
     allowed |= torch.eye(capacity, dtype=torch.bool, device=device)  # padding queries: themselves (no empty softmax)
     # where each original (row, column) went, flat in [rows * capacity]; then the grid's scored tokens and predictors
-    flat = torch.zeros(n, width_in, dtype=torch.long, device=device).index_put_((rows, cols), new_row * capacity + new_col)
+    flat = torch.zeros(n, width_in, dtype=torch.long, device=device).index_put_((rows, cols),
+                                                                          new_row * capacity + new_col)
     labels = width_in - layout.start
     grid = layout.index if layout.index is not None else torch.arange(n * labels, device=device).view(n, labels)
     grid_row, grid_col = grid // labels, grid % labels + layout.start

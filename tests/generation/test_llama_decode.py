@@ -8,7 +8,7 @@ from helpers import left_padded
 from tiny_models import ARCHITECTURES, PROMPTS
 
 from lit_align.generation import NativeEngine
-from lit_align.generation.llama_decode import LlamaDecodeStep, Linear
+from lit_align.generation.llama_decode import LlamaDecodeStep, PackedLinear
 from numerics import TINY_TERMS, assert_rounding_close
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
@@ -34,16 +34,16 @@ def test_llama_decode_step_equals_decoding_through_the_forward(arch, tokenizer):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_decode_linear_is_f_linear_prepacked_on_cpu(bias):
-    """The decode step's ``Linear``: in fp32 on CPU the weight prepacked (oneDNN), F.linear's values at any row count
-    (the layout is chosen for 8 rows); in other dtypes F.linear itself."""
+    """The decode step's ``PackedLinear``: in fp32 on CPU the weight prepacked (oneDNN), F.linear's values at any
+    row count (the layout is chosen for 8 rows); in other dtypes F.linear itself."""
     torch.manual_seed(0)
     weight, b = torch.randn(96, 48), torch.randn(96) if bias else None
-    linear = Linear(weight, b, rows=8)
+    linear = PackedLinear(weight, b, rows=8)
     assert linear.packed == torch.backends.mkldnn.is_available()
     for rows in (1, 5, 8, 40):
         x = torch.randn(rows, 48)
         assert_rounding_close(linear(x), torch.nn.functional.linear(x, weight, b), terms=48)
-    half = Linear(weight.bfloat16(), None if b is None else b.bfloat16(), rows=8)
+    half = PackedLinear(weight.bfloat16(), None if b is None else b.bfloat16(), rows=8)
     x = torch.randn(3, 48, dtype=torch.bfloat16)
     assert not half.packed
     assert torch.equal(half(x), torch.nn.functional.linear(x, weight.bfloat16(), None if b is None else b.bfloat16()))
