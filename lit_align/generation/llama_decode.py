@@ -18,12 +18,13 @@ class PackedLinear:
     into oneDNN's layout for about ``rows`` rows (any number works; ``torch.ops.mkldnn``, the weight prepacking
     torch's own compiler does for frozen CPU models): at 1-64 rows MKL's GEMM, behind ``F.linear``, repacks the whole
     weight at every call, and the prepacked products are 1.3-3x faster at SmolLM2-135M's shapes, the same values up
-    to float rounding. Elsewhere ``F.linear`` as it is."""
+    to float rounding. Elsewhere (other devices and dtypes, under autocast) ``F.linear`` as it is."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.packed = (weight.device.type == "cpu" and weight.dtype == torch.float32
+                       and not torch.is_autocast_enabled("cpu")  # autocast: F.linear, in autocast's dtype
                        and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, max(rows, 1)) if self.packed else weight
 

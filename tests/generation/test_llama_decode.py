@@ -47,3 +47,8 @@ def test_decode_linear_is_f_linear_prepacked_on_cpu(bias):
     x = torch.randn(3, 48, dtype=torch.bfloat16)
     assert not half.packed
     assert torch.equal(half(x), torch.nn.functional.linear(x, weight.bfloat16(), None if b is None else b.bfloat16()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what bf16-mixed training samples under
+        mixed = PackedLinear(weight, b, rows=8)
+        x = torch.randn(3, 48)
+        assert not mixed.packed
+        assert torch.equal(mixed(x), torch.nn.functional.linear(x, weight, b))
