@@ -149,3 +149,9 @@ def sparse_mask(allowed: torch.Tensor) -> SparseMask:
     mask = allowed.as_subclass(SparseMask)
     mask.tiles = plan(allowed)
     return mask
+
+
+def skips_hidden(model: torch.nn.Module, device: torch.device | str) -> bool:
+    """Whether ``model``'s attention on ``device`` computes only what a 4D mask lets through: sdpa on CPU, given a
+    ``SparseMask`` (``lit_align.logps.attention_mask_4d``); its cost then follows the mask, not the row's square."""
+    return _KERNELS and model.config._attn_implementation == "sdpa" and torch.device(device).type == "cpu"

@@ -19,8 +19,9 @@ choice among them (``sft``, ``pairs``, ``completions``):
 
 ``padding_free`` means the same for every recipe: the step's sequences packed without padding, each attending only to
 itself, the same log-probs up to float rounding. SFT makes the batch one row (TRL's way; under flash attention the
-restarting positions mark the sequences, no mask); DPO and GRPO pack rows as wide as the longest (``packed_rows``,
-the LM head on the scored tokens only), each prompt once where they can (a pair's prompt, the prompt of a step's
+restarting positions mark the sequences, no mask); DPO and GRPO pack rows (``packed_rows``, the LM head on the
+scored tokens only): one row where the attention computes only what the mask lets through (``packing_width``: sdpa
+on CPU), else rows as wide as the longest, each prompt once where they can (a pair's prompt, the prompt of a step's
 completions). The 4D layouts need a model that takes a custom mask (``lit_align.capabilities``); ``pairs`` picks the
 shared-prompt layout only for a model that does.
 """
@@ -31,9 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
+from lit_align.attention import skips_hidden
 from lit_align.capabilities import supports_shared_prompt
 from lit_align.data.packing import bfd_bins
 from lit_align.errors import LitAlignError
+
+
+PACKED_WIDTH = 8192  # widest packed row where attention skips what the mask hides: its [W, W] bool mask is 64 MiB
 
 
 @dataclass
@@ -268,34 +273,62 @@ def shared_prompt_pairs(batch: dict[str, torch.Tensor]) -> Layout | None:
                   window=int(lengths.max()))
 
 
-def packed_rows(layout: Layout) -> Layout:
+def packed_bins(lengths: list[int], width: int | None = None) -> list[list[int]]:
+    """``lengths``' indices in bins (``lit_align.data.packing.bfd_bins``) at most ``width`` wide (None, or less than
+    the longest: the longest), with the fewest padding positions (bins x the fullest bin) of a few capacities tried:
+    the total split evenly over as few bins as hold it, and a little more."""
+    longest, total = max(lengths), sum(lengths)
+    width = max(longest, width or 0)
+    fewest = -(-total // width)
+    capacities = dict.fromkeys(min(width, max(longest, int(total / rows * slack) + 1))
+                               for rows in range(fewest, max(fewest, total // longest) + 1)
+                               for slack in (1.0, 1.03, 1.1, 1.25))
+    best, best_cost = [], None
+    for capacity in capacities:
+        bins = bfd_bins(lengths, capacity)
+        cost = len(bins) * max(sum(lengths[i] for i in b) for b in bins)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = bins, cost
+        if cost == total:
+            break
+    return best
+
+
+def packing_width(model: torch.nn.Module, device: torch.device | str) -> int | None:
+    """How wide ``packed_rows`` makes rows for ``model`` on ``device``: up to ``PACKED_WIDTH`` where its attention
+    computes only what the mask lets through (``lit_align.attention.skips_hidden``), else as wide as the longest row
+    (None): a plain 4D-masked attention's cost is square in the row's width."""
+    return PACKED_WIDTH if skips_hidden(model, device) else None
+
+
+def packed_rows(layout: Layout, width: int | None = None) -> Layout:
     """``layout``'s right-padded rows (``padded``, ``shared_prompt_pairs``, ``right_aligned``) without padding::
 
-        [ pair_3 row | pair_1 row ]        each row whole, best-fit decreasing into rows as wide as the longest one
-        [ pair_2 row | pair_4 row | pad ]  (``lit_align.data.packing.bfd_bins``); each sees only itself, as before
+        [ pair_3 row | pair_1 row ]        each row whole, best-fit decreasing into rows at most ``width`` wide
+        [ pair_2 row | pair_4 row | pad ]  (``packed_bins``); each sees only itself, as before
 
     Every token keeps its positions and what it attends to (``layout``'s 4D mask, or causal, within its own row), so
     the log-probs are ``layout``'s up to float rounding, while the layers compute few padding positions where a padded
     batch pays every row the longest one's length, and the LM head runs on the scored tokens only (``targets``), not
-    on the prompts. Rows stay about as wide as the longest one, not one row of everything: the attention's cost is
-    square in the row's width. The grid is ``layout``'s.
+    on the prompts. ``width`` None: rows as wide as the longest one, for attention whose cost is square in the row's
+    width (``packing_width``). The grid is ``layout``'s.
     """
     device = layout.input_ids.device
-    n, width = layout.input_ids.shape
+    n, width_in = layout.input_ids.shape
     lengths = layout.attention_mask.sum(1)
-    capacity = int(lengths.max())
-    bins = bfd_bins(lengths.tolist(), capacity)
+    bins = packed_bins(lengths.tolist(), width)
+    capacity = max(int(lengths[b].sum()) for b in bins)
     row_bin, row_offset = torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long)
     for b, members in enumerate(bins):
         row_bin[members] = b
         row_offset[members] = (lengths[members].cumsum(0) - lengths[members]).cpu()
     row_bin, row_offset = row_bin.to(device), row_offset.to(device)
-    columns = torch.arange(width, device=device)
+    columns = torch.arange(width_in, device=device)
     rows, cols = (columns < lengths[:, None]).nonzero(as_tuple=True)
     new_row, new_col = row_bin[rows], row_offset[rows] + cols
     shape = (len(bins), capacity)
     input_ids = layout.input_ids.new_zeros(shape).index_put_((new_row, new_col), layout.input_ids[rows, cols])
-    positions = layout.position_ids if layout.position_ids is not None else columns.expand(n, width)
+    positions = layout.position_ids if layout.position_ids is not None else columns.expand(n, width_in)
     position_ids = positions.new_zeros(shape).index_put_((new_row, new_col), positions[rows, cols])
     owner = torch.full(shape, -1, dtype=torch.long, device=device).index_put_((new_row, new_col), rows)
     column = torch.zeros(shape, dtype=torch.long, device=device).index_put_((new_row, new_col), cols)
@@ -306,8 +339,9 @@ def packed_rows(layout: Layout) -> Layout:
     allowed = inner & (owner[:, :, None] == owner[:, None, :]) & (owner >= 0)[:, None, :]
     allowed |= torch.eye(capacity, dtype=torch.bool, device=device)  # padding queries: themselves (no empty softmax)
     # where each original (row, column) went, flat in [rows * capacity]; then the grid's scored tokens and predictors
-    flat = torch.zeros(n, width, dtype=torch.long, device=device).index_put_((rows, cols), new_row * capacity + new_col)
-    labels = width - layout.start
+    flat = torch.zeros(n, width_in, dtype=torch.long, device=device).index_put_((rows, cols),
+                                                                          new_row * capacity + new_col)
+    labels = width_in - layout.start
     grid = layout.index if layout.index is not None else torch.arange(n * labels, device=device).view(n, labels)
     grid_row, grid_col = grid // labels, grid % labels + layout.start
     predictor = (columns - 1).clamp(min=0).repeat(n, 1)
@@ -338,7 +372,7 @@ def pairs(batch: dict[str, torch.Tensor], model: torch.nn.Module, share_prompt: 
     if layout is None:
         layout = padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
     if padding_free:
-        layout = packed_rows(layout)
+        layout = packed_rows(layout, packing_width(model, batch["input_ids"].device))
     window = getattr(model.config, "sliding_window", None)  # a custom mask replaces the sliding-window mask
     if layout.allowed is not None and window and layout.window > window:
         return padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
@@ -346,7 +380,7 @@ def pairs(batch: dict[str, torch.Tensor], model: torch.nn.Module, share_prompt: 
 
 
 def completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                completion_mask: torch.Tensor, padding_free: bool = False) -> Layout:
+                completion_mask: torch.Tensor, padding_free: bool = False, width: int | None = None) -> Layout:
     """The layout GRPO's completions run in: after their left-padded prompts (``prompt_completion``), or with
     ``padding_free`` packed without padding (``packed_rows``): one row per prompt, its completions after it, where a
     prompt repeats (``shared_prompt_completions``), else ``[prompt, completion]`` rows (``right_aligned``)."""
@@ -354,5 +388,5 @@ def completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_
         layout = shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, completion_mask)
         if layout is None:
             layout = right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        return packed_rows(layout)
+        return packed_rows(layout, width)
     return prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask)

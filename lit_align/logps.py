@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from lit_align.attention import sparse_mask
+from lit_align.attention import skips_hidden, sparse_mask
 from lit_align.capabilities import attention_implementation, is_fsdp_unit, takes_custom_mask, takes_logits_to_keep
 from lit_align.errors import LitAlignError
 
@@ -310,8 +310,10 @@ def attention_mask_4d(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Te
     """A 4D mask (``allowed[n, 0, q, k]``: query ``q`` sees key ``k``; ``[N, 1, Q, K]``) as ``model``'s attention
     takes it: bool for sdpa (on CPU a ``lit_align.attention.SparseMask``, whose attention skips what it hides),
     additive for eager (which adds the mask to the scores)."""
+    if skips_hidden(model, allowed.device):
+        return sparse_mask(allowed)
     if model.config._attn_implementation == "sdpa":
-        return sparse_mask(allowed) if allowed.device.type == "cpu" else allowed
+        return allowed
     dtype = next(model.parameters()).dtype
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 

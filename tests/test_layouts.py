@@ -12,7 +12,8 @@ from torch.overrides import TorchFunctionMode
 from lit_align.capabilities import supports_shared_prompt
 from lit_align.data.preference import collate_pairs
 from lit_align.layouts import (
-    completions, packed_rows, padded, right_aligned, shared_prompt_completions, shared_prompt_pairs,
+    completions, packed_bins, packed_rows, packing_width, padded, pairs, right_aligned, shared_prompt_completions,
+    shared_prompt_pairs,
 )
 from lit_align.logps import layout_logps
 from lit_align.models import load_model
@@ -104,6 +105,10 @@ def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size,
     completion_mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]])
     layout = packed_rows(right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
     assert layout.input_ids.shape == (3, 11)  # real lengths 7, 11, 3, 7: [11], [7 + 3], [7]
+    # what GRPO runs: on CPU, sdpa's attention skips what the mask hides, so all 28 tokens go in one row
+    width = packing_width(model, "cpu")
+    assert completions(prompt_ids, prompt_mask, completion_ids, completion_mask, True, width).input_ids.shape == (
+        (1, 28) if attn == "sdpa" else (3, 11))
     assert_packed_equals_padded(model, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk_size)
 
 
@@ -205,7 +210,8 @@ def test_shared_prompt_rows_match_plain_batch(model_type, attn, chunk_size):
     plain_layout = padded(batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
     others = {"shared": layout_logps(model, layout, stats, chunk_size),
               "shared, padding_free": layout_logps(model, packed_rows(layout), stats, chunk_size),
-              "plain, padding_free": layout_logps(model, packed_rows(plain_layout), stats, chunk_size)}
+              "plain, padding_free": layout_logps(model, packed_rows(plain_layout), stats, chunk_size),
+              "shared, padding_free, one row": layout_logps(model, packed_rows(layout, 10**6), stats, chunk_size)}
     if chunk_size:
         others["plain, chunked"] = completion_logps(model, batch, stats, chunk_size)
     for what, out in others.items():
@@ -243,6 +249,34 @@ def test_padding_free_pairs_pack_rows_and_score_completions_only():
         out = layout_logps(model, layout, (), chunk_size=None)
     assert head.rows == [int(batch["completion_mask"].sum())]  # the positions predicting a completion token
     assert len(layout.targets) == int(out.mask.sum()) == int(batch["completion_mask"].sum())
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padding_free_pairs_go_in_one_row_where_attention_skips_the_hidden_part(attn):
+    """On CPU, sdpa's attention under a packed mask computes only what it lets through (``lit_align.attention``), so
+    ``pairs`` packs the step's pairs into one row with no padding; eager's cost is the row's square: rows as wide as
+    the longest pair."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY), attn_implementation=attn)
+    batch = collate_pairs(random_pairs(4, pairs=5), pad_token_id=0, max_length=None)
+    shared = shared_prompt_pairs(batch)
+    lengths = shared.attention_mask.sum(1)
+    layout = pairs(batch, model, padding_free=True)
+    if attn == "sdpa":
+        assert layout.input_ids.shape == (1, int(lengths.sum()))
+    else:
+        assert layout.input_ids.shape[1] == int(lengths.max()) < int(lengths.sum())
+
+
+def test_packed_bins_split_the_total_evenly_within_the_width():
+    for lengths, width, fills in [([750, 360], None, [750, 360]),  # None: as wide as the longest
+                                  ([750, 360], 8192, [1110]),
+                                  ([5000, 4000, 3000], 8192, [7000, 5000]),  # 2 x 7000: the fewest positions
+                                  ([9000, 10], 8192, [9000, 10]),  # the longest row is never cut
+                                  ([100] * 30, 1000, [1000, 1000, 1000])]:
+        bins = packed_bins(lengths, width)
+        assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+        assert sorted((sum(lengths[i] for i in b) for b in bins), reverse=True) == fills, (lengths, width)
 
 
 def test_shared_prompt_pairs_refuse_other_batches():

@@ -10,7 +10,7 @@ The batch is TRL's ``[chosen_1..B; rejected_1..B]``; by default each pair runs a
 ``[prompt, chosen, rejected]`` instead (``share_prompt``, ``lit_align.layouts.shared_prompt_pairs``): same log-probs,
 the prompt through the network once per pair instead of twice. With ``padding_free`` those rows are packed
 without padding (``lit_align.layouts.packed_rows``): rows vary from tens to hundreds of tokens, and a padded batch
-pays every row the longest one's length.
+pays every row the longest one's length; on CPU under sdpa the step's pairs go in one row (``packing_width``).
 """
 
 from __future__ import annotations
