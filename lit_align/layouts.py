@@ -276,12 +276,12 @@ def shared_prompt_pairs(batch: dict[str, torch.Tensor]) -> Layout | None:
 def packed_bins(lengths: list[int], width: int | None = None) -> list[list[int]]:
     """``lengths``' indices in bins (``lit_align.data.packing.bfd_bins``) at most ``width`` wide (None, or less than
     the longest: the longest), with the fewest padding positions (bins x the fullest bin) of a few capacities tried:
-    the total split evenly over as few bins as hold it, and a little more."""
+    the total split evenly over as few bins as hold it (or one or two more), and a little more."""
     longest, total = max(lengths), sum(lengths)
     width = max(longest, width or 0)
     fewest = -(-total // width)
     capacities = dict.fromkeys(min(width, max(longest, int(total / rows * slack) + 1))
-                               for rows in range(fewest, max(fewest, total // longest) + 1)
+                               for rows in range(fewest, min(max(fewest, total // longest), fewest + 2) + 1)
                                for slack in (1.0, 1.03, 1.1, 1.25))
     best, best_cost = [], None
     for capacity in capacities:

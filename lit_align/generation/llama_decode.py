@@ -93,11 +93,11 @@ class LlamaDecodeStep:
         return (
             (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
             PackedLinear(torch.cat([p.weight for p in qkv]),
-                   None if a.q_proj.bias is None else torch.cat([p.bias for p in qkv]), rows),
+                         None if a.q_proj.bias is None else torch.cat([p.bias for p in qkv]), rows),
             PackedLinear(a.o_proj.weight, a.o_proj.bias, rows),
             (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
             PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                   None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]), rows),
+                         None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]), rows),
             PackedLinear(m.down_proj.weight, m.down_proj.bias, rows), m.act_fn, slots,
         )
 
