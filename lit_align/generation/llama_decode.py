@@ -26,7 +26,8 @@ class PackedLinear:
         self.packed = (weight.device.type == "cpu" and weight.dtype == torch.float32
                        and not torch.is_autocast_enabled("cpu")  # autocast: F.linear, in autocast's dtype
                        and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, max(rows, 1)) if self.packed else weight
+        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), max(rows, 1)) if self.packed
+                       else weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
