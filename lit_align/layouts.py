@@ -380,13 +380,15 @@ def pairs(batch: dict[str, torch.Tensor], model: torch.nn.Module, share_prompt: 
 
 
 def completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                completion_mask: torch.Tensor, padding_free: bool = False, width: int | None = None) -> Layout:
+                completion_mask: torch.Tensor, padding_free: bool = False,
+                model: torch.nn.Module | None = None) -> Layout:
     """The layout GRPO's completions run in: after their left-padded prompts (``prompt_completion``), or with
-    ``padding_free`` packed without padding (``packed_rows``): one row per prompt, its completions after it, where a
-    prompt repeats (``shared_prompt_completions``), else ``[prompt, completion]`` rows (``right_aligned``)."""
+    ``padding_free`` packed without padding (``packed_rows``, as wide as ``packing_width`` lets ``model``; None: rows
+    as wide as the longest): one row per prompt, its completions after it, where a prompt repeats
+    (``shared_prompt_completions``), else ``[prompt, completion]`` rows (``right_aligned``)."""
     if padding_free:
         layout = shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, completion_mask)
         if layout is None:
             layout = right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        return packed_rows(layout, width)
+        return packed_rows(layout, None if model is None else packing_width(model, prompt_ids.device))
     return prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask)

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from lit_align.capabilities import supports_shared_prompt
 from lit_align.data.preference import collate_pairs
 from lit_align.layouts import (
-    completions, packed_bins, packed_rows, packing_width, padded, pairs, right_aligned, shared_prompt_completions,
+    completions, packed_bins, packed_rows, padded, pairs, right_aligned, shared_prompt_completions,
     shared_prompt_pairs,
 )
 from lit_align.logps import layout_logps
@@ -106,8 +106,7 @@ def test_packed_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size,
     layout = packed_rows(right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask))
     assert layout.input_ids.shape == (3, 11)  # real lengths 7, 11, 3, 7: [11], [7 + 3], [7]
     # what GRPO runs: on CPU, sdpa's attention skips what the mask hides, so all 28 tokens go in one row
-    width = packing_width(model, "cpu")
-    assert completions(prompt_ids, prompt_mask, completion_ids, completion_mask, True, width).input_ids.shape == (
+    assert completions(prompt_ids, prompt_mask, completion_ids, completion_mask, True, model).input_ids.shape == (
         (1, 28) if attn == "sdpa" else (3, 11))
     assert_packed_equals_padded(model, prompt_ids, prompt_mask, completion_ids, completion_mask, chunk_size)
 

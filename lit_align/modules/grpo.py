@@ -46,8 +46,7 @@ def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, compl
     """Per-token log-probs ``[N, C]`` of completions after left-padded prompts, logits divided by ``temperature``
     (and, ``with_entropy``, the tempered distribution's entropy, without gradient unless ``entropy_grad``); 0 at
     padding. Laid out by ``lit_align.layouts.completions``."""
-    layout = layouts.completions(prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free,
-                                 layouts.packing_width(model, prompt_ids.device) if padding_free else None)
+    layout = layouts.completions(prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, model)
     out = layout_logps(model, layout, ("entropy",) if with_entropy else (), chunk_size, temperature, entropy_grad)
     return out.tokens, out.stats.get("entropy")
 
@@ -157,8 +156,8 @@ class GRPOModule(AlignModule):
             environment, see the README).
         padding_free: compute each step's training log-probs with its rows packed without padding, several per row,
             one row on CPU under sdpa, else rows as wide as the longest (``lit_align.layouts.packed_rows``,
-            ``packing_width``), each prompt once for the step's
-            completions of it (``shared_prompt_completions``), the LM head on completion tokens only: the same
+            ``packing_width``), each prompt once for the step's completions of it (``shared_prompt_completions``),
+            the LM head on completion tokens only: the same
             values, without the cost of completions that ended early, of prompt padding and of repeated prompts.
             sdpa or eager attention. The round-level no-grad passes (old and reference log-probs) stay padded.
         vllm_mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported). The ``vllm_*`` options are
