@@ -41,8 +41,8 @@ RECIPES = {
     "dpo": ["--data.init_args.batch_size", "8", "--model.init_args.warmup_ratio", "0"],
     "grpo": ["--model.init_args.beta", "0.04", "--model.init_args.max_completion_length", "16",
              "--model.init_args.warmup_steps", "0", "--model.init_args.learning_rate", "1e-4",
-             "--data.init_args.batch_size", "16", "--data.init_args.num_generations", "4",
-             "--data.init_args.steps_per_generation", "2"],
+             "--data.init_args.batch_size", "16", "--model.init_args.num_generations", "4",
+             "--model.init_args.steps_per_generation", "2"],
 }
 
 

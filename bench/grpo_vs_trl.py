@@ -165,10 +165,9 @@ def run_lit(args, spec: dict) -> dict:
         mmap_activations=args.mmap_activations, disable_dropout=True,
         num_generations=args.num_generations, steps_per_generation=args.steps_per_generation,
     )
-    timer = GenTimer(module.engine.generate, lambda rollout: int(rollout.completion_mask.sum()))
-    module.engine.generate = timer
+    timer = GenTimer(module.rollouts.engine.generate, lambda rollout: int(rollout.completion_mask.sum()))
+    module.rollouts.engine.generate = timer
     data = PromptDataModule(path=spec["prompts"], tokenizer=spec["model_dir"], batch_size=args.batch_size,
-                            num_generations=args.num_generations, steps_per_generation=args.steps_per_generation,
                             val_split=None, shuffle=False)
     clock = Clock()
     trainer = L.Trainer(

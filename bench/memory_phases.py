@@ -105,11 +105,11 @@ def grpo_run(args, model_dir: str, phase: list):
                 phase[0] = before
         return call
 
-    generate_round = module.generate_round
-    module.engine.generate = tagged("sample", module.engine.generate)
-    module.generate_round = tagged("round", lambda batch: generate_round(batch))
+    make_round = module.make_round
+    module.rollouts.engine.generate = tagged("sample", module.rollouts.engine.generate)
+    module.make_round = tagged("round", lambda batch: make_round(batch))
     data = PromptDataModule(path=str(lab.chat_rows(model_dir) / "prompts.jsonl"), tokenizer=model_dir, batch_size=8,
-                            num_generations=4, steps_per_generation=2, val_split=None, shuffle=False)
+                            val_split=None, shuffle=False)
     return module, data, args.steps or 6
 
 

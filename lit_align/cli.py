@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import pickletools
+import re
 import shlex
 import sys
 import zipfile
@@ -27,21 +28,51 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lit_align.callbacks import HFExport, SigtermCheckpoint
 from lit_align.checkpoint_io import AtomicCheckpointIO
 from lit_align.errors import LitAlignError
-from lit_align.generation_round import ROUND_SETTINGS, steps_per_generation_for
 from lit_align.imports import import_object
 
 SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process the signal ended: the run is not finished
 
 
+# where options that moved are now set: (section, option) -> the new place
+MOVED = {("data", name): f"model.{name}" for name in
+         ("num_generations", "steps_per_generation", "num_iterations", "generation_batch_size")}
+UNKNOWN_OPTION = re.compile(r"Problem with given class_path '([\w.]+)':\s+Option '(\w+)' is not accepted")
+
+
 class AlignParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
-        """A ``LitAlignError`` raised while parsing (a link refusing a setting) is one ``error:`` line, as anywhere."""
+        """A ``LitAlignError`` raised while parsing (a link refusing a setting) is one ``error:`` line, as anywhere;
+        so is an option its class does not have (``unknown_option``)."""
         cause = ex
         while cause is not None and not isinstance(cause, LitAlignError):
             cause = cause.__cause__
         if cause is not None:
             raise cause
+        unknown = UNKNOWN_OPTION.search(str(message))
+        if unknown is not None:
+            raise LitAlignError(unknown_option(*unknown.groups()))
         super().error(message, ex)
+
+
+def unknown_option(class_path: str, name: str) -> str:
+    """The message for option ``name`` that ``class_path`` does not take: where it moved, or which recipe has it."""
+    from lit_align.hub import recipe_defaults
+    from lit_align.modules import AlignModule
+
+    cls = import_object(class_path)
+    section = "model" if issubclass(cls, AlignModule) else "data"
+    if (section, name) in MOVED:
+        return (f"{section}.{name} has moved: the module owns a round's shape, set {MOVED[section, name]} instead "
+                f"(under model.init_args)")
+    owners = [c.__name__ for c in _subclasses(AlignModule) if name in recipe_defaults(c) and not issubclass(cls, c)]
+    if section == "model" and owners:
+        return f"model.{name} is an option of {', '.join(sorted(set(owners)))}, not of {cls.__name__}"
+    return (f"{section}.{name}: {cls.__name__} has no such option (lit-align fit --{section}.help {class_path} "
+            "lists them)")
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
 
 
 def one_owner(owner: str, follower: str, name: str, default: Any = None) -> Callable[..., Any]:
@@ -58,36 +89,6 @@ def one_owner(owner: str, follower: str, name: str, default: Any = None) -> Call
         return owned
 
     return follow
-
-
-def round_steps(follow: Callable[..., Any]) -> Callable[..., Any]:
-    """The link for ``steps_per_generation``: ``data.generation_batch_size`` (TRL's alternative, the round's
-    completions on every device), when set, is ``steps_per_generation`` times ``data.batch_size`` times the world
-    size the trainer's settings give; then the data owns it as ``follow`` says."""
-    def link(steps, followed, class_path, generation_batch_size, batch_size, devices, num_nodes, accelerator):
-        if generation_batch_size is not None and batch_size is not None:
-            world = world_size(devices, num_nodes, accelerator)
-            steps = steps_per_generation_for(generation_batch_size, batch_size, world)
-        return follow(steps, followed, class_path)
-
-    return link
-
-
-def world_size(devices: Any, num_nodes: Any, accelerator: Any) -> int:
-    """The processes ``trainer.devices`` and ``trainer.num_nodes`` start, read the way Lightning reads them:
-    a number, a list of device indices, or ``auto`` / -1 (every GPU there is, one process on CPU)."""
-    if isinstance(devices, (list, tuple)):
-        count = len(devices)
-    elif isinstance(devices, str) and "," in devices:
-        count = len([d for d in devices.split(",") if d.strip()])
-    elif str(devices).lstrip("-").isdigit() and int(devices) > 0:
-        count = int(devices)
-    else:  # auto or -1
-        import torch
-
-        on_cpu = str(accelerator).lower() == "cpu" or not torch.cuda.is_available()
-        count = 1 if on_cpu else torch.cuda.device_count()
-    return count * int(num_nodes or 1)
 
 
 def class_default(class_path: str, name: str, fallback: Any) -> Any:
@@ -119,16 +120,6 @@ class AlignCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # always on, configured under `export:` (like any callback, but no need to list it in every config)
         parser.add_lightning_class_args(HFExport, "export")
-        # a GRPO round's shape: set under `data:` (the batches show it), linked to the module, which owns the
-        # `RoundShape` and hands it to the data; unset under `data:`: the default
-        for name, default in ROUND_SETTINGS.items():
-            sources = (f"data.init_args.{name}", f"model.init_args.{name}", "model.class_path")
-            follow = one_owner("data", "model", name, default)
-            if name == "steps_per_generation":  # or TRL's generation_batch_size, over the world's devices
-                sources += ("data.init_args.generation_batch_size", "data.init_args.batch_size", "trainer.devices",
-                            "trainer.num_nodes", "trainer.accelerator")
-                follow = round_steps(follow)
-            parser.link_arguments(sources, f"model.init_args.{name}", compute_fn=follow, apply_on="parse")
         # owned by the model: the export carries the chat template; the loss reads assistant_only_loss (the data
         # drops the rows whose cut leaves no assistant token)
         for name, default in (("chat_template", None), ("assistant_only_loss", False)):

@@ -1,6 +1,6 @@
-"""A GRPO generation round: what was sampled, scored and computed once, for the training steps it feeds.
+"""An online recipe's generation round: what was sampled, scored and computed once, for the training steps it feeds.
 
-``GRPOModule.generate_round`` builds one at the round's first step; every step of the round then trains on
+``OnlineModule.make_round`` builds one at the round's first step; every step of the round then trains on
 ``round.step_batch(k)``, its share of the completions in a shuffled order. The round also goes into checkpoints, so a
 run resumed mid-round trains on the completions the interrupted run sampled.
 
@@ -16,36 +16,58 @@ import torch
 
 from lit_align.errors import LitAlignError
 
-# the settings that shape a round, with their defaults (TRL's)
-ROUND_SETTINGS = {"num_generations": 8, "steps_per_generation": 1, "num_iterations": 1}
-
-
 @dataclass(frozen=True)
 class RoundShape:
     """A generation round's shape, checked once here, and every number derived from it.
 
-    ``GRPOModule`` builds it from its settings and hands it to the prompts' DataModule (``PromptDataModule.connect``);
-    with ``lit-align`` the settings are written under ``data:`` and linked to the module (``lit_align.cli``).
+    The online module owns it (``model.num_generations`` etc.; ``OnlineModule``) and hands it to the prompts'
+    DataModule (``PromptDataModule.connect``), which resolves TRL's ``generation_batch_size`` against its batch size
+    and the world size (``resolve``) and answers with the resolved shape.
 
     Args:
-        num_generations: completions sampled per prompt (G).
-        steps_per_generation: training steps fed by one round, each on its own slice of the completions.
+        num_generations: completions sampled per prompt (G; TRL's default 8).
+        steps_per_generation: training steps fed by one round, each on its own slice of the completions (default 1;
+            None with ``generation_batch_size``: derived from it by ``resolve``).
         num_iterations: passes over each round's completions (TRL's mu).
-        owner: the config section that set them, for error messages.
+        generation_batch_size: TRL's alternative to ``steps_per_generation``: the round's completions on every
+            device, ``batch_size * world_size * steps_per_generation``.
     """
 
-    num_generations: int = ROUND_SETTINGS["num_generations"]
-    steps_per_generation: int = ROUND_SETTINGS["steps_per_generation"]
-    num_iterations: int = ROUND_SETTINGS["num_iterations"]
-    owner: str = field(default="data", compare=False)
+    num_generations: int = 8
+    steps_per_generation: int | None = None
+    num_iterations: int = 1
+    generation_batch_size: int | None = None
 
     def __post_init__(self):
-        owner = self.owner
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise LitAlignError("model.generation_batch_size and model.steps_per_generation cannot both be set (TRL's "
+                                "rule: one derives the other); set one of them")
+        if self.generation_batch_size is None and self.steps_per_generation is None:
+            object.__setattr__(self, "steps_per_generation", 1)
         if self.num_generations < 2:
-            raise LitAlignError(f"{owner}.num_generations must be >= 2 (group statistics need a group), "
+            raise LitAlignError(f"model.num_generations must be >= 2 (group statistics need a group), "
                                 f"got {self.num_generations}")
-        if self.steps_per_generation < 1 or self.num_iterations < 1:
-            raise LitAlignError(f"{owner}.steps_per_generation and {owner}.num_iterations must be >= 1")
+        if (self.steps_per_generation is not None and self.steps_per_generation < 1) or self.num_iterations < 1:
+            raise LitAlignError("model.steps_per_generation and model.num_iterations must be >= 1")
+        gbs = self.generation_batch_size
+        if gbs is not None and (gbs < 1 or gbs % self.num_generations):
+            raise LitAlignError(f"model.generation_batch_size {gbs} must be a positive multiple of "
+                                f"model.num_generations {self.num_generations} (whole groups)")
+
+    def resolve(self, batch_size: int, world_size: int) -> RoundShape:
+        """This shape with ``generation_batch_size`` turned into ``steps_per_generation`` for ``batch_size``
+        completions per device and step on ``world_size`` devices; refused unless the round's completions make
+        whole groups on each device."""
+        shape = self
+        if self.generation_batch_size is not None:
+            per_step = batch_size * world_size
+            if self.generation_batch_size % per_step:
+                raise LitAlignError(f"model.generation_batch_size {self.generation_batch_size} must be a positive "
+                                    f"multiple of the global batch size (data.batch_size {batch_size} x {world_size} "
+                                    f"devices = {per_step})")
+            shape = RoundShape(self.num_generations, self.generation_batch_size // per_step, self.num_iterations)
+        shape.prompts_per_round(batch_size)
+        return shape
 
     @property
     def steps(self) -> int:
@@ -57,8 +79,8 @@ class RoundShape:
         ``per_device_train_batch_size``); refused unless the round's completions make whole groups."""
         completions = batch_size * self.steps_per_generation
         if completions % self.num_generations:
-            raise LitAlignError(f"data.batch_size * data.steps_per_generation = {completions} completions per round "
-                                f"must be a multiple of data.num_generations = {self.num_generations}")
+            raise LitAlignError(f"data.batch_size * model.steps_per_generation = {completions} completions per round "
+                                f"must be a multiple of model.num_generations = {self.num_generations}")
         return completions // self.num_generations
 
     def needs_old_logps(self, accumulate_grad_batches: int) -> bool:
@@ -70,16 +92,6 @@ class RoundShape:
     def tokens_per_step(self, round_tokens: float, world_size: int) -> float:
         """dapo's normalizer: the loss tokens of a round on every rank, per rank and step."""
         return round_tokens / (world_size * self.steps_per_generation)
-
-
-def steps_per_generation_for(generation_batch_size: int, batch_size: int, world_size: int) -> int:
-    """TRL's alternative to ``steps_per_generation``: the round's completions on every device, ``batch_size *
-    world_size * steps_per_generation``; it must be a positive multiple of the global batch."""
-    per_step = batch_size * world_size
-    if generation_batch_size < 1 or generation_batch_size % per_step:
-        raise LitAlignError(f"data.generation_batch_size {generation_batch_size} must be a positive multiple of the "
-                            f"global batch size (data.batch_size {batch_size} x {world_size} devices = {per_step})")
-    return generation_batch_size // per_step
 
 
 @dataclass

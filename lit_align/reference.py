@@ -298,6 +298,22 @@ def choose_reference(ref_model: str | None, lora: bool, precompute: bool = False
     return AdapterReference() if lora else FrozenReference(ref_model)
 
 
+def build_reference(ref_model: str | None, lora: bool, *, enabled: bool = True, precompute: bool = False,
+                    precompute_batch_size: int | None = None, sync_ref_model: bool = False,
+                    ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512):
+    """TEMPORARY (replaced by the pieces branch)."""
+    from lit_align.callbacks import RefModelSync
+
+    if sync_ref_model and (not enabled or lora):
+        raise LitAlignError("model.sync_ref_model mixes the policy into the reference model: it needs model.beta "
+                            "!= 0 (beta 0 loads no reference) and no model.peft_config (the reference is then the "
+                            "policy without its adapters)")
+    if not enabled:
+        return None, None
+    sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
+    return choose_reference(ref_model, lora, precompute, precompute_batch_size), sync
+
+
 # -- the precompute cache ---------------------------------------------------------------------------------------------
 def rows_fingerprint(dataset) -> str:
     """SHA-256 of the token ids of every row, in dataset order (lengths included, so rows cannot run together)."""

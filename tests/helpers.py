@@ -275,9 +275,9 @@ class ReplayRollouts(L.Callback):
 
     def setup(self, trainer, pl_module, stage) -> None:
         if self.replay_dir is None:
-            pl_module.engine = _RecordingEngine(pl_module.engine, self.rounds)
+            pl_module.rollouts.engine = _RecordingEngine(pl_module.rollouts.engine, self.rounds)
         else:
-            pl_module.engine = _ReplayingEngine([torch.load(p) for p in sorted(Path(self.replay_dir).glob("rank*.pt"))])
+            pl_module.rollouts.engine = _ReplayingEngine([torch.load(p) for p in sorted(Path(self.replay_dir).glob("rank*.pt"))])
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self.record_dir is not None:
@@ -528,7 +528,7 @@ class ForceToolCalls(L.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         turn = increment_call(1) if trainer.global_rank in self.calling_ranks else "no</s>"
-        pl_module.engine = ScriptedEngine(pl_module.tokenizer, [[turn] * self.completions], then=pl_module.engine)
+        pl_module.rollouts.engine = ScriptedEngine(pl_module.tokenizer, [[turn] * self.completions], then=pl_module.rollouts.engine)
 
 
 # A tool-using SFT prompt/completion row: an earlier exchange in the prompt; the completion calls the tool, gets its

@@ -241,8 +241,13 @@ def test_bad_setting_value(tmp_path, capfd):
     assert_one_line_error(code, err, "model.loss_type 'kto'")
 
 
+def test_an_option_the_recipe_does_not_have_is_one_error_line(capfd):
+    code, _, err = run_main(["fit", "-c", DPO, "--model.init_args.betta", "0.2"], capfd)
+    assert assert_one_line_error(code, err) == ("error: model.betta: DPOModule has no such option (lit-align fit "
+                                                "--model.help lit_align.modules.DPOModule lists them)")
+
+
 @pytest.mark.parametrize("args,needle", [
-    (["--model.init_args.betta", "0.2"], "Option 'betta' is not accepted"),
     (["--trainer.max_stepz", "3"], "--trainer.max_stepz"),
     (["--trainer.max_steps", "three"], "trainer.max_steps"),
     (["--model.class_path", "lit_align.modules.NoSuchModule"], "NoSuchModule"),
@@ -290,8 +295,7 @@ def test_typo_in_a_config_file(tmp_path, capfd):
     typo = tmp_path / "typo.yaml"
     typo.write_text("model:\n  init_args:\n    betaa: 0.3\n")
     code, _, err = run_main(["fit", "-c", DPO, "-c", str(typo)], capfd)
-    assert code == 2 and "Traceback" not in err
-    assert "Option 'betaa' is not accepted" in err
+    assert assert_one_line_error(code, err).startswith("error: model.betaa: DPOModule has no such option")
 
 
 def test_console_script_errors_in_subprocesses(tmp_path):
@@ -326,7 +330,7 @@ def test_console_script_errors_in_subprocesses(tmp_path):
     (out, err), rc = results["typo"]
     assert rc == 2, err
     assert "Traceback" not in err
-    assert "Option 'betaa' is not accepted" in err
+    assert err.strip().splitlines()[-1].startswith("error: model.betaa: DPOModule has no such option")
 
     (out, err), rc = results["ok"]
     assert rc == 0, err
@@ -338,9 +342,9 @@ def test_console_script_errors_in_subprocesses(tmp_path):
     assert err.strip().splitlines()[-1] == "error: data.batch_size must be >= 1, got 0"
 
 
-def test_a_grpo_rounds_settings_are_set_under_data_and_reach_the_module(tiny_path):
-    """``num_generations`` / ``steps_per_generation`` / ``num_iterations`` have one owner (``data:``); the CLI links
-    them to the module (``link_arguments``), so the two always agree, and batches do not carry them."""
+def test_a_rounds_settings_are_the_modules_and_reach_the_data(tiny_path):
+    """``num_generations`` / ``steps_per_generation`` / ``num_iterations`` have one owner (``model:``); the module
+    hands its ``RoundShape`` to the data (``connect``), so the two always agree, and batches do not carry them."""
     from lit_align.cli import AlignCLI
     from lit_align.data import AlignDataModule
     from lit_align.modules import AlignModule
@@ -350,36 +354,33 @@ def test_a_grpo_rounds_settings_are_set_under_data_and_reach_the_module(tiny_pat
         cli = AlignCLI(AlignModule, AlignDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
                        auto_configure_optimizers=False,
                        args=["-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model", "builtin:tiny",
-                             "--data.init_args.num_generations", "4", "--data.init_args.steps_per_generation", "2",
-                             "--data.init_args.num_iterations", "3"])
+                             "--model.init_args.num_generations", "4", "--model.init_args.steps_per_generation", "2",
+                             "--model.init_args.num_iterations", "3"])
     finally:
         sys.argv = argv
     settings = ("num_generations", "steps_per_generation", "num_iterations")
-    assert [getattr(cli.datamodule.round_shape, name) for name in settings] == [4, 2, 3]
     assert [getattr(cli.model.round_shape, name) for name in settings] == [4, 2, 3]
+    answer = cli.datamodule.connect(round_shape=cli.model.round_shape)
+    assert [getattr(cli.datamodule.round_shape, name) for name in settings] == [4, 2, 3] == [
+        getattr(answer, name) for name in settings]
 
 
-
-def test_class_default_reads_a_classs_default_or_falls_back():
-    """What a link compares a setting with when the config leaves it out: the default of the class it names."""
-    from lit_align.cli import class_default
-
-    assert class_default("lit_align.modules.GRPOModule", "beta", "fallback") == 0.0
-    assert class_default("lit_align.modules.DPOModule", "beta", "fallback") == 0.1
-    for path in ("GRPOModule", "lit_align.no_such_module.X", "lit_align.modules.NoSuchModule"):
-        assert class_default(path, "beta", "fallback") == "fallback"
-
-def test_a_module_whose_round_disagrees_with_its_datamodule_is_refused(tmp_path, tiny_path):
-    """Outside the CLI both take the settings; a mismatch stops before anything runs, naming both values."""
-    from lit_align.data import PromptDataModule
-    from lit_align.errors import LitAlignError
-    from lit_align.modules import GRPOModule
-
-    from helpers import fit
-
-    module = GRPOModule(model="builtin:tiny", reward_funcs=["lit_align.rewards.sort_accuracy"], num_generations=4)
-    with pytest.raises(LitAlignError, match=r"model.num_generations 4 differs from data.num_generations 2"):
-        fit(module, PromptDataModule(batch_size=4, num_generations=2, val_split=None), tmp_path)
+def test_a_round_setting_under_data_names_its_new_place(tmp_path, capfd):
+    """Configs written before the module owned the round put its settings under ``data:``: one line says where they
+    went; an option of another recipe names that recipe."""
+    old = tmp_path / "old.yaml"
+    old.write_text("data:\n  init_args:\n    num_generations: 4\n")
+    base = ["fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model", "builtin:tiny",
+            "--trainer.default_root_dir", str(tmp_path)]
+    code, _, err = run_main([*base, "-c", str(old)], capfd)
+    assert assert_one_line_error(code, err) == (
+        "error: data.num_generations has moved: the module owns a round's shape, set model.num_generations instead "
+        "(under model.init_args)")
+    code, _, err = run_main([*base, "--data.init_args.steps_per_generation", "2"], capfd)
+    assert "set model.steps_per_generation instead" in assert_one_line_error(code, err)
+    code, _, err = run_main([*base, "--model.init_args.normalize_advantages", "true"], capfd)
+    assert assert_one_line_error(code, err) == (
+        "error: model.normalize_advantages is an option of RLOOModule, not of GRPOModule")
 
 
 # -- the chat template's one owner: model.chat_template ---------------------------------------------------------------
@@ -457,35 +458,22 @@ def test_a_template_that_rewrites_earlier_turns_names_model_chat_template(tmp_pa
     assert line.endswith("(use a template that leaves earlier turns as they were: model.chat_template)")
 
 
-def test_a_round_setting_is_owned_by_the_data_and_a_different_model_value_is_refused(tmp_path, capfd):
-    grpo = ["--model.init_args.model", "builtin:tiny"]
-    cli = parse(*grpo, "--data.init_args.num_generations", "4", "--model.init_args.num_generations", "4",
-                config="grpo.yaml")
-    assert cli.model.round_shape.num_generations == cli.datamodule.round_shape.num_generations == 4  # a saved config
-    code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), *grpo, "--model.init_args.steps_per_generation", "2", "--trainer.max_steps", "1",
-                             "--export.enabled", "false", "--trainer.default_root_dir", str(tmp_path)], capfd)
-    assert assert_one_line_error(code, err) == (
-        "error: model.steps_per_generation is set by data.steps_per_generation (data: owns it; model: follows it): "
-        "set data.steps_per_generation instead")
-
-
 def test_generation_batch_size_sets_the_rounds_steps_over_the_trainers_devices(tmp_path, capfd):
     """TRL's ``generation_batch_size``: ``batch_size * devices * steps_per_generation`` (grpo.yaml: 64 per device);
-    the module's round follows it, and setting both is TRL's error."""
-    grpo = ["--model.init_args.model", "builtin:tiny", "--data.init_args.steps_per_generation", "null"]
-    cli = parse(*grpo, "--data.init_args.generation_batch_size", "512", config="grpo.yaml")
-    assert cli.model.round_shape.steps_per_generation == 8  # 512 / (64 x 1 device)
-    cli = parse(*grpo, "--data.init_args.generation_batch_size", "512", "--trainer.devices", "2",
-                "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", config="grpo.yaml")
-    assert cli.model.round_shape.steps_per_generation == 4  # 512 / (64 x 2 devices)
+    the data resolves it with the world size when the module connects it, and setting both is TRL's error."""
+    grpo = ["--model.init_args.model", "builtin:tiny", "--model.init_args.steps_per_generation", "null"]
+    cli = parse(*grpo, "--model.init_args.generation_batch_size", "512", config="grpo.yaml")
+    shape = cli.model.round_shape
+    assert shape.resolve(64, 1).steps_per_generation == 8  # 512 / (64 x 1 device)
+    assert shape.resolve(64, 2).steps_per_generation == 4  # 512 / (64 x 2 devices)
     code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model",
-                             "builtin:tiny", "--data.init_args.generation_batch_size", "100",
-                             "--data.init_args.steps_per_generation", "null", "--trainer.default_root_dir",
+                             "builtin:tiny", "--model.init_args.generation_batch_size", "96",
+                             "--model.init_args.steps_per_generation", "null", "--trainer.default_root_dir",
                              str(tmp_path)], capfd)
-    assert assert_one_line_error(code, err) == ("error: data.generation_batch_size 100 must be a positive multiple of "
+    assert assert_one_line_error(code, err) == ("error: model.generation_batch_size 96 must be a positive multiple of "
                                                 "the global batch size (data.batch_size 64 x 1 devices = 64)")
     code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model",
-                             "builtin:tiny", "--data.init_args.generation_batch_size", "128",
+                             "builtin:tiny", "--model.init_args.generation_batch_size", "128",
                              "--trainer.default_root_dir", str(tmp_path)], capfd)
     assert assert_one_line_error(code, err).startswith(
-        "error: data.generation_batch_size and data.steps_per_generation cannot both be set")
+        "error: model.generation_batch_size and model.steps_per_generation cannot both be set")

@@ -58,15 +58,15 @@ def test_the_checkpoint_form_rebuilds_the_same_round():
 
 
 @pytest.mark.parametrize("settings,match", [
-    ((1, 1, 1), "data.num_generations must be >= 2"),
-    ((2, 0, 1), "data.steps_per_generation and data.num_iterations must be >= 1"),
-    ((2, 1, 0), "data.steps_per_generation and data.num_iterations must be >= 1"),
+    ((1, 1, 1), "model.num_generations must be >= 2"),
+    ((2, 0, 1), "model.steps_per_generation and model.num_iterations must be >= 1"),
+    ((2, 1, 0), "model.steps_per_generation and model.num_iterations must be >= 1"),
+    ((2, 1, 1, 8), "model.generation_batch_size and model.steps_per_generation cannot both be set"),
+    ((4, None, 1, 18), "model.generation_batch_size 18 must be a positive multiple of model.num_generations 4"),
 ])
 def test_round_settings_are_checked_in_one_place(settings, match):
     with pytest.raises(LitAlignError, match=match):
         RoundShape(*settings)
-    with pytest.raises(LitAlignError, match=match.replace("data.", "model.")):
-        RoundShape(*settings, owner="model")
 
 
 def test_the_shape_answers_every_number_derived_from_it():
@@ -74,9 +74,22 @@ def test_the_shape_answers_every_number_derived_from_it():
     shape = RoundShape(num_generations=4, steps_per_generation=2, num_iterations=3)
     assert shape.steps == 6  # the data yields each round's prompts 6 times
     assert shape.prompts_per_round(batch_size=8) == 4  # 8 completions x 2 steps / 4 per prompt
-    with pytest.raises(LitAlignError, match=r"data.batch_size \* data.steps_per_generation = 6 completions per round "
-                                            r"must be a multiple of data.num_generations = 4"):
+    with pytest.raises(LitAlignError, match=r"data.batch_size \* model.steps_per_generation = 6 completions per round "
+                                            r"must be a multiple of model.num_generations = 4"):
         shape.prompts_per_round(batch_size=3)
     assert [shape.needs_old_logps(accumulate) for accumulate in (1, 2, 6, 12)] == [True, True, False, False]
     assert shape.tokens_per_step(48.0, world_size=2) == 12.0  # 48 loss tokens on 2 ranks over 2 steps
-    assert RoundShape(2, owner="model") == RoundShape(2)  # the owner only names the section in errors
+    assert RoundShape(2).steps_per_generation == 1  # the default, unless generation_batch_size derives it
+
+
+def test_generation_batch_size_is_resolved_against_the_batch_and_the_world():
+    """TRL's alternative to ``steps_per_generation``: the round's completions on every device; 16 = 4 x 2 devices x
+    2 steps; the resolved shape must still make whole groups on each device."""
+    shape = RoundShape(num_generations=2, generation_batch_size=16)
+    assert shape.resolve(batch_size=4, world_size=2) == RoundShape(2, 2)
+    assert shape.resolve(batch_size=4, world_size=1) == RoundShape(2, 4)
+    with pytest.raises(LitAlignError, match=r"16 must be a positive multiple of the global batch size \(data.batch_size "
+                                            r"4 x 3 devices = 12\)"):
+        shape.resolve(batch_size=4, world_size=3)
+    with pytest.raises(LitAlignError, match="must be a multiple of model.num_generations = 4"):
+        RoundShape(4, generation_batch_size=12).resolve(batch_size=3, world_size=2)  # 3 x 1 step: no whole group

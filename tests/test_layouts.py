@@ -17,7 +17,7 @@ from lit_align.layouts import (
 )
 from lit_align.logps import layout_logps
 from lit_align.models import load_model
-from lit_align.modules.grpo import completion_token_logps
+from lit_align.modules.online import completion_token_logps
 from numerics import TINY_TERMS, assert_rounding_close
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`

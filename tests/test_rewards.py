@@ -83,7 +83,7 @@ def test_load_reward_resolves_dotted_paths():
 def test_reward_functions_given_from_python_are_taken_as_they_are():
     """As TRL's ``reward_funcs=[fn]``: a callable is the reward, named by its ``__name__``."""
     module = GRPOModule(model="builtin:tiny", reward_funcs=[reward_echo, "lit_align.rewards.sort_accuracy"])
-    assert module.reward_funcs[0] is reward_echo and module.reward_names == ["reward_echo", "sort_accuracy"]
+    assert module.rollouts.reward_funcs[0] is reward_echo and module.rollouts.reward_names == ["reward_echo", "sort_accuracy"]
 
 
 @pytest.mark.parametrize("path,match", [
@@ -149,7 +149,7 @@ def test_sort_accuracy_and_exact_on_known_completions():
     assert sort_exact(completions, answers) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
 
 
-# -- reward_weights: GRPOModule.generate_round on a fixed rollout ----------------------------------------------------------
+# -- reward_weights: GRPOModule.make_round on a fixed rollout ----------------------------------------------------------
 class FixedEngine:
     """Returns the given completions (EOS-terminated) for any prompts."""
 
@@ -171,7 +171,7 @@ class FixedEngine:
 
 
 def stub_trainer(accumulate: int = 1):
-    """What generate_round asks of the Trainer, single device."""
+    """What make_round asks of the Trainer, single device."""
     return SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
                            strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t, all_gather=lambda t: t))
 
@@ -180,7 +180,7 @@ def round_for(module: GRPOModule, tokenizer, prompts, texts, columns, num_genera
               iterations=1):
     module.tokenizer = tokenizer
     module.round_shape = RoundShape(num_generations, spg, iterations)
-    module.engine = FixedEngine(tokenizer, texts)
+    module.rollouts.engine = FixedEngine(tokenizer, texts)
     module._trainer = stub_trainer(accumulate)
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     width = max(map(len, ids))
@@ -189,7 +189,7 @@ def round_for(module: GRPOModule, tokenizer, prompts, texts, columns, num_genera
         "prompt_mask": torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids]),
         "prompts": prompts, "columns": columns, "round_pos": 0,
     }
-    return module.generate_round(batch)
+    return module.make_round(batch)
 
 
 def test_reward_weights_combine_functions_by_hand(tokenizer):
@@ -275,7 +275,7 @@ async def async_exact(completions, answer, **_):
 def test_class_path_and_async_rewards_with_trls_extra_arguments(tokenizer):
     module = GRPOModule(reward_funcs=[{"class_path": "test_rewards.LengthOver", "init_args": {"threshold": 2}},
                                       "test_rewards.async_exact"])
-    assert module.reward_names == ["LengthOver", "async_exact"]
+    assert module.rollouts.reward_names == ["LengthOver", "async_exact"]
     r = round_for(module, tokenizer, ["sort 31:", "sort 502:"], ["13", "31", "025", "052"], {"answer": ["13", "025"]})
     assert r.rewards == [1.0, 0.0, 2.0, 1.0]  # (length > 2) + exact
     assert float(r.stats["long_fraction"]) == 0.5  # log_metric: logged as train/long_fraction with the round
@@ -333,9 +333,9 @@ def test_a_reward_model_scores_prompt_and_completion_at_the_last_real_token(rewa
 def test_grpo_loads_reward_models_with_the_policys_settings_and_logs_them(reward_model_dir, tokenizer):
     module = GRPOModule(reward_funcs=["lit_align.rewards.sort_exact", reward_model_dir],
                         model_init_kwargs={"attention_dropout": 0.25})
-    assert module.reward_names == ["sort_exact", "tiny-rm"]
+    assert module.rollouts.reward_names == ["sort_exact", "tiny-rm"]
     module.configure_model()
-    rm = module.reward_funcs[1]
+    rm = module.rollouts.reward_funcs[1]
     assert rm.network.config.attention_dropout == 0.25  # model_init_kwargs reach the reward model too
     assert not rm.network.training and not any(p.requires_grad for p in rm.network.parameters())
     assert not any("tiny-rm" in k or "score" in k for k in module.state_dict())  # not trained, not checkpointed
@@ -371,7 +371,7 @@ def grpo_fit(root: Path, prompts: str, *extra: str) -> list[str]:
     return ["fit", "-c", str(CONFIGS / "grpo.yaml"), "--model.init_args.model", "builtin:tiny",
             "--model.init_args.max_completion_length", "4", "--data.init_args.path", prompts,
             "--data.init_args.val_split", "null", "--data.init_args.batch_size", "4",
-            "--data.init_args.num_generations", "2", "--data.init_args.steps_per_generation", "1",
+            "--model.init_args.num_generations", "2", "--model.init_args.steps_per_generation", "1",
             "--trainer.max_steps", "1", "--trainer.val_check_interval", "1.0", "--trainer.log_every_n_steps", "1",
             "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(root),
             "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root),

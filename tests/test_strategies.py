@@ -164,7 +164,7 @@ def test_fsdp_grpo_generates_with_a_sharded_policy_and_reference(tmp_path_factor
             "--model.init_args.max_completion_length", "12", "--model.init_args.learning_rate", "1e-2",
             "--model.init_args.warmup_steps", "0", "--model.init_args.logps_chunk_size", "3",
             "--model.init_args.reward_funcs", json.dumps(["helpers.digit_fraction"]),
-            "--data.init_args.num_generations", "2", "--data.init_args.steps_per_generation", "1",
+            "--model.init_args.num_generations", "2", "--model.init_args.steps_per_generation", "1",
             "--trainer.enable_checkpointing", "false", "--export.enabled", "false"]
     fsdp_dir, _ = ddp_and_single(tmp_path_factory, lambda out: args(out, "grpo.yaml", 4, *grpo), strategy=FSDP)
     metrics = read_metrics(fsdp_dir / "grpo" / "version_0")

@@ -1,4 +1,4 @@
-"""Prompt-only rows for online RL (GRPO), served one *generation round* at a time.
+"""Prompt-only rows for the online recipes (GRPO, RLOO), served one *generation round* at a time.
 
 Generation is autoregressive and costly, so one round of completions must feed several optimizer steps. The
 training DataLoader therefore yields every prompt of a round in one batch (``batch_size * steps_per_generation /
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from lit_align.data.base import AlignDataModule, ResumableLoader, SkippingSampler
 from lit_align.data.rows import check_max_length, check_prompt, encode_prompt, keep_end, naming_row, template_kwargs
 from lit_align.errors import LitAlignError
-from lit_align.generation_round import ROUND_SETTINGS, RoundShape, steps_per_generation_for
+from lit_align.generation_round import RoundShape
 
 
 class RoundSampler(SkippingSampler):
@@ -72,79 +72,51 @@ class _RoundItems(Dataset):
 
 
 class PromptDataModule(AlignDataModule):
-    """Prompts for GRPO; extra columns (e.g. ``answer``) reach the reward functions.
+    """Prompts for the online recipes; extra columns (e.g. ``answer``) reach the reward functions.
 
     ``batch_size`` counts *completions* per device per optimizer step, as TRL's ``per_device_train_batch_size``
     does. One generation round per device covers ``batch_size * steps_per_generation`` completions, that is
     ``batch_size * steps_per_generation / num_generations`` prompts (must divide evenly). ``val_batch_size`` counts
     prompts (one greedy completion each).
 
-    The round's shape is the module's (``GRPOModule`` hands its ``RoundShape`` over: ``connect``). With ``lit-align``
-    it is set here, once, and linked to the module; in Python, set it on ``GRPOModule`` (a value also given here must
-    be the module's).
+    The round's shape (``num_generations``, ``steps_per_generation``, ``num_iterations``, ``generation_batch_size``)
+    is the module's: set it under ``model:``. The module hands it over (``connect``); alone, the data uses
+    ``RoundShape``'s defaults.
 
     Args:
         max_length: tokens of each prompt kept, cut at tokenize time keeping the end (TRL truncates prompts from the
             left; None: no truncation).
-        num_generations: completions sampled per prompt (G; TRL's default 8; None: the module's). ``lit-align``
-            passes these three settings on to the module (``GRPOModule`` owns the round), so they are set here only.
-        steps_per_generation: training steps fed by one generation round (with ``accumulate_grad_batches: 1``,
-            optimizer steps; default 1).
-        num_iterations: passes over each round's completions (TRL's mu; default 1); the round serves
-            ``steps_per_generation * num_iterations`` steps.
-        generation_batch_size: TRL's alternative to ``steps_per_generation`` (set one of them): the completions of
-            one round on every device, ``batch_size * devices * steps_per_generation``. ``lit-align`` derives the
-            module's ``steps_per_generation`` from it (with ``trainer.devices * trainer.num_nodes``); it is checked
-            against the round's shape once the world size is known.
     """
 
     kind = "prompt"
 
-    def __init__(self, *args, max_length: int | None = 512, num_generations: int | None = None,
-                 steps_per_generation: int | None = None, num_iterations: int | None = None,
-                 generation_batch_size: int | None = None, **kwargs):
+    def __init__(self, *args, max_length: int | None = 512, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_length = check_max_length(max_length)
-        if generation_batch_size is not None and steps_per_generation is not None:
-            raise LitAlignError("data.generation_batch_size and data.steps_per_generation cannot both be set (TRL's "
-                                "rule: one derives the other); set one of them")
-        self.generation_batch_size = generation_batch_size
-        given = dict(zip(ROUND_SETTINGS, (num_generations, steps_per_generation, num_iterations)))
-        self.round_settings = {name: value for name, value in given.items() if value is not None}
         self.round_shape: RoundShape | None = None
-        self.prompts_per_round: int | None = None
         self.tools: list[dict] | None = None  # the module's tool schemas, rendered into every prompt
-        if self.round_settings and generation_batch_size is None:  # checked now, as every data setting (the
-            self._use_round(RoundShape(**self.round_settings))      # module's defaults fill the others)
-        elif generation_batch_size is not None and generation_batch_size % (num_generations or 1):
-            raise LitAlignError(f"data.generation_batch_size {generation_batch_size} must be a multiple of "
-                                f"data.num_generations {num_generations} (whole groups)")
 
     def connect(self, tokenizer: str | None = None, round_shape: RoundShape | None = None,
-                tools: list[dict] | None = None) -> None:
-        """The model's tokenizer, the round's shape (``GRPOModule`` owns it) and the schemas of the tools its
-        completions may call (rendered into every prompt, as TRL does, unless a row has its own ``tools``). A round
-        setting also given here must be the module's: a round of another shape would regroup the completions."""
+                tools: list[dict] | None = None) -> RoundShape | None:
+        """The model's tokenizer, the round's shape (the module owns it) and the schemas of the tools its
+        completions may call (rendered into every prompt, as TRL does, unless a row has its own ``tools``). Answers
+        with the round's shape resolved against ``batch_size`` and the world size (``RoundShape.resolve``)."""
         super().connect(tokenizer)
         if tools != self.tools:  # rows tokenized without these tools are tokenized again
             self.train_data = self.val_data = None
         self.tools = tools
-        if round_shape is None:
-            return
-        for name, value in self.round_settings.items():
-            if getattr(round_shape, name) != value:
-                raise LitAlignError(f"model.{name} {getattr(round_shape, name)} differs from data.{name} {value}: one "
-                                    "generation round needs both to agree (set it once, under data:)")
-        self._use_round(round_shape)
+        if round_shape is not None:
+            self.round_shape = round_shape.resolve(self.batch_size, self.world_size())
+        return self.round_shape
 
-    def _use_round(self, shape: RoundShape) -> None:
-        self.prompts_per_round = shape.prompts_per_round(self.batch_size)
-        self.round_shape = shape
+    def world_size(self) -> int:
+        trainer = self.trainer
+        return trainer.world_size if trainer is not None else 1
 
-    def settings(self) -> dict[str, Any]:
-        """The resume check's settings, without the round's: the module owns it and checks it (``model.*``)."""
-        round_settings = {*ROUND_SETTINGS, "generation_batch_size"}
-        return {name: value for name, value in super().settings().items() if name not in round_settings}
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts of one round per device (``RoundShape.prompts_per_round``)."""
+        return (self.round_shape or RoundShape()).prompts_per_round(self.batch_size)
 
     def process(self, rows, source: str):
         if "prompt" not in rows.column_names:
@@ -189,14 +161,7 @@ class PromptDataModule(AlignDataModule):
         trainer = self.trainer
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         if self.round_shape is None:
-            self._use_round(RoundShape())  # on its own (no module handed one over): the defaults
-        if self.generation_batch_size is not None:
-            steps = steps_per_generation_for(self.generation_batch_size, self.batch_size, world)
-            if steps != self.round_shape.steps_per_generation:
-                raise LitAlignError(
-                    f"data.generation_batch_size {self.generation_batch_size} is {steps} steps per generation on "
-                    f"{world} devices of data.batch_size {self.batch_size}, but the round has "
-                    f"{self.round_shape.steps_per_generation} (model.steps_per_generation): set one of them")
+            self.round_shape = RoundShape().resolve(self.batch_size, world)  # alone (no module handed one over)
         sampler = RoundSampler(self.train_data, self.prompts_per_round, self.round_shape.steps, num_replicas=world,
                                rank=rank, shuffle=self.shuffle, seed=self.seed)
         if sampler.num_rounds == 0:

@@ -169,12 +169,15 @@ class AlignModule(L.LightningModule):
         tokenizer is set up now."""
         datamodule = self.trainer.datamodule
         if isinstance(datamodule, AlignDataModule):
-            datamodule.connect(**self.data_settings())
+            self.connected(datamodule.connect(**self.data_settings()))
             datamodule.setup(stage)
 
     def data_settings(self) -> dict:
         """What the data follows from this model (``connect``'s arguments): the tokenizer."""
         return {"tokenizer": self.model_name}
+
+    def connected(self, answer) -> None:
+        """What the data answered ``connect`` with (None here; the online recipes: the round's resolved shape)."""
 
     def configure_model(self) -> None:
         if self.policy is not None:  # called again by trainer.fit after trainer.validate, or on resume

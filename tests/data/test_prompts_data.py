@@ -85,44 +85,27 @@ def prompt_rows(n: int) -> list[dict]:
     return [{"prompt": f"sort {i:04d}:", "answer": f"ans{i}", "level": i % 3} for i in range(n)]
 
 
-def make_dm(path, tiny_path, **kwargs) -> PromptDataModule:
-    kwargs = {"val_split": None, "tokenizer": "builtin:tiny", "batch_size": 4, "num_generations": 2, **kwargs}
-    dm = PromptDataModule(path=path, **kwargs)
+def make_dm(path, tiny_path, num_generations: int = 2, steps_per_generation: int | None = None,
+            num_iterations: int = 1, **kwargs) -> PromptDataModule:
+    """The data set up as a module would connect it: the round's shape is the module's."""
+    dm = PromptDataModule(path=path, **{"val_split": None, "tokenizer": "builtin:tiny", "batch_size": 4, **kwargs})
+    dm.connect(round_shape=RoundShape(num_generations, steps_per_generation, num_iterations))
     dm.setup("fit")
     return dm
 
 
-def test_settings_that_cannot_form_groups_raise():
-    with pytest.raises(LitAlignError, match=r"batch_size \* data.steps_per_generation = 6 .* multiple of data.num_generations = 4"):
-        PromptDataModule(batch_size=3, steps_per_generation=2, num_generations=4)
-    with pytest.raises(LitAlignError, match="num_generations must be >= 2"):
-        PromptDataModule(batch_size=4, num_generations=1)
-    with pytest.raises(LitAlignError, match="steps_per_generation and data.num_iterations must be >= 1"):
-        PromptDataModule(batch_size=4, num_generations=2, num_iterations=0)
-    # 3 * 4 = 12 completions per round = 3 prompts x 4: fine
-    assert PromptDataModule(batch_size=3, steps_per_generation=4, num_generations=4).prompts_per_round == 3
-
-
-def test_generation_batch_size_is_trls_alternative_to_steps_per_generation(write_jsonl, tiny_path):
-    """One of the two (TRL's rule); the round's completions on every device must be whole groups and, once the
-    world size is known, what the round's shape makes of the batch size: 16 = 4 x 2 devices x 2 steps."""
-    with pytest.raises(LitAlignError, match="data.generation_batch_size and data.steps_per_generation cannot both"):
-        PromptDataModule(batch_size=4, generation_batch_size=16, steps_per_generation=2)
-    with pytest.raises(LitAlignError, match="data.generation_batch_size 18 must be a multiple of data.num_generations 4"):
-        PromptDataModule(batch_size=4, generation_batch_size=18, num_generations=4)
-    path = write_jsonl(prompt_rows(40))
-    dm = make_dm(path, tiny_path, batch_size=4, num_generations=2, generation_batch_size=16)
+def test_the_round_the_module_connects_is_resolved_against_the_batch_size(write_jsonl, tiny_path):
+    """``connect`` answers with the shape resolved for this data: TRL's ``generation_batch_size`` over the batch size
+    and the world size (16 = 4 x 2 devices x 2 steps); a round that cannot form whole groups is refused."""
+    dm = PromptDataModule(path=write_jsonl(prompt_rows(40)), val_split=None, tokenizer="builtin:tiny", batch_size=4)
     dm.trainer = SimpleNamespace(world_size=2, global_rank=0)
-    dm.connect(round_shape=RoundShape(num_generations=2, steps_per_generation=2))
+    assert dm.connect(round_shape=RoundShape(2, generation_batch_size=16)) == RoundShape(2, 2)
+    dm.setup("fit")
     assert [b["round_pos"] for b in dm.train_dataloader()][:4] == [0, 1, 0, 1]
-    dm.connect(round_shape=RoundShape(num_generations=2, steps_per_generation=4))
-    with pytest.raises(LitAlignError, match=r"data.generation_batch_size 16 is 2 steps per generation on 2 devices of "
-                                            r"data.batch_size 4, but the round has 4 \(model.steps_per_generation\)"):
-        dm.train_dataloader()
-    dm.trainer = SimpleNamespace(world_size=3, global_rank=0)
-    with pytest.raises(LitAlignError, match=r"16 must be a positive multiple of the global batch size \(data.batch_size "
-                                            r"4 x 3 devices = 12\)"):
-        dm.train_dataloader()
+    with pytest.raises(LitAlignError, match=r"batch_size \* model.steps_per_generation = 4 .* multiple of "
+                                            r"model.num_generations = 8"):
+        dm.connect(round_shape=RoundShape(8))
+    assert PromptDataModule(batch_size=16).prompts_per_round == 2  # alone: RoundShape's defaults (8 per prompt)
 
 
 def test_too_few_prompts_for_one_round_raises(write_jsonl, tiny_path):

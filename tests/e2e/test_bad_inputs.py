@@ -42,7 +42,7 @@ def kto(path: str | Path, *extra: str) -> list[str]:
 def grpo(reward: str, *extra: str) -> list[str]:
     return ["fit", "-c", GRPO, "--model.init_args.model", "builtin:tiny", "--model.init_args.reward_funcs",
             f"[bad_rewards.{reward}]", "--model.init_args.max_completion_length", "4", "--data.init_args.batch_size",
-            "4", "--data.init_args.num_generations", "2", "--data.init_args.steps_per_generation", "1",
+            "4", "--model.init_args.num_generations", "2", "--model.init_args.steps_per_generation", "1",
             "--data.init_args.val_split", "null", "--trainer.val_check_interval", "1.0", "--trainer.max_steps", "1",
             *extra]
 

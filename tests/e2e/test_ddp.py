@@ -133,7 +133,7 @@ def grpo_args(out: Path, batch_size: int, callback: dict) -> list[str]:
              "--model.init_args.max_completion_length", "4", "--model.init_args.learning_rate", "1e-2",
              "--model.init_args.warmup_steps", "0",
              "--model.init_args.reward_funcs", json.dumps(["lit_align.rewards.sort_accuracy", "helpers.digit_fraction"]),
-             "--data.init_args.num_generations", "2", "--data.init_args.steps_per_generation", "1"]
+             "--model.init_args.num_generations", "2", "--model.init_args.steps_per_generation", "1"]
     return [*common_args(out, batch_size, str(CONFIGS / "grpo.yaml"), callback), *model]
 
 

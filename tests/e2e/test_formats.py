@@ -97,11 +97,11 @@ def test_prompts_render_with_the_rows_tools_and_template_arguments(tokenizer, tm
     rows.write_text(json.dumps({"prompt": [{"role": "user", "content": "sort 31"}], "tools": tools,
                                 "answer": "13"}) + "\n")
     dm = PromptDataModule(str(rows), tokenizer="builtin:tiny", val_split=None, chat_template=TOOL_TEMPLATE,
-                          batch_size=2, num_generations=2)
+                          batch_size=2)
     dm.setup("fit")
     assert tokenizer.decode(dm.train_data[0]["prompt_ids"]) == (
         "<|system|>tools: sort_digits\n<|user|>sort 31\n<|assistant|>")
-    kwargs = PromptDataModule(str(rows), tokenizer="builtin:tiny", val_split=None, batch_size=2, num_generations=2,
+    kwargs = PromptDataModule(str(rows), tokenizer="builtin:tiny", val_split=None, batch_size=2,
                               chat_template="{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}",
                               chat_template_kwargs={"greeting": "hi: "})
     kwargs.setup("fit")
@@ -190,7 +190,7 @@ def test_a_mixture_resumes_exactly_and_refuses_unlike_sources(tmp_path, capfd):
     with_answer, without = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     with_answer.write_text(json.dumps({"prompt": "sort 31:", "answer": "13"}) + "\n")
     without.write_text(json.dumps({"prompt": "sort 21:"}) + "\n")
-    prompts = PromptDataModule(tokenizer="builtin:tiny", val_split=None, batch_size=2, num_generations=2,
+    prompts = PromptDataModule(tokenizer="builtin:tiny", val_split=None, batch_size=2,
                                mixture=[{"path": str(with_answer)}, {"path": str(without)}])
     with pytest.raises(Exception, match=r"data.mixture: the sources' rows have different columns .*rename_columns"):
         prompts.setup("fit")
@@ -216,7 +216,7 @@ def test_standard_and_conversational_sources_mix_in_either_order(tmp_path, capfd
             root = tmp_path / f"{recipe}-{order[0].stem}"
             args = ["--data.init_args.mixture", mixture]
             if recipe == "grpo":
-                args += ["--model.init_args.model", "builtin:tiny", "--data.init_args.num_generations", "2",
+                args += ["--model.init_args.model", "builtin:tiny", "--model.init_args.num_generations", "2",
                          "--model.init_args.max_completion_length", "4"]
             code, _, err = run_main(fit(recipe, root, sources[0], *args), capfd)
             assert code == 0, err

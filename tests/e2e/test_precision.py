@@ -23,8 +23,8 @@ SMALL = {  # a few rows, a few tokens: what each recipe needs to take 2 steps qu
     "grpo": ["--model.init_args.model", "builtin:tiny", "--model.init_args.beta", "0.04",
              "--model.init_args.max_completion_length", "4", "--model.init_args.warmup_steps", "0",
              "--model.init_args.reward_funcs", json.dumps(["helpers.digit_fraction"]),
-             "--data.init_args.batch_size", "8", "--data.init_args.num_generations", "2",
-             "--data.init_args.steps_per_generation", "2"],
+             "--data.init_args.batch_size", "8", "--model.init_args.num_generations", "2",
+             "--model.init_args.steps_per_generation", "2"],
 }
 
 

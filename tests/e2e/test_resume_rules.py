@@ -19,7 +19,7 @@ def args(recipe: str, root: Path, rows: str, max_steps: int, *extra: str) -> lis
     """A short CPU run of ``configs/<recipe>.yaml`` on ``rows``, checkpointing every 2 steps under ``root``."""
     data = {"sft": [], "dpo": ["--data.init_args.max_length", "32"],
             "grpo": ["--model.init_args.model", "builtin:tiny", "--model.init_args.max_completion_length", "4",
-                     "--data.init_args.num_generations", "2", "--data.init_args.steps_per_generation", "1"]}[recipe]
+                     "--model.init_args.num_generations", "2", "--model.init_args.steps_per_generation", "1"]}[recipe]
     return ["fit", "-c", str(CONFIGS / f"{recipe}.yaml"), "--data.init_args.path", rows,
             "--data.init_args.val_split", "null", "--data.init_args.batch_size", "4", "--trainer.max_steps",
             str(max_steps), "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",

@@ -98,15 +98,15 @@ def test_grpo_with_an_environment_that_owns_the_reward(tmp_path, write_jsonl, ti
     class Force(L.Callback):
         def on_fit_start(self, trainer, pl_module):
             first_turns = [increment(3), "no</s>", increment(1), increment(2)]
-            pl_module.engine = ScriptedEngine(pl_module.tokenizer, [first_turns], then=pl_module.engine)
+            pl_module.rollouts.engine = ScriptedEngine(pl_module.tokenizer, [first_turns], then=pl_module.rollouts.engine)
 
     path = write_jsonl([{"prompt": [{"role": "user", "content": f"count to {a}"}], "answer": str(a)} for a in (3, 2)])
     torch.manual_seed(0)
     module = GRPOModule(model="builtin:tiny", chat_template="builtin:tools",
                         environment_factory="helpers.CounterEnvironment", num_generations=2, max_completion_length=120,
                         learning_rate=0.0)
-    assert module.reward_names == ["CounterEnvironment"]
-    run = fit(module, PromptDataModule(path=path, val_split=None, batch_size=4, num_generations=2, shuffle=False,
+    assert module.rollouts.reward_names == ["CounterEnvironment"]
+    run = fit(module, PromptDataModule(path=path, val_split=None, batch_size=4, shuffle=False,
                                        chat_template="builtin:tools"), callbacks=[Force()],
               logger=CSVLogger(tmp_path, name="env"))
     metrics = read_metrics(tmp_path / "env" / "version_0" / "metrics.csv")

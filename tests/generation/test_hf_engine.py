@@ -9,7 +9,7 @@ from tiny_models import PROMPTS
 
 from lit_align.generation import HFEngine
 from lit_align.models import load_model
-from lit_align.modules.grpo import completion_token_logps
+from lit_align.modules.online import completion_token_logps
 from numerics import TINY_TERMS, assert_rounding_close
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`

@@ -15,7 +15,8 @@ from tiny_models import ARCHITECTURES, PROMPTS, tiny_random
 from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
 from lit_align.generation import ENGINES, HFEngine, NativeEngine
-from lit_align.modules.grpo import GRPOModule, completion_token_logps
+from lit_align.modules.grpo import GRPOModule
+from lit_align.modules.online import completion_token_logps
 from numerics import TINY_TERMS, assert_rounding_close
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
@@ -245,9 +246,8 @@ def test_grpo_trains_and_validates_with_the_native_engine(tmp_path, tiny_path):
     torch.manual_seed(0)
     module = GRPOModule(model="builtin:tiny", reward_funcs=["lit_align.rewards.sort_accuracy"], max_completion_length=4,
                         learning_rate=1e-3, engine="native", num_generations=2, steps_per_generation=2)
-    assert isinstance(module.engine, NativeEngine) and isinstance(module.greedy_engine, NativeEngine)
-    data = PromptDataModule(path=str(path), val_path=str(path), val_split="train", batch_size=4, num_generations=2,
-                            steps_per_generation=2, val_batch_size=8)
+    assert isinstance(module.rollouts.engine, NativeEngine) and isinstance(module.rollouts.greedy_engine, NativeEngine)
+    data = PromptDataModule(path=str(path), val_path=str(path), val_split="train", batch_size=4, val_batch_size=8)
     trainer = fit(module, data, max_steps=4, limit_val_batches=1, val_check_interval=4)
     assert module.generation_rounds == 2
     metrics = trainer.callback_metrics

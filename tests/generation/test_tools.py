@@ -348,7 +348,7 @@ def test_the_loop_matches_trls_tool_call_loop(tok):
 
 def test_the_loss_over_a_tool_rollout_matches_trls(tok):
     """TRL's ``_compute_loss`` with its ``tool_mask`` and lit_align's loss with ``loss_mask = completion_mask *
-    tool_mask`` (what ``GRPOModule.generate_round`` builds) on the parity rollout, float64: loss, entropy and KL
+    tool_mask`` (what ``GRPOModule.make_round`` builds) on the parity rollout, float64: loss, entropy and KL
     metrics; and TRL's mean length (the sum of its tool mask) is lit_align's ``completions/mean_length``."""
     import copy
     from collections import defaultdict

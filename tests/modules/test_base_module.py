@@ -100,7 +100,7 @@ def test_grpo_names_the_completions_prompts_dataset_rows(tmp_path, tiny_path, wr
     path = write_jsonl([{"prompt": f"sort {i}{i + 3}:", "answer": "x"} for i in range(8)])
     module = GRPOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"],
                         max_completion_length=4, num_generations=2, steps_per_generation=2)
-    dm = PromptDataModule(path=path, val_split=None, batch_size=4, num_generations=2, steps_per_generation=2,
+    dm = PromptDataModule(path=path, val_split=None, batch_size=4,
                           shuffle=False)
     poison = PoisonOneAdvantage()
     with pytest.raises(LitAlignError, match=r"at step 1, batch 1, rows \[1\] \(dataset rows \[\d\]\)") as error:

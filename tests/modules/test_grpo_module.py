@@ -28,7 +28,8 @@ from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
 from lit_align.losses.grpo import group_advantages
 from lit_align.models import load_model
-from lit_align.modules.grpo import GRPOModule, completion_token_logps
+from lit_align.modules.grpo import GRPOModule
+from lit_align.modules.online import completion_token_logps
 from numerics import TINY_TERMS, assert_rounding_close
 
 REPO = Path(__file__).resolve().parents[2]
@@ -188,17 +189,17 @@ class LogpsEngine:
 
 def stub_round(tokenizer, spg: int = 1, iterations: int = 1, accumulate: int = 1, all_gather=lambda t: t,
                engine=None, **options):
-    """``(module, round)``: ``generate_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device
+    """``(module, round)``: ``make_round`` on 2 prompts x 2 fixed completions, with a stand-in single-device
     Trainer."""
     module = GRPOModule(reward_funcs=["helpers.reward_digit_fraction"], num_generations=2,
                         steps_per_generation=spg, num_iterations=iterations, **options)
-    module.tokenizer, module.engine = tokenizer, engine or LogpsEngine()
+    module.tokenizer, module.rollouts.engine = tokenizer, engine or LogpsEngine()
     module._trainer = SimpleNamespace(accumulate_grad_batches=accumulate, world_size=1, global_step=0, global_rank=0,
                                       strategy=SimpleNamespace(reduce=lambda t, reduce_op=None: t,
                                                                 all_gather=all_gather))
     batch = {"prompt_ids": torch.tensor([[30, 31], [0, 32]]), "prompt_mask": torch.tensor([[1, 1], [0, 1]]),
              "prompts": ["ab", "c"], "columns": {}, "round_pos": 0}
-    return module, module.generate_round(batch)
+    return module, module.make_round(batch)
 
 
 @pytest.mark.parametrize("spg,iterations,accumulate,needed", [
@@ -215,7 +216,7 @@ def test_old_logps_computed_only_when_the_policy_moves_within_a_round(tokenizer,
     module, r = stub_round(tokenizer, spg, iterations, accumulate)
     assert (r.old_logps is not None) == needed
     if needed:
-        assert torch.equal(r.old_logps, module.engine.rollout.logps)  # the engine's, no extra forward
+        assert torch.equal(r.old_logps, module.rollouts.engine.rollout.logps)  # the engine's, no extra forward
     assert r.num_tokens == 12 / spg  # dapo's normalizer: the round's 12 tokens spread over its spg steps
 
 
@@ -261,7 +262,7 @@ def test_metrics_have_trl_names_and_values(run_a, run_b):
 def test_completions_logger_writes_rows_at_its_cadence(run_a, prompts_file):
     with open(run_a.log_dir / "completions.csv", newline="") as f:
         rows = list(csv.reader(f))
-    names = run_a.module.reward_names
+    names = run_a.module.rollouts.reward_names
     assert len(names) == 2 and rows[0] == ["step", "prompt", "completion", "reward", *names, "advantage"]
     assert [r[0] for r in rows[1:]] == ["5"] * 3 + ["10"] * 3  # every 5 steps, max_rows=3
     prompts = {json.loads(line)["prompt"] for line in Path(prompts_file).read_text().splitlines()}
@@ -328,9 +329,9 @@ def test_ddp_two_processes_generate_once_per_round_on_each_rank(tmp_path, prompt
         "--data.init_args.path", prompts_file,
         "--data.init_args.val_split", "null",
         "--data.init_args.batch_size", "4",
-        "--data.init_args.num_generations", "2",
-        "--data.init_args.steps_per_generation", "2",
-        "--data.init_args.num_iterations", "1",
+        "--model.init_args.num_generations", "2",
+        "--model.init_args.steps_per_generation", "2",
+        "--model.init_args.num_iterations", "1",
         "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2",
         "--trainer.max_steps", "4", "--trainer.accumulate_grad_batches", "1",
         "--trainer.val_check_interval", "1.0", "--trainer.num_sanity_val_steps", "0",
@@ -397,7 +398,7 @@ def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, 
         biased.bias.zero_()
         biased.bias[tokenizer.eos_token_id] = 1.5
     module.policy.lm_head = biased
-    dm = PromptDataModule(path=prompts_file, val_split=None, batch_size=4, num_generations=2, steps_per_generation=4)
+    dm = PromptDataModule(path=prompts_file, val_split=None, batch_size=4)
     seen = []  # (forward's prompt and completion widths, its rows' longest prompt and completion, round widths)
     ratios = []
 
@@ -493,8 +494,8 @@ def test_num_generations_eval_samples_that_many_completions_per_validation_promp
     dm = PromptDataModule(path=prompts_file, val_path=prompts_file, val_split="train", batch_size=4,
                           val_batch_size=5)
     rounds: list[dict] = []
-    module.greedy_engine = _RecordingEngine(module.greedy_engine, rounds)
-    module.engine = _RecordingEngine(module.engine, rounds)
+    module.rollouts.greedy_engine = _RecordingEngine(module.rollouts.greedy_engine, rounds)
+    module.rollouts.engine = _RecordingEngine(module.rollouts.engine, rounds)
     metrics = trainer(limit_val_batches=2).validate(module, dm)[0]
     assert len(rounds) == 2 and len(rounds[0]["prompts"]) == 5 * (num_generations_eval or 1)
     completions = [[{"role": "assistant", "content": module.tokenizer.decode(ids, skip_special_tokens=True)}]
@@ -520,8 +521,8 @@ def test_trl_loss_options_are_accepted_by_lit_align_fit_and_move_their_metrics(t
             "--model.init_args.beta", "0.04", "--model.init_args.learning_rate", "1e-2",
             "--model.init_args.warmup_steps", "0", *options,
             "--data.init_args.path", prompts_file, "--data.init_args.val_split", "null",
-            "--data.init_args.batch_size", "4", "--data.init_args.num_generations", "2",
-            "--data.init_args.steps_per_generation", "1", "--trainer.max_steps", "3",
+            "--data.init_args.batch_size", "4", "--model.init_args.num_generations", "2",
+            "--model.init_args.steps_per_generation", "1", "--trainer.max_steps", "3",
             "--trainer.val_check_interval", "1.0", "--trainer.num_sanity_val_steps", "0",
             "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
             "--trainer.callbacks", "[]", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",

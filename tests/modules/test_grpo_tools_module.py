@@ -20,7 +20,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lit_align.data import PromptDataModule
 from lit_align.data.tasks import ModSumTask
 from lit_align.errors import LitAlignError
-from lit_align.modules.grpo import GRPOModule, completion_token_logps
+from lit_align.modules.grpo import GRPOModule
+from lit_align.modules.online import completion_token_logps
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call></s>'
 UNKNOWN = '<tool_call>{"name": "nope", "arguments": {}}</tool_call></s>'
@@ -39,7 +40,7 @@ class ForceFirstTurn(L.Callback):
     """Puts a ``ScriptedEngine`` before the module's engine: the first round's first turns are ``FIRST_TURNS``."""
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        pl_module.engine = ScriptedEngine(pl_module.tokenizer, [FIRST_TURNS], then=pl_module.engine)
+        pl_module.rollouts.engine = ScriptedEngine(pl_module.tokenizer, [FIRST_TURNS], then=pl_module.rollouts.engine)
 
 
 class KeepSteps(L.Callback):
@@ -57,8 +58,7 @@ def fit_tools(root: Path, prompts: str, max_steps: int = 1, model: dict | None =
     module = GRPOModule(model="builtin:tiny", chat_template="builtin:tools", tools=["helpers.add"],
                         reward_funcs=["helpers.reward_digit_fraction"], num_generations=2, steps_per_generation=spg,
                         max_completion_length=128, **{"learning_rate": 0.0, **(model or {})})
-    data = PromptDataModule(path=prompts, val_split=None, batch_size=4 // spg, num_generations=2,
-                            steps_per_generation=spg, chat_template="builtin:tools", shuffle=False)
+    data = PromptDataModule(path=prompts, val_split=None, batch_size=4 // spg, chat_template="builtin:tools", shuffle=False)
     keep = KeepSteps()
     run = fit(module, data, max_steps=max_steps, callbacks=[ForceFirstTurn(), keep, *callbacks],
               logger=CSVLogger(root, name="tools"), **trainer_kwargs)
@@ -128,13 +128,13 @@ def test_text_prompts_and_templates_without_tool_calls_are_refused(tmp_path, wri
     module = GRPOModule(model="builtin:tiny", chat_template="builtin:tools", tools=["helpers.add"],
                         reward_funcs=["helpers.reward_digit_fraction"], num_generations=2, max_completion_length=8)
     with pytest.raises(LitAlignError, match=r"row 0: field 'prompt' is text, but model.tools needs conversational"):
-        fit(module, PromptDataModule(path=text, val_split=None, batch_size=2, num_generations=2,
+        fit(module, PromptDataModule(path=text, val_split=None, batch_size=2,
                                      chat_template="builtin:tools"))
     module = GRPOModule(model="builtin:tiny", tools=["helpers.add"], num_generations=2,
                         reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=8)
     with pytest.raises(LitAlignError, match=r"model.tools: the chat template of .* cannot render a tool-calling "
                                             r"conversation .*builtin:tools"):
-        fit(module, PromptDataModule(path=prompts_file, val_split=None, batch_size=2, num_generations=2))
+        fit(module, PromptDataModule(path=prompts_file, val_split=None, batch_size=2))
     with pytest.raises(LitAlignError, match=r"model.tools: 'lit_align.no_such_tool': cannot import it"):
         GRPOModule(tools=["lit_align.no_such_tool"], reward_funcs=["helpers.reward_digit_fraction"])
     with pytest.raises(LitAlignError, match=r"model.max_tool_calling_iterations must be >= 0"):
@@ -148,7 +148,7 @@ def test_a_rollout_func_makes_the_round(tmp_path, prompts_file, tiny_path):
     module = GRPOModule(model="builtin:tiny", chat_template="builtin:tools", rollout_func="helpers.replay_rollout",
                         reward_funcs=["helpers.reward_score"], num_generations=2, max_completion_length=16,
                         learning_rate=0.0)
-    data = PromptDataModule(path=prompts_file, val_split=None, batch_size=4, num_generations=2, shuffle=False,
+    data = PromptDataModule(path=prompts_file, val_split=None, batch_size=4, shuffle=False,
                             chat_template="builtin:tools")
     fit(module, data, logger=CSVLogger(tmp_path, name="rf"))
     rnd, tok = module.round, module.tokenizer
@@ -162,4 +162,4 @@ def test_a_rollout_func_makes_the_round(tmp_path, prompts_file, tiny_path):
                                             r"dict with keys \['prompt_ids', 'completion_ids', 'logprobs'\]"):
         fit(GRPOModule(model="builtin:tiny", rollout_func="helpers.bad_rollout", num_generations=2,
                        reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=8),
-            PromptDataModule(path=prompts_file, val_split=None, batch_size=4, num_generations=2))
+            PromptDataModule(path=prompts_file, val_split=None, batch_size=4))

@@ -40,7 +40,7 @@ def test_rloo_trains_through_the_cli_with_trls_metric_names(tmp_path, monkeypatc
     cli = run(["fit", "-c", str(REPO / "configs" / "rloo.yaml"), "--model.init_args.model", "builtin:tiny",
                "--data.init_args.batch_size", "8", "--data.init_args.val_batch_size", "8",
                "--trainer.limit_val_batches", "1", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
-               "--data.init_args.steps_per_generation", "1", "--trainer.callbacks", "[]",
+               "--model.init_args.steps_per_generation", "1", "--trainer.callbacks", "[]",
                "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path),
                "--export.enabled", "false", "--model.init_args.learning_rate", "1e-3"])
     before = load_model("builtin:tiny").state_dict()
@@ -61,7 +61,7 @@ def test_rloo_trains_through_the_cli_with_trls_metric_names(tmp_path, monkeypatc
 def test_unset_num_generations_is_rloos_default_and_grpo_options_are_not_rlooss():
     from test_cli import parse
 
-    cli = parse("--model.init_args.model", "builtin:tiny", "--data.init_args.num_generations", "null",
+    cli = parse("--model.init_args.model", "builtin:tiny", "--model.init_args.num_generations", "null",
                 config="rloo.yaml")
     assert cli.model.round_shape.num_generations == 2  # TRL's RLOO default, not GRPO's 8
     from lit_align.modules.rloo import _NOT_RLOO
@@ -87,7 +87,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
     prompts = write_sort_rows(tmp_path / "prompts.jsonl", 16, "prompts")
     module = RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=4,
                         learning_rate=1e-3, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
-    dm = PromptDataModule(path=prompts, val_split=None, batch_size=4, num_generations=2)
+    dm = PromptDataModule(path=prompts, val_split=None, batch_size=4)
     fit(module, dm, max_steps=3)
     assert module.ref_sync.synced_at == [2]
     before = load_model("builtin:tiny").state_dict()
@@ -158,7 +158,7 @@ def test_a_step_matches_trl_rloo_trainer(tmp_path, normalize):
     module = RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], num_generations=4,
                         max_completion_length=6, beta=0.5, normalize_advantages=normalize, learning_rate=1e-3,
                         ref_model=str(tmp_path / "ref"))
-    dm = PromptDataModule(path=prompts, val_split=None, batch_size=16, num_generations=4)
+    dm = PromptDataModule(path=prompts, val_split=None, batch_size=16)
     capture = Capture()
     fit(module, dm, max_steps=1, callbacks=[capture], logger=CSVLogger(tmp_path))
     round = capture.round

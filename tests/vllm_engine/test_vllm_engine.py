@@ -13,7 +13,7 @@ from helpers import left_padded
 from lit_align.errors import LitAlignError
 from lit_align.generation import HFEngine, VLLMEngine
 from lit_align.models import load_model
-from lit_align.modules.grpo import completion_token_logps
+from lit_align.modules.online import completion_token_logps
 
 pytestmark = pytest.mark.vllm
 

@@ -39,7 +39,7 @@ class Record(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses[trainer.global_step - 1] = outputs["loss"].item()
-        engine = pl_module.engine.engine  # None until the module's first generation
+        engine = pl_module.rollouts.engine.engine  # None until the module's first generation
         self.pushes[trainer.global_step - 1] = 0 if engine is None else engine.pushes
 
     def on_validation_epoch_end(self, trainer, pl_module):
@@ -94,7 +94,7 @@ def test_ddp_runs_one_synced_engine_per_rank(tmp_path, prompts_file, lit_align_c
             "--model.init_args.max_completion_length", "8", "--model.init_args.learning_rate", "1e-2",
             "--model.init_args.warmup_steps", "0", "--data.init_args.path", prompts_file,
             "--data.init_args.val_split", "null", "--data.init_args.batch_size", "8",
-            "--data.init_args.num_generations", "4", "--data.init_args.steps_per_generation", "1",
+            "--model.init_args.num_generations", "4", "--model.init_args.steps_per_generation", "1",
             "--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2",
             "--trainer.max_steps", "3", "--trainer.val_check_interval", "null", "--trainer.log_every_n_steps", "1",
             "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),

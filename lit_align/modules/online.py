@@ -1,0 +1,376 @@
+"""What the online recipes share: rollouts, the round they feed, the reference, checkpoints and validation.
+
+An online recipe samples completions from its own policy and trains on them. ``OnlineModule`` holds the rollout
+component (``lit_align.rollouts.Rollouts``: engine, rewards, tools), the round's shape (``RoundShape``, handed to
+``PromptDataModule``), the reference (``lit_align.reference.build_reference``) and a round's life: at a round's first
+step (``round_pos == 0`` in the batch, or no round after a resume without one) ``make_round`` samples, scores, takes
+the old-policy and reference log-probs the recipe needs and the recipe's advantages, and keeps a
+``lit_align.generation_round.GenerationRound``; every step then trains on ``next_step(batch)``, its slice. The round
+is in checkpoints, so a resume mid-round trains on what the interrupted run sampled.
+
+A recipe (``GRPOModule``, ``RLOOModule``) adds its loss settings in ``__init__``, ``advantages`` (a round's advantages
+from its rewards) and ``training_step`` (a step's loss on ``next_step(batch)``); ``old_logps`` when it reads the
+sampling policy's log-probs differently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torchmetrics import MeanMetric
+
+from lit_align import layouts
+from lit_align.errors import LitAlignError
+from lit_align.generation import SamplingConfig, VLLMOptions
+from lit_align.generation_round import GenerationRound, RoundShape, StepBatch
+from lit_align.logps import layout_logps
+from lit_align.losses.grpo import masked_mean, sequence_means
+from lit_align.models import cast_lm_head_to_fp32
+from lit_align.modules.base import AlignModule
+from lit_align.reference import FrozenReference, build_reference
+from lit_align.rollouts import Generation, Rollouts, repeat_each
+
+CHECKPOINT_KEY = "lit_align_grpo"  # the round's entry in checkpoints (GRPO's name, kept: older checkpoints resume)
+
+
+def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                           with_entropy: bool = False, chunk_size: int | None = None, padding_free: bool = False,
+                           entropy_grad: bool = False):
+    """Per-token log-probs ``[N, C]`` of completions after left-padded prompts, logits divided by ``temperature``
+    (and, ``with_entropy``, the tempered distribution's entropy, without gradient unless ``entropy_grad``); 0 at
+    padding. Laid out by ``lit_align.layouts.completions``."""
+    layout = layouts.completions(prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, model)
+    out = layout_logps(model, layout, ("entropy",) if with_entropy else (), chunk_size, temperature, entropy_grad)
+    return out.tokens, out.stats.get("entropy")
+
+
+class OnlineModule(AlignModule):
+    """The online recipes' shared options (TRL's ``GRPOConfig`` / ``RLOOConfig`` names).
+
+    Args:
+        reward_funcs: reward functions: dotted paths (``lit_align.rewards.sort_accuracy``, ``my_pkg.mod.fn``; from
+            Python, the functions themselves), ``{class_path, init_args}`` objects, plain or ``async``, with TRL's
+            calling convention (``lit_align.rewards``); or reward models by hub name or directory
+            (``lit_align.rewards.RewardModel``). Required, as in TRL: none is an error (no reward fits every dataset).
+        reward_weights: one weight per reward function (default: all 1.0); rewards are summed with these weights.
+        num_generations: completions sampled per prompt (G). The module owns the round's shape
+            (``lit_align.generation_round.RoundShape``) and hands it to the data (``PromptDataModule.connect``).
+        steps_per_generation: training steps fed by one generation round, each on its own slice of the completions.
+        num_iterations: passes over each round's completions (TRL's mu).
+        generation_batch_size: TRL's alternative to ``steps_per_generation`` (set one of them): the completions of
+            one round on every device, ``data.batch_size * devices * steps_per_generation``.
+        beta: the KL coefficient to a frozen reference; 0 loads no reference. GRPO puts the KL in its loss, RLOO in
+            the rewards.
+        ref_model: the reference when ``beta != 0``; None: a frozen copy of the initial policy (under LoRA: the
+            policy with its adapters disabled).
+        sync_ref_model: TR-DPO's reference sync: every ``ref_model_sync_steps`` optimizer steps,
+            ``ref <- ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * ref``
+            (``lit_align.reference.RefModelSync``). Needs ``beta != 0`` and no ``peft_config``.
+        ref_model_mixup_alpha: the policy's weight in that mix (TRL's default 0.6).
+        ref_model_sync_steps: the sync cadence in optimizer steps (TRL's default 512).
+        cast_lm_head_to_fp32: the LM head of the policy and the reference in fp32, its matmul too (ScaleRL); with
+            ``logps_chunk_size`` or ``padding_free`` the chunked head then runs in fp32.
+        mask_truncated_completions: leave completions that hit ``max_completion_length`` out of the loss.
+        max_completion_length: tokens generated per completion at most (TRL's default, 512).
+        temperature: sampling temperature; the training log-probs use the same temperature, as TRL does.
+        top_p: nucleus sampling (1.0: off).
+        top_k: top-k sampling (0: off).
+        min_p: keep only tokens at least ``min_p`` times as likely as the most likely one (None: off).
+        repetition_penalty: divide the logits of tokens already in the prompt or completion by it where positive,
+            multiply where negative (transformers' and vLLM's; 1.0: off); greedy validation too.
+        generation_kwargs: more keywords for the engine's own generation call, overriding the settings above, as
+            TRL: transformers' ``generate`` (``engine: hf``) or vLLM's ``SamplingParams`` (``engine: vllm``);
+            ``native`` has none and refuses them. Validation's engine gets them too.
+        num_generations_eval: completions per validation prompt, sampled as in training (TRL's); None (lit_align's
+            default): one greedy completion. ``val/reward`` is their mean.
+        engine: the generation engine: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode
+            loop, faster) or ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with
+            ``vllm_mode: colocate``; its own environment, see the README).
+        padding_free: compute each step's training log-probs with its rows packed without padding, several per row,
+            one row on CPU under sdpa, else rows as wide as the longest (``lit_align.layouts.packed_rows``,
+            ``packing_width``), each prompt once for the step's completions of it (``shared_prompt_completions``),
+            the LM head on completion tokens only: the same values, without the cost of completions that ended
+            early, of prompt padding and of repeated prompts. sdpa or eager attention. The round-level no-grad passes
+            (old and reference log-probs) stay padded.
+        vllm_mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported). The ``vllm_*`` options are
+            TRL's flat names for the vLLM engine's options, routed to it (``lit_align.generation.vllm.VLLMOptions``,
+            which checks them) when ``engine`` is ``vllm``.
+        vllm_gpu_memory_utilization: with ``engine: vllm``, the fraction of GPU memory vLLM takes (weights and KV
+            cache; on CPU of the RAM, unless ``VLLM_CPU_KVCACHE_SPACE`` sets the KV cache in GiB).
+        vllm_tensor_parallel_size: GPUs one vLLM engine spans (only 1: an engine per rank).
+        vllm_max_model_length: vLLM's context window (None: the model's): at least the longest prompt plus
+            ``max_completion_length``.
+        vllm_enable_sleep_mode: free vLLM's weights and KV cache during training steps (pushed back before each
+            generation): less GPU memory, some transfer time.
+        vllm_structured_outputs_regex: with ``engine: vllm``, constrain every completion to this regular expression
+            (vLLM's structured outputs; None: free text).
+        tools: functions the model may call during its rollouts (TRL's ``tools``): dotted paths or
+            ``{class_path, init_args}`` objects, plain or ``async``, with type hints and a Google-style docstring
+            (their schemas go to the chat template). Completions then run as ``lit_align.generation.tools.ToolLoop``
+            does: tool turns appended token in token out and left out of the loss (``tool_mask``). Needs
+            conversational prompts and a chat template that renders tool calls (``builtin:tools`` for the
+            built-in models). None: one completion per sample, no tools.
+        max_tool_calling_iterations: rounds of tool calls per completion at most (TRL's; None: until no call).
+        environment_factory: an environment class per rollout (TRL's): a class path, ``{class_path, init_args}``, or
+            a mapping of names to those picked per row by its ``environment`` column. Its ``reset(**row)`` may append
+            text to the prompt, its public methods are the rollout's tools, and a ``get_reward()`` makes it a reward
+            source (``reward_funcs`` may then be empty). See ``lit_align.generation.environments``.
+        rollout_func: a dotted path to ``f(prompts, module) -> dict`` that makes the round's completions instead of
+            the engine (TRL's ``rollout_func``; ``prompts``: one per completion, each prompt ``num_generations``
+            times in a row): per completion its ``prompt_ids``, ``completion_ids`` and ``logprobs`` (lists; None:
+            computed by a forward), optionally ``env_mask`` (0 on tokens the model did not sample, as the tool mask)
+            and other keys, passed to the reward functions. It makes the validation completions too.
+    """
+
+    resume_may_change = ("engine", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_enable_sleep_mode",
+                         "num_generations_eval")
+
+    def __init__(
+        self,
+        model: str = "builtin:tiny",
+        reward_funcs: list[str | dict] | None = None,
+        reward_weights: list[float] | None = None,
+        num_generations: int = RoundShape.num_generations,
+        steps_per_generation: int | None = None,
+        num_iterations: int = RoundShape.num_iterations,
+        generation_batch_size: int | None = None,
+        beta: float = 0.0,
+        ref_model: str | None = None,
+        sync_ref_model: bool = False,
+        ref_model_mixup_alpha: float = 0.6,
+        ref_model_sync_steps: int = 512,
+        cast_lm_head_to_fp32: bool = False,
+        mask_truncated_completions: bool = False,
+        max_completion_length: int = 512,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float | None = None,
+        repetition_penalty: float = 1.0,
+        generation_kwargs: dict | None = None,
+        num_generations_eval: int | None = None,
+        engine: str = "hf",
+        padding_free: bool = False,
+        vllm_mode: str = "colocate",
+        vllm_gpu_memory_utilization: float = 0.3,
+        vllm_tensor_parallel_size: int = 1,
+        vllm_max_model_length: int | None = None,
+        vllm_enable_sleep_mode: bool = False,
+        vllm_structured_outputs_regex: str | None = None,
+        tools: list[str | dict] | None = None,
+        max_tool_calling_iterations: int | None = None,
+        environment_factory: str | dict | None = None,
+        rollout_func: str | None = None,
+        **kwargs,
+    ):
+        super().__init__(model=model, **kwargs)
+        self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, generation_batch_size)
+        if temperature <= 0:
+            raise LitAlignError(f"model.temperature must be > 0 (online recipes sample distinct completions), "
+                                f"got {temperature}")
+        if num_generations_eval is not None and num_generations_eval < 1:
+            raise LitAlignError(f"model.num_generations_eval must be >= 1 or null (one greedy completion), "
+                                f"got {num_generations_eval}")
+        self.beta, self.temperature, self.padding_free = beta, temperature, padding_free
+        self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
+        self.num_generations_eval = num_generations_eval
+        self.reference, self.ref_sync = build_reference(
+            ref_model, self.lora_config is not None, enabled=beta != 0.0, sync_ref_model=sync_ref_model,
+            ref_model_mixup_alpha=ref_model_mixup_alpha, ref_model_sync_steps=ref_model_sync_steps)
+        self.sampling = SamplingConfig(max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
+                                       top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                                       generation_kwargs=generation_kwargs)
+        vllm = VLLMOptions.from_flat(self.hparams) if engine == "vllm" else None
+        self.rollouts = Rollouts(reward_funcs, reward_weights, self.sampling, engine, vllm, self.weights_version,
+                                 tools, max_tool_calling_iterations, environment_factory, rollout_func)
+        self.register_buffer("reward_weights", self.rollouts.reward_weights, persistent=False)
+        self.round: GenerationRound | None = None
+        self.generation_rounds = 0
+        self.generation_seed = torch.initial_seed()  # re-read at fit start (after ``seed_everything``)
+        names = ["reward", *(f"rewards_{n}_mean" for n in self.rollouts.reward_names)]
+        self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in names + (
+            ["tool_calls"] if self.rollouts.uses_tools else [])})
+
+    def configure_callbacks(self):  # TEMPORARY until the base has it (pieces branch)
+        return [self.ref_sync] if self.ref_sync is not None else []
+
+    def data_settings(self) -> dict:
+        """The data follows the round's shape and renders the tools' schemas (``PromptDataModule.connect``)."""
+        return {**super().data_settings(), "round_shape": self.round_shape,
+                "tools": self.rollouts.tool_schemas or None}
+
+    def connected(self, answer: Any) -> None:
+        """The data's answer to ``connect``: the round's shape resolved against its batch size (TRL's
+        ``generation_batch_size``)."""
+        if isinstance(answer, RoundShape):
+            self.round_shape = answer
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        hp = self.hparams
+        if hp.cast_lm_head_to_fp32 and not getattr(self.network.get_output_embeddings(), "fp32_matmul", False):
+            cast_lm_head_to_fp32(self.network)
+            if isinstance(self.reference, FrozenReference):  # a reference under LoRA is the policy itself
+                cast_lm_head_to_fp32(self.reference.model)
+        self.rollouts.setup(self.tokenizer, self.network, hp.dtype, hp.trust_remote_code, hp.model_init_kwargs)
+
+    def weights_version(self) -> int:
+        """The policy weights' version, for engines that hold a copy of them (vllm): the optimizer steps taken."""
+        return self.global_step
+
+    def completion_logps(self, network, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                         with_entropy: bool = False, padding_free: bool = False, entropy_grad: bool = False):
+        """``completion_token_logps`` at this module's temperature and chunk size."""
+        return completion_token_logps(network, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                      self.temperature, with_entropy, self.logps_chunk_size, padding_free,
+                                      entropy_grad)
+
+    # -- a round: sampled once, then trained on step by step -----------------------------------------------------------
+    def next_step(self, batch: dict[str, Any]) -> StepBatch:
+        """This step's slice of the round, sampling a new round at its first step (or when none was restored)."""
+        if batch["round_pos"] == 0 or self.round is None:
+            self.round = self.make_round(batch)
+        return self.round.step_batch(batch["round_pos"])
+
+    def round_seed(self) -> int:
+        """A round samples from an RNG seeded by (run seed, step, rank), not from the global stream: its completions
+        then depend only on the policy and the step, so a resumed run regenerates exactly what the uninterrupted run
+        did (the global stream also feeds DataLoader workers, validation, ... and is not in checkpoints)."""
+        return (self.generation_seed + 1_000_003 * self.global_step + 7_919 * self.global_rank) % 2**63
+
+    @torch.no_grad()
+    def make_round(self, batch: dict[str, Any]) -> GenerationRound:
+        """Sample and score the round's prompts (``Rollouts.generate``), then what the recipe trains on: the old and
+        reference log-probs it needs and its advantages."""
+        shape = self.round_shape
+        gen = self.rollouts.generate(self, batch, shape.num_generations, seed=self.round_seed())
+        loss_mask = gen.sampled_mask
+        if self.mask_truncated_completions:
+            loss_mask = loss_mask * (~gen.truncated).unsqueeze(1)
+        sequences = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+        old_logps, is_ratio, sampling_stats = self.old_logps(gen, sequences)
+        ref_logps = None
+        if self.reference is not None:
+            ref_logps = self.reference.logps(batch, lambda network: self.completion_logps(network, *sequences)[0])
+        advantages = self.advantages(gen, old_logps, ref_logps, loss_mask)
+        # dapo: every token of the round weighs the same; normalized by the loss tokens per step (all ranks)
+        num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
+        self.generation_rounds += 1
+        order = torch.randperm(len(gen.prompts), generator=torch.Generator().manual_seed(self.global_step)).tolist()
+        prompt_rows = batch.get("dataset_rows")  # each prompt's dataset index; completion i is of prompt i // G
+        names = self.rollouts.reward_names
+        return GenerationRound(
+            *sequences, loss_mask, advantages, old_logps, ref_logps, order=order, steps=shape.steps_per_generation,
+            num_tokens=shape.tokens_per_step(float(num_tokens), self.trainer.world_size),
+            stats={**gen.stats, **sampling_stats}, prompts=gen.prompts, completions=gen.completion_texts,
+            rewards=gen.rewards.tolist(), reward_funcs={n: gen.per_func[:, i].tolist() for i, n in enumerate(names)},
+            dataset_rows=None if prompt_rows is None else repeat_each(prompt_rows, shape.num_generations),
+            extra=gen.columns, is_ratio=is_ratio, tool_mask=gen.tool_mask,
+            sampling_logps=self.kept_sampling_logps(gen, is_ratio))
+
+    def kept_sampling_logps(self, generation: Generation, is_ratio: torch.Tensor | None) -> torch.Tensor | None:
+        """The engine's log-probs a recipe's loss reads beside the old ones (GRPO's off-policy mask); None: none."""
+        return None
+
+    def old_logps(self, generation: Generation, sequences: tuple) -> tuple[torch.Tensor | None, None, dict]:
+        """``(old log-probs, importance weights, sampling/* metrics)``. The old (sampling) policy's log-probs matter
+        only when the policy moves before the round is used up (``RoundShape.needs_old_logps``): the engine's, or a
+        forward pass."""
+        if not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches):
+            return None, None, {}
+        if generation.logps is not None:
+            return generation.logps, None, {}
+        return self.completion_logps(self.network, *sequences)[0], None, {}
+
+    def advantages(self, generation: Generation, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
+                   loss_mask: torch.Tensor) -> torch.Tensor:
+        """``[N]`` this rank's advantages, from every rank's rewards (a group stays on one rank)."""
+        raise NotImplementedError
+
+    def gathered(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``values`` (rows ``[N, ...]``), concatenated in rank order."""
+        return self.trainer.strategy.all_gather(values).reshape(-1, *values.shape[1:])
+
+    def mine(self, values: torch.Tensor, rows: int) -> torch.Tensor:
+        """This rank's ``rows`` of values gathered over every rank (``gathered``)."""
+        rank = self.trainer.global_rank
+        return values[rank * rows : (rank + 1) * rows]
+
+    # -- logging --------------------------------------------------------------------------------------------------------
+    def log_step(self, loss, entropy, info: dict[str, torch.Tensor], mask: torch.Tensor,
+                 extra: dict[str, torch.Tensor] | None = None) -> None:
+        """TRL's per-step metrics (rank-averaged; ``clip_ratio/low_min`` and ``high_max`` over every rank's
+        completions), then the round's."""
+        mask = mask.to(entropy.dtype)
+        step_stats = {"loss": loss.detach(), "entropy": masked_mean(entropy, mask)}
+        per_sequence = {}
+        if "low_clipped" in info:
+            low, high = info["low_clipped"], info["high_clipped"]
+            step_stats |= {"clip_ratio/low_mean": masked_mean(low, mask),
+                           "clip_ratio/high_mean": masked_mean(high, mask),
+                           "clip_ratio/region_mean": masked_mean(low + high, mask)}
+            per_sequence = {"clip_ratio/low_min": sequence_means(low, mask),
+                            "clip_ratio/high_max": sequence_means(high, mask)}
+        step_stats |= extra or {}
+        strategy = self.trainer.strategy
+        values = strategy.reduce(torch.stack(list(step_stats.values())), reduce_op="mean")
+        for name, seq in per_sequence.items():
+            gathered = strategy.all_gather(seq).reshape(-1)
+            gathered = gathered[~gathered.isnan()]
+            value = gathered.min() if name.endswith("min") else gathered.max()
+            self.log(f"train/{name}", value if gathered.numel() else torch.tensor(torch.nan))
+        for name, value in [*zip(step_stats, values), *self.round.stats.items()]:
+            self.log(f"train/{name}", value, prog_bar=name in ("loss", "reward"))
+        self.log("train/generation_rounds", float(self.generation_rounds))
+
+    # -- a resume mid-round continues on the saved round (its completions came from an earlier policy) -----------------
+    def on_fit_start(self) -> None:
+        self.generation_seed = torch.initial_seed()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Every rank's round (each generated from its own prompts): gathered, as only rank 0 writes the file."""
+        super().on_save_checkpoint(checkpoint)
+        mine = None if self.round is None else self.round.state_dict()
+        rounds = [mine]
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.trainer.world_size > 1:
+            rounds = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(rounds, mine)
+        checkpoint[CHECKPOINT_KEY] = {"rounds": rounds, "generation_rounds": self.generation_rounds}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint.get(CHECKPOINT_KEY, {})
+        self.generation_rounds = state.get("generation_rounds", 0)
+        rounds = state.get("rounds", [])
+        # another world size: the round is regenerated (the resume is then not exact mid-round)
+        world, rank = (self._trainer.world_size, self._trainer.global_rank) if self._trainer is not None else (1, 0)
+        mine = rounds[rank] if len(rounds) == world else None
+        self.round = None if mine is None else GenerationRound(**mine)
+
+    def on_train_start(self) -> None:
+        if self.round is not None:  # restored from a checkpoint (on the CPU)
+            self.round = self.round.to(self.device)
+
+    # -- held-out reward ------------------------------------------------------------------------------------------------
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Held-out reward: one greedy completion per prompt, or with ``num_generations_eval`` that many sampled
+        ones (the training engine's settings), averaged."""
+        num = self.num_generations_eval or 1
+        rollouts = self.rollouts
+        rollout, prompts, completions = rollouts.sample(self, batch, num, greedy=self.num_generations_eval is None)
+        per_func = rollouts.score(self, batch, rollout, prompts, completions, num, {}, {})
+        self.val_metrics["reward"].update(rollouts.total(per_func).nan_to_num(0.0))
+        self.log("val/reward", self.val_metrics["reward"], prog_bar=True)
+        for i, name in enumerate(rollouts.reward_names):
+            metric = self.val_metrics[f"rewards_{name}_mean"]
+            values = per_func[:, i]
+            if not values.isnan().all():
+                metric.update(values[~values.isnan()])
+                self.log(f"val/rewards/{name}/mean", metric)
+        if "tool_calls" in self.val_metrics:  # tool calls per completion (TRL's tools/call_frequency)
+            calls = self.val_metrics["tool_calls"]
+            calls.update(torch.tensor(rollout.tool_calls / len(prompts), device=self.device), weight=len(prompts))
+            self.log("val/tools/call_frequency", calls)
+
+    test_step = validation_step

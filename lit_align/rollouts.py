@@ -1,0 +1,220 @@
+"""Rollouts: a round's prompts in, its completions, masks and rewards out. What every online recipe samples with.
+
+``Rollouts`` holds what makes and scores completions: the sampling settings, the engine (and its greedy twin for
+validation), the reward functions with their weights, and the tools / ``environment_factory`` / ``rollout_func`` a
+rollout may run instead of a plain sample. ``generate(module, batch, num_samples)`` turns a batch of prompts into a
+``Generation``: per completion its prompt and completion ids and masks, the tool mask, the sampling log-probs (when the
+engine has them), every reward function's value, and TRL's rollout metrics. It knows nothing of advantages, old or
+reference log-probs or losses: those are the recipe's (``lit_align.modules.online``), so GRPO, RLOO and the recipes to
+come share it, and an asynchronous producer can run it elsewhere.
+
+``module`` is the LightningModule whose policy samples: it gives the policy, its tokenizer and device, the trainer's
+state for reward functions (TRL's ``trainer_state``), the strategy that gathers metrics over ranks, and is what a
+``rollout_func`` receives (TRL passes its trainer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from lit_align.errors import LitAlignError
+from lit_align.generation import SamplingConfig, VLLMOptions, make_engine
+from lit_align.generation.environments import Environments
+from lit_align.generation.tools import ToolLoop, load_tool, rollout_from_output, tool_schema, turns_text
+from lit_align.imports import callable_name
+from lit_align.losses.grpo import nanstd
+from lit_align.rewards import RewardModel, RewardState, load_reward, score_all
+
+
+def repeat_each(values: list, times: int) -> list:
+    """Each value ``times`` times in a row (a prompt's completions are consecutive rows)."""
+    return [v for v in values for _ in range(times)]
+
+
+def load_rewards(specs: list[str | dict] | None, weights: list[float] | None,
+                 owned: list | None = None) -> tuple[list, list[str], list[float]]:
+    """``(reward functions, their names, their weights)`` from ``model.reward_funcs`` / ``model.reward_weights``, and
+    the rewards environments own (``owned``: weight 1, after them, as TRL)."""
+    owned = owned or []
+    if not specs and owned:
+        return owned, [callable_name(fn) for fn in owned], [1.0] * len(owned)
+    if not specs:  # TRL requires them: a default reward would fit one dataset and silently score others
+        raise LitAlignError("model.reward_funcs: none given; GRPO scores completions only with the reward functions "
+                            "you name (TRL's reward_funcs): e.g. [lit_align.rewards.sort_accuracy] for the built-in "
+                            "sort task, [my_pkg.rewards.fn] for your own data, or a reward model's directory")
+    funcs = [load_reward(spec) for spec in specs]
+    weights = weights or [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        raise LitAlignError(f"model.reward_weights has {len(weights)} values for {len(funcs)} reward_funcs")
+    funcs += owned
+    return funcs, [callable_name(fn) for fn in funcs], list(weights) + [1.0] * len(owned)
+
+
+@dataclass
+class Generation:
+    """One batch's rollouts: ``N = prompts * num_samples`` rows, each prompt's samples consecutive."""
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded: each completion's prompt (its own, after an environment's reset)
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor  # [N, C] right-padded
+    completion_mask: torch.Tensor  # 1 on every completion token, tool turns included
+    sampled_mask: torch.Tensor  # 1 on the tokens the policy sampled: completion_mask without tool turns
+    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
+    logps: torch.Tensor | None  # [N, C] the engine's sampling log-probs, or None
+    tool_mask: torch.Tensor | None  # [N, C] with tools: 0 on tool turns' tokens
+    per_func: torch.Tensor  # [N, F] each reward function's value (NaN where it returned None)
+    rewards: torch.Tensor  # [N] the weighted sum (NaN where every function returned None)
+    prompts: list  # per row: the prompt, and the completion (text, or the assistant's turns)
+    completions: list
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # TRL's rollout metrics, rank-averaged
+    columns: dict[str, list] = field(default_factory=dict)  # per row: what reward functions logged (log_extra)
+
+    @property
+    def completion_texts(self) -> list[str]:
+        return [c if isinstance(c, str) else turns_text(c) for c in self.completions]
+
+
+class Rollouts:
+    """The rollout component of the online recipes (documented on ``lit_align.modules.online.OnlineModule``, whose
+    options build it)."""
+
+    def __init__(self, reward_funcs: list | None, reward_weights: list[float] | None, sampling: SamplingConfig,
+                 engine: str = "hf", vllm: VLLMOptions | None = None, weights_version=None,
+                 tools: list | None = None, max_tool_calling_iterations: int | None = None,
+                 environment_factory: str | dict | None = None, rollout_func: str | None = None):
+        if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
+            raise LitAlignError(f"model.max_tool_calling_iterations must be >= 0 or null, got "
+                                f"{max_tool_calling_iterations}")
+        self.sampling, self.engine_name = sampling, engine
+        self.environments = None if environment_factory is None else Environments(environment_factory)
+        owned = [] if self.environments is None else self.environments.reward_functions()
+        self.reward_funcs, self.reward_names, weights = load_rewards(reward_funcs, reward_weights, owned)
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        settings = {} if vllm is None else {**vllm.engine_settings(), "weights_version": weights_version}
+        greedy = {**sampling.__dict__, "temperature": 0.0}
+        self.engine = make_engine(engine, **sampling.__dict__, **settings)
+        self.greedy_engine = make_engine(engine, **greedy, **settings)
+        self.tools = [load_tool(spec) for spec in tools or []]
+        self.tool_schemas = [tool_schema(tool) for tool in self.tools]  # the data renders its prompts with them
+        self.max_tool_calling_iterations = max_tool_calling_iterations
+        self.tool_loop: ToolLoop | None = None  # built with the tokenizer (setup)
+        self.rollout_func = None if rollout_func is None else load_tool(rollout_func, "model.rollout_func")
+        self.rollout_func_name = rollout_func
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) or self.environments is not None
+
+    def setup(self, tokenizer, network, dtype: str, trust_remote_code: bool, model_init_kwargs: dict | None) -> None:
+        """Once the policy is loaded: reward models load with its settings (TRL: ``model_init_kwargs``), and the tool
+        loop refuses a chat template that cannot call tools now, before training."""
+        for fn in self.reward_funcs:
+            if isinstance(fn, RewardModel):
+                fn.load(dtype, trust_remote_code, model_init_kwargs)
+        if self.uses_tools and self.tool_loop is None:
+            self.tool_loop = ToolLoop(self.tools, tokenizer, self.sampling.max_new_tokens,
+                                      self.max_tool_calling_iterations,
+                                      getattr(network.config, "max_position_embeddings", None))
+
+    # -- sampling and scoring -------------------------------------------------------------------------------------------
+    def sample(self, module, batch: dict[str, Any], num_samples: int, greedy: bool = False):
+        """``num_samples`` completions per prompt: the engine's ``Rollout``, the prompts (repeated) and the
+        completions (text, or an assistant message for conversational prompts)."""
+        tok, engine = module.tokenizer, self.greedy_engine if greedy else self.engine
+        eos_pad = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id}
+        if self.rollout_func is not None:  # the user's rollouts (TRL's rollout_func), in training and validation
+            output = self.rollout_func(repeat_each(batch["prompts"], num_samples), module)
+            rollout = rollout_from_output(output, self.rollout_func_name, len(batch["prompts"]) * num_samples,
+                                          device=module.device, **eos_pad)
+        elif self.environments is not None:  # a fresh environment per rollout, its prompt rendered after its reset
+            rollout = self.environments.rollout(self.tool_loop, engine, module.policy, batch, num_samples, **eos_pad)
+        else:
+            generate = engine.generate if self.tool_loop is None else partial(self.tool_loop.generate, engine)
+            rollout = generate(module.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples, **eos_pad)
+        prompts = repeat_each(batch["prompts"], num_samples)
+        if getattr(rollout, "messages", None) is not None:  # the turns: assistant (with tool_calls), tool, ...
+            return rollout, prompts, rollout.messages
+        texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+        return rollout, prompts, completions
+
+    def score(self, module, batch: dict[str, Any], rollout, prompts: list, completions: list, num_samples: int,
+              metrics: dict[str, list], columns: dict[str, list]) -> torch.Tensor:
+        """``[N, F]`` rewards, one column per reward function (NaN where a function returned None); what the
+        functions log goes into ``metrics`` (``log_metric``) and ``columns`` (``log_extra``)."""
+        data_columns = {k: repeat_each(v, num_samples) for k, v in batch["columns"].items()}
+        ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
+        trainer = module._trainer
+        state = RewardState(module.global_step, getattr(trainer, "max_steps", -1), getattr(trainer, "current_epoch", 0))
+        extra = {"trainer_state": state,
+                 "log_metric": lambda name, value: metrics.setdefault(name, []).append(float(value)),
+                 "log_extra": lambda column, values: columns.setdefault(column, []).extend(values)}
+        if getattr(rollout, "environments", None) is not None:  # TRL: every reward function sees them
+            extra["environments"] = rollout.environments
+        extra.update(getattr(rollout, "extra", None) or {})  # a rollout_func's own columns
+        for fn in self.reward_funcs:
+            if isinstance(fn, RewardModel):
+                fn.to(module.device)
+        per_func = score_all(self.reward_funcs, prompts, completions, ids, data_columns, extra)
+        return torch.tensor(per_func, dtype=torch.float32, device=module.device).T.reshape(len(prompts), -1)
+
+    def total(self, per_func: torch.Tensor) -> torch.Tensor:
+        """``[N]`` the weighted sum of the reward functions' values (NaN where all returned None)."""
+        weighted = per_func * self.reward_weights.to(per_func.device)
+        return torch.where(per_func.isnan().all(1), torch.nan, weighted.nansum(1))
+
+    @torch.no_grad()
+    def generate(self, module, batch: dict[str, Any], num_samples: int, seed: int | None = None) -> Generation:
+        """The batch's prompts sampled ``num_samples`` times each, scored, with TRL's rollout metrics. ``seed``:
+        sample from an RNG seeded with it, not from the global stream (which it leaves as it was)."""
+        devices = [module.device] if module.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            rollout, prompts, completions = self.sample(module, batch, num_samples)
+        metrics, columns = {}, {}
+        per_func = self.score(module, batch, rollout, prompts, completions, num_samples, metrics, columns)
+        prompt_ids = batch["prompt_ids"].repeat_interleave(num_samples, 0)
+        prompt_mask = batch["prompt_mask"].repeat_interleave(num_samples, 0)
+        if getattr(rollout, "prompt_ids", None) is not None:  # each rollout's own prompt (environments)
+            prompt_ids, prompt_mask = rollout.prompt_ids, rollout.prompt_mask
+        tool_mask = getattr(rollout, "tool_mask", None)  # 0 on tool turns: not the policy's tokens
+        mask = rollout.completion_mask
+        generation = Generation(
+            prompt_ids, prompt_mask, rollout.completion_ids, mask, mask if tool_mask is None else mask * tool_mask,
+            rollout.truncated, rollout.logps, tool_mask, per_func, self.total(per_func), prompts, completions,
+            columns={k: v for k, v in columns.items() if len(v) == len(prompts)})
+        generation.stats = self.stats(module.trainer, generation, rollout, num_samples, metrics)
+        return generation
+
+    def stats(self, trainer, generation: Generation, rollout, group: int,
+              metrics: dict[str, list]) -> dict[str, torch.Tensor]:
+        """TRL's rollout metrics, averaged over ranks; std, min and max are over every rank's completions
+        (gathered), not averages of per-rank values. Lengths count the sampled tokens only (tool turns are not)."""
+        rewards, per_func, strategy = generation.rewards, generation.per_func, trainer.strategy
+        device = rewards.device
+        lengths = generation.sampled_mask.sum(1).float()
+        all_lengths = strategy.all_gather(lengths).reshape(-1)
+        all_rewards = strategy.all_gather(rewards).reshape(1, -1)
+        stats = {
+            "reward": rewards.nanmean(),
+            "reward_std": nanstd(all_rewards, dim=1).view(()),
+            "frac_reward_zero_std": (nanstd(rewards.view(-1, group), dim=1) < 1e-6).float().mean(),
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": all_lengths.min(),
+            "completions/max_length": all_lengths.max(),
+            "completions/clipped_ratio": generation.truncated.float().mean(),
+            **{f"rewards/{n}/mean": per_func[:, i].nanmean() for i, n in enumerate(self.reward_names)},
+            **{name: torch.tensor(sum(v) / len(v), device=device) for name, v in metrics.items()},
+        }
+        if self.tool_loop is not None:  # TRL's: calls per completion, and the failed share of the calls (all ranks)
+            calls, failures = strategy.reduce(torch.tensor([rollout.tool_calls, rollout.tool_failures],
+                                                           dtype=torch.float32, device=device), reduce_op="sum")
+            stats["tools/call_frequency"] = calls / (len(lengths) * trainer.world_size)
+            stats["tools/failure_frequency"] = failures / calls if calls > 0 else torch.zeros((), device=device)
+        values = strategy.reduce(torch.stack(list(stats.values())), reduce_op="mean")
+        return dict(zip(stats, values))
