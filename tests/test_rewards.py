@@ -385,9 +385,10 @@ def test_grpo_without_reward_functions_is_refused(tmp_path, prompt_rows, capfd):
                                      "functions you name")
     config = tmp_path / "mine.yaml"  # a user's own config that leaves reward_funcs out
     config.write_text(yaml.safe_dump({
-        "model": {"class_path": "lit_align.modules.GRPOModule", "init_args": {"model": "builtin:tiny"}},
+        "model": {"class_path": "lit_align.modules.GRPOModule",
+                  "init_args": {"model": "builtin:tiny", "num_generations": 2}},
         "data": {"class_path": "lit_align.data.PromptDataModule",
-                 "init_args": {"path": prompt_rows, "val_split": None, "batch_size": 4, "num_generations": 2}},
+                 "init_args": {"path": prompt_rows, "val_split": None, "batch_size": 4}},
         "trainer": {"max_steps": 1, "logger": False, "default_root_dir": str(tmp_path)},
         "export": {"enabled": False}}))
     code, _, err = run_main(["fit", "-c", str(config)], capfd)

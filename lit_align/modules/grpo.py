@@ -106,13 +106,16 @@ class GRPOModule(OnlineModule):
         self.loss_fn = GRPOLoss(**{name: self.hparams[name] for name in GRPOLoss.__dataclass_fields__})
         self.entropy_control = EntropyControl.from_loss(self.loss_fn)
         self.entropy_window: torch.Tensor | None = None  # adaptive: (entropy sum, tokens) of this accumulation window
-        self.importance_sampling = None  # (mode, clip_min, clip_max) when vLLM's sampling is corrected for
-        if self.rollouts.engine_name == "vllm":
-            self.importance_sampling = VLLMOptions.from_flat(self.hparams).importance_sampling(self.sampling)
-            if loss_type == "vespo" and self.importance_sampling and not self.importance_sampling[0].startswith("token"):
-                raise LitAlignError(f"model.vllm_importance_sampling_mode {self.importance_sampling[0]!r}: loss_type "
-                                    "'vespo' folds vLLM's importance weights into its per-sequence weight token by "
-                                    "token: expected 'token_truncate' or 'token_mask'")
+
+    def sampling_correction(self, vllm: VLLMOptions) -> tuple[str, float | None, float | None] | None:
+        """TRL's ``vllm_importance_sampling_*``: the loss weighs each token by the training forward's probability over
+        vLLM's."""
+        correction = vllm.importance_sampling(self.sampling)
+        if self.hparams.loss_type == "vespo" and correction is not None and not correction[0].startswith("token"):
+            raise LitAlignError(f"model.vllm_importance_sampling_mode {correction[0]!r}: loss_type 'vespo' folds vLLM's "
+                                "importance weights into its per-sequence weight token by token: expected "
+                                "'token_truncate' or 'token_mask'")
+        return correction
 
     # -- the round: the old log-probs, the advantages ---------------------------------------------------------------------
     def old_logps(self, generation: Generation, sequences: tuple) -> tuple[torch.Tensor | None, Any, dict]:

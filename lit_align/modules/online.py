@@ -169,6 +169,9 @@ class OnlineModule(AlignModule):
         if temperature <= 0:
             raise LitAlignError(f"model.temperature must be > 0 (online recipes sample distinct completions), "
                                 f"got {temperature}")
+        if max_completion_length < 1:
+            raise LitAlignError(f"model.max_completion_length must be >= 1 (tokens sampled per completion), "
+                                f"got {max_completion_length}")
         if num_generations_eval is not None and num_generations_eval < 1:
             raise LitAlignError(f"model.num_generations_eval must be >= 1 or null (one greedy completion), "
                                 f"got {num_generations_eval}")
@@ -182,6 +185,8 @@ class OnlineModule(AlignModule):
                                        top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                                        generation_kwargs=generation_kwargs)
         vllm = VLLMOptions.from_flat(self.hparams) if engine == "vllm" else None
+        # (mode, clip_min, clip_max) when the recipe's loss corrects for vLLM's sampling
+        self.importance_sampling = None if vllm is None else self.sampling_correction(vllm)
         self.rollouts = Rollouts(reward_funcs, reward_weights, self.sampling, engine, vllm, self.weights_version,
                                  tools, max_tool_calling_iterations, environment_factory, rollout_func)
         self.register_buffer("reward_weights", self.rollouts.reward_weights, persistent=False)
@@ -205,6 +210,11 @@ class OnlineModule(AlignModule):
         ``generation_batch_size``)."""
         if isinstance(answer, RoundShape):
             self.round_shape = answer
+
+    def sampling_correction(self, vllm: VLLMOptions) -> tuple[str, float | None, float | None] | None:
+        """How the recipe's loss corrects for vLLM's sampling (``VLLMOptions.importance_sampling``); None: it does
+        not."""
+        return None
 
     def configure_model(self) -> None:
         super().configure_model()

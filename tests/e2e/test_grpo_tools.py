@@ -21,7 +21,7 @@ from lit_align.data import PromptDataModule
 from lit_align.modules import GRPOModule
 
 REPO = Path(__file__).resolve().parents[2]
-TOOL_DATA = {"batch_size": 4, "num_generations": 2, "steps_per_generation": 3, "chat_template": "builtin:tools"}
+TOOL_DATA = {"batch_size": 4, "chat_template": "builtin:tools"}
 TOOL_MODEL = {"environment_factory": "helpers.CounterEnvironment", "chat_template": "builtin:tools",
               "max_tool_calling_iterations": 1, "max_completion_length": 120, "num_generations": 2,
               "steps_per_generation": 3}

@@ -48,9 +48,11 @@ def test_trls_flat_options_in_a_config_reach_the_engines_options(tiny_path):
 def test_every_option_has_its_flat_name_on_the_module_with_the_engines_default():
     """The module's signature (the CLI) offers each option under its TRL name, defaulting as the engine does; the
     resume rules name them the same way."""
-    module = inspect.signature(GRPOModule).parameters
+    from lit_align.hub import recipe_defaults
+
+    module = recipe_defaults(GRPOModule)
     for option in fields(VLLMOptions):
-        assert module[f"vllm_{option.name}"].default == option.default, option.name
+        assert module[f"vllm_{option.name}"] == option.default, option.name
     assert {name for name in RESUME_MAY_CHANGE if name.startswith("vllm_")} <= {f"vllm_{o.name}" for o in
                                                                                fields(VLLMOptions)}
 

@@ -92,7 +92,7 @@ def fit_grpo(root: Path, prompts: str, max_steps: int, model: dict | None = None
     rounds = {k: data[k] for k in ("num_generations", "steps_per_generation", "num_iterations") if k in data}
     module = GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, max_completion_length=4, learning_rate=1e-3,
                         **rounds, **(model or {}))
-    dm = PromptDataModule(path=prompts, val_split=None, **data)
+    dm = PromptDataModule(path=prompts, val_split=None, **{k: v for k, v in data.items() if k not in rounds})
     probe = GenerationProbe()
     run = fit(module, dm, max_steps=max_steps, callbacks=[probe, *(callbacks or [])],
               logger=CSVLogger(root, name="grpo"), **trainer_kwargs)
@@ -457,7 +457,7 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     ours = recipe_defaults(module)
     differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and v != theirs[k]}
     listed = {"gradient_checkpointing": (False, True)}
-    round_defaults = {"disable_dropout": (True, False), "steps_per_generation": (1, None)}  # None: 1 in TRL too
+    round_defaults = {"disable_dropout": (True, False)}
     listed |= {"grpo": round_defaults, "rloo": round_defaults,
                "sft": {"completion_only_loss": (True, None)},  # None: on for prompt-completion rows
                "dpo": {}, "kto": {}, "cpo": {}, "orpo": {}, "reward": {}}[recipe]
@@ -572,8 +572,8 @@ def test_readme_lists_every_grpo_config_field():
     theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)} - base
     assert sorted(theirs - listed) == [], "GRPOConfig fields missing from the README table"
     assert sorted(listed - theirs) == [], "README table rows that are not GRPOConfig fields"
-    options = set(inspect.signature(GRPOModule.__init__).parameters) | set(
-        inspect.signature(GRPOModule.__mro__[1].__init__).parameters)
+    options = {name for cls in GRPOModule.__mro__ if "__init__" in cls.__dict__
+               for name in inspect.signature(cls.__init__).parameters}
     for first, second in rows:
         assert second.strip(" |"), f"{first}: nothing said"
         named = re.findall(r"`model\.(\w+)`", second)

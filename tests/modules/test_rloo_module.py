@@ -46,7 +46,7 @@ def test_rloo_trains_through_the_cli_with_trls_metric_names(tmp_path, monkeypatc
     before = load_model("builtin:tiny").state_dict()
     after = cli.model.policy.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the policy moved
-    assert cli.model.round_shape.num_generations == 4  # data.num_generations in the config
+    assert cli.model.round_shape.num_generations == 4  # model.num_generations in the config
     rows = read_metrics(Path(cli.trainer.log_dir) / "metrics.csv")
     names = {k for r in rows for k in r}
     expected = {"train/loss", "train/reward", "train/reward_std", "train/kl", "train/entropy",
@@ -61,14 +61,17 @@ def test_rloo_trains_through_the_cli_with_trls_metric_names(tmp_path, monkeypatc
 def test_unset_num_generations_is_rloos_default_and_grpo_options_are_not_rlooss():
     from test_cli import parse
 
-    cli = parse("--model.init_args.model", "builtin:tiny", "--model.init_args.num_generations", "null",
-                config="rloo.yaml")
-    assert cli.model.round_shape.num_generations == 2  # TRL's RLOO default, not GRPO's 8
-    from lit_align.modules.rloo import _NOT_RLOO
+    from lit_align.errors import LitAlignError
+    from lit_align.losses.grpo_loss import GRPOLoss
 
-    assert not set(_NOT_RLOO) & set(cli.model.hparams)
+    module = RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"])
+    assert module.round_shape.num_generations == 2  # TRL's RLOO default, not GRPO's 8
+    cli = parse("--model.init_args.model", "builtin:tiny", config="rloo.yaml")
+    grpo_only = set(GRPOLoss.__dataclass_fields__) - {"beta", "epsilon", "epsilon_high"}
+    assert not grpo_only & set(cli.model.hparams)
     for grpo_only in (["--model.init_args.loss_type", "grpo"], ["--model.init_args.entropy_coef", "0.1"]):
-        with pytest.raises(SystemExit):  # not an RLOO option: the parser refuses it
+        with pytest.raises(LitAlignError, match=f"model.{grpo_only[0].split('.')[-1]} is an option of .*GRPOModule.*, "
+                                                "not of RLOOModule"):
             parse("--model.init_args.model", "builtin:tiny", *grpo_only, config="rloo.yaml")
 
 

@@ -51,7 +51,7 @@ def grpo(prompts: str, root, max_steps: int, module: dict | None = None, data: d
     L.seed_everything(0, verbose=False)
     model = GRPOModule(model="builtin:tiny", engine="vllm", reward_funcs=["helpers.reward_digit_fraction"],
                        max_completion_length=8, **ROUND, **{"learning_rate": 1e-3, **(module or {})})
-    dm = PromptDataModule(path=prompts, batch_size=16, **ROUND, **{"val_split": None, **(data or {})})
+    dm = PromptDataModule(path=prompts, batch_size=16, **{"val_split": None, **(data or {})})
     record = Record()
     run = fit(model, dm, root, max_steps, [record, *trainer_kwargs.pop("callbacks", [])], ckpt_path, **trainer_kwargs)
     return run, model, record
