@@ -120,7 +120,7 @@ class Rollouts:
                                       self.max_tool_calling_iterations,
                                       getattr(network.config, "max_position_embeddings", None))
 
-    # -- sampling and scoring -------------------------------------------------------------------------------------------
+    # -- sampling and scoring ------------------------------------------------------------------------------------------
     def sample(self, module, batch: dict[str, Any], num_samples: int, greedy: bool = False):
         """``num_samples`` completions per prompt: the engine's ``Rollout``, the prompts (repeated) and the
         completions (text, or an assistant message for conversational prompts)."""
@@ -139,7 +139,8 @@ class Rollouts:
         if getattr(rollout, "messages", None) is not None:  # the turns: assistant (with tool_calls), tool, ...
             return rollout, prompts, rollout.messages
         texts = tok.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t for p, t in zip(prompts, texts)]
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                       for p, t in zip(prompts, texts)]
         return rollout, prompts, completions
 
     def score(self, module, batch: dict[str, Any], rollout, prompts: list, completions: list, num_samples: int,

@@ -112,12 +112,12 @@ class GRPOModule(OnlineModule):
         vLLM's."""
         correction = vllm.importance_sampling(self.sampling)
         if self.hparams.loss_type == "vespo" and correction is not None and not correction[0].startswith("token"):
-            raise LitAlignError(f"model.vllm_importance_sampling_mode {correction[0]!r}: loss_type 'vespo' folds vLLM's "
-                                "importance weights into its per-sequence weight token by token: expected "
+            raise LitAlignError(f"model.vllm_importance_sampling_mode {correction[0]!r}: loss_type 'vespo' folds "
+                                "vLLM's importance weights into its per-sequence weight token by token: expected "
                                 "'token_truncate' or 'token_mask'")
         return correction
 
-    # -- the round: the old log-probs, the advantages ---------------------------------------------------------------------
+    # -- the round: the old log-probs, the advantages ------------------------------------------------------------------
     def old_logps(self, generation: Generation, sequences: tuple) -> tuple[torch.Tensor | None, Any, dict]:
         """With vLLM's sampling corrected for (TRL), the old log-probs are the training forward's and the importance
         weights compare them with vLLM's, over the sampled tokens only (not tool turns); else ``OnlineModule``'s."""

@@ -45,6 +45,19 @@ def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, compl
     return out.tokens, out.stats.get("entropy")
 
 
+def check_online_settings(temperature: float, max_completion_length: int, num_generations_eval: int | None) -> None:
+    """Refuse a sampling setting an online recipe cannot train or validate with."""
+    if temperature <= 0:
+        raise LitAlignError(f"model.temperature must be > 0 (online recipes sample distinct completions), "
+                            f"got {temperature}")
+    if max_completion_length < 1:
+        raise LitAlignError(f"model.max_completion_length must be >= 1 (tokens sampled per completion), "
+                            f"got {max_completion_length}")
+    if num_generations_eval is not None and num_generations_eval < 1:
+        raise LitAlignError(f"model.num_generations_eval must be >= 1 or null (one greedy completion), "
+                            f"got {num_generations_eval}")
+
+
 class OnlineModule(AlignModule):
     """The online recipes' shared options (TRL's ``GRPOConfig`` / ``RLOOConfig`` names).
 
@@ -165,16 +178,8 @@ class OnlineModule(AlignModule):
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
+        check_online_settings(temperature, max_completion_length, num_generations_eval)
         self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, generation_batch_size)
-        if temperature <= 0:
-            raise LitAlignError(f"model.temperature must be > 0 (online recipes sample distinct completions), "
-                                f"got {temperature}")
-        if max_completion_length < 1:
-            raise LitAlignError(f"model.max_completion_length must be >= 1 (tokens sampled per completion), "
-                                f"got {max_completion_length}")
-        if num_generations_eval is not None and num_generations_eval < 1:
-            raise LitAlignError(f"model.num_generations_eval must be >= 1 or null (one greedy completion), "
-                                f"got {num_generations_eval}")
         self.beta, self.temperature, self.padding_free = beta, temperature, padding_free
         self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
         self.num_generations_eval = num_generations_eval
@@ -190,12 +195,14 @@ class OnlineModule(AlignModule):
         self.rollouts = Rollouts(reward_funcs, reward_weights, self.sampling, engine, vllm, self.weights_version,
                                  tools, max_tool_calling_iterations, environment_factory, rollout_func)
         self.register_buffer("reward_weights", self.rollouts.reward_weights, persistent=False)
-        self.round: GenerationRound | None = None
-        self.generation_rounds = 0
+        self.round, self.generation_rounds = None, 0  # the round being trained on, and how many were sampled
         self.generation_seed = torch.initial_seed()  # re-read at fit start (after ``seed_everything``)
+        self.val_metrics = self.validation_metrics()
+
+    def validation_metrics(self) -> torch.nn.ModuleDict:
+        """The ``val/*`` means: the reward, each function's, and with tools the calls per completion."""
         names = ["reward", *(f"rewards_{n}_mean" for n in self.rollouts.reward_names)]
-        self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in names + (
-            ["tool_calls"] if self.rollouts.uses_tools else [])})
+        return torch.nn.ModuleDict({n: MeanMetric() for n in names + ["tool_calls"] * self.rollouts.uses_tools})
 
     def configure_callbacks(self):  # TEMPORARY until the base has it (pieces branch)
         return [self.ref_sync] if self.ref_sync is not None else []
@@ -307,7 +314,7 @@ class OnlineModule(AlignModule):
         rank = self.trainer.global_rank
         return values[rank * rows : (rank + 1) * rows]
 
-    # -- logging --------------------------------------------------------------------------------------------------------
+    # -- logging -------------------------------------------------------------------------------------------------------
     def log_step(self, loss, entropy, info: dict[str, torch.Tensor], mask: torch.Tensor,
                  extra: dict[str, torch.Tensor] | None = None) -> None:
         """TRL's per-step metrics (rank-averaged; ``clip_ratio/low_min`` and ``high_max`` over every rank's
@@ -362,7 +369,7 @@ class OnlineModule(AlignModule):
         if self.round is not None:  # restored from a checkpoint (on the CPU)
             self.round = self.round.to(self.device)
 
-    # -- held-out reward ------------------------------------------------------------------------------------------------
+    # -- held-out reward -----------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Held-out reward: one greedy completion per prompt, or with ``num_generations_eval`` that many sampled
         ones (the training engine's settings), averaged."""

@@ -140,9 +140,10 @@ CASES = [
      "completion)"),
 ]
 
-# config mistakes: jsonargparse's usage error (exit 2), naming the key
+# config mistakes: a usage error (exit 2), naming the key
 USAGE_CASES = [
-    ("config typo", ["fit", "-c", DPO, "-c", str(BAD / "typo.yaml")], "Option 'betaa' is not accepted"),
+    ("config typo", ["fit", "-c", DPO, "-c", str(BAD / "typo.yaml")],
+     "error: model.betaa: DPOModule has no such option"),
     ("unknown config key", ["fit", "-c", DPO, "-c", str(BAD / "unknown_key.yaml")], "modle"),
 ]
 

@@ -3,7 +3,6 @@ routing from the module and their checks. What needs vLLM itself runs in ``tests
 
 from __future__ import annotations
 
-import inspect
 import sys
 from dataclasses import fields
 from pathlib import Path
