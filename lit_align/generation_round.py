@@ -31,12 +31,15 @@ class RoundShape:
         num_iterations: passes over each round's completions (TRL's mu).
         generation_batch_size: TRL's alternative to ``steps_per_generation``: the round's completions on every
             device, ``batch_size * world_size * steps_per_generation``.
+        prompt_batches: batches of the round's prompts the data serves per round, of which the module samples as
+            many as it needs (dynamic sampling: more prompts when groups score all alike; 1: exactly the round's).
     """
 
     num_generations: int = 8
     steps_per_generation: int | None = None
     num_iterations: int = 1
     generation_batch_size: int | None = None
+    prompt_batches: int = 1
 
     def __post_init__(self):
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
@@ -49,6 +52,8 @@ class RoundShape:
                                 f"got {self.num_generations}")
         if (self.steps_per_generation is not None and self.steps_per_generation < 1) or self.num_iterations < 1:
             raise LitAlignError("model.steps_per_generation and model.num_iterations must be >= 1")
+        if self.prompt_batches < 1:
+            raise LitAlignError(f"model.max_num_gen_batches must be >= 1, got {self.prompt_batches}")
         gbs = self.generation_batch_size
         if gbs is not None and (gbs < 1 or gbs % self.num_generations):
             raise LitAlignError(f"model.generation_batch_size {gbs} must be a positive multiple of "
@@ -65,7 +70,8 @@ class RoundShape:
                 raise LitAlignError(f"model.generation_batch_size {self.generation_batch_size} must be a positive "
                                     f"multiple of the global batch size (data.batch_size {batch_size} x {world_size} "
                                     f"devices = {per_step})")
-            shape = RoundShape(self.num_generations, self.generation_batch_size // per_step, self.num_iterations)
+            shape = RoundShape(self.num_generations, self.generation_batch_size // per_step, self.num_iterations,
+                               prompt_batches=self.prompt_batches)
         shape.prompts_per_round(batch_size)
         return shape
 

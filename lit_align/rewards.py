@@ -65,6 +65,20 @@ def arith_exact(completions: list, answer: list[str], **_: Any) -> list[float]:
             for c, a in zip(completions, answer)]
 
 
+def pass_at_k(solved: torch.Tensor, k: int) -> torch.Tensor:
+    """pass@k per prompt, the unbiased estimator (Chen et al. 2021): ``solved`` is ``[P, n]`` (each prompt's ``n``
+    samples, True where solved), the value ``1 - C(n - c, k) / C(n, k)`` with ``c`` solved samples: the chance that
+    ``k`` samples drawn without replacement from the ``n`` hold a solved one. A product of ``k`` ratios, so no
+    binomial coefficient overflows."""
+    n = solved.shape[1]
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n samples per prompt, got k={k}, n={n}")
+    c = solved.sum(1, dtype=torch.float64)
+    # C(n - c, k) / C(n, k) = prod over i in (n - k, n] of (i - c) / i: one factor is 0 when c > n - k
+    i = torch.arange(n - k + 1, n + 1, dtype=torch.float64, device=solved.device)
+    return 1 - (1 - c.unsqueeze(1) / i).clamp(min=0).prod(1)
+
+
 @dataclass
 class RewardState:
     """What a reward function gets as ``trainer_state`` (TRL passes its ``TrainerState``): training progress, for

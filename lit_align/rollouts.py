@@ -15,7 +15,7 @@ state for reward functions (TRL's ``trainer_state``), the strategy that gathers 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any
 
@@ -28,6 +28,9 @@ from lit_align.generation.tools import ToolLoop, load_tool, rollout_from_output,
 from lit_align.imports import callable_name
 from lit_align.losses.grpo import nanstd
 from lit_align.rewards import RewardModel, RewardState, load_reward, score_all
+
+
+ZERO_STD = 1e-6  # a group whose rewards' std is below this scored all its completions alike
 
 
 def repeat_each(values: list, times: int) -> list:
@@ -70,12 +73,71 @@ class Generation:
     rewards: torch.Tensor  # [N] the weighted sum (NaN where every function returned None)
     prompts: list  # per row: the prompt, and the completion (text, or the assistant's turns)
     completions: list
-    stats: dict[str, torch.Tensor] = field(default_factory=dict)  # TRL's rollout metrics, rank-averaged
+    dataset_rows: list[int] | None = None  # per row: the dataset index of its prompt
     columns: dict[str, list] = field(default_factory=dict)  # per row: what reward functions logged (log_extra)
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # what reward functions logged (log_metric)
+    tool_calls: int = 0  # tool calls in these rollouts, and how many of them failed
+    tool_failures: int = 0
 
     @property
     def completion_texts(self) -> list[str]:
         return [c if isinstance(c, str) else turns_text(c) for c in self.completions]
+
+    def select(self, rows: list[int]) -> Generation:
+        """These rows, in this order (tool counts and logged metrics stay the whole batch's)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.rewards.device)
+
+        def take(value):
+            if isinstance(value, torch.Tensor):
+                return value[index]
+            if isinstance(value, list):
+                return [value[i] for i in rows]
+            if isinstance(value, dict) and value is self.columns:
+                return {k: take(v) for k, v in value.items()}
+            return value
+
+        return Generation(**{f.name: take(getattr(self, f.name)) for f in fields(self)})
+
+    @staticmethod
+    def concat(parts: list[Generation]) -> Generation:
+        """Several batches' rollouts as one: prompts left-padded and completions right-padded to the widest."""
+        def pad(values: list, left: bool):
+            width = max(v.shape[1] for v in values)
+            return torch.cat([torch.nn.functional.pad(v, (width - v.shape[1], 0) if left else (0, width - v.shape[1]))
+                              for v in values])
+
+        def join(name: str):
+            values = [getattr(p, name) for p in parts]
+            if values[0] is None:
+                return None
+            if name in ("prompt_ids", "prompt_mask"):
+                return pad(values, left=True)
+            if isinstance(values[0], torch.Tensor):
+                return pad(values, left=False) if values[0].dim() == 2 and name != "per_func" else torch.cat(values)
+            if isinstance(values[0], list):
+                return [v for value in values for v in value]
+            if isinstance(values[0], int):
+                return sum(values)
+            return {k: [v for value in values for v in value.get(k, [])] for k in dict.fromkeys(
+                k for value in values for k in value)}
+
+        return Generation(**{f.name: join(f.name) for f in fields(Generation)})
+
+
+def batch_slice(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    """Prompts ``start:stop`` of a collated batch of prompts (``PromptDataModule.collate``), without the columns
+    that are left padding in all of them."""
+    def part(value):
+        if isinstance(value, (torch.Tensor, list)):
+            return value[start:stop]
+        if isinstance(value, dict):
+            return {k: part(v) for k, v in value.items()}
+        return value
+
+    part_batch = {k: part(v) for k, v in batch.items()}
+    start = int(part_batch["prompt_mask"].any(0).int().argmax())  # the columns left padding in every prompt go
+    return {**part_batch, "prompt_ids": part_batch["prompt_ids"][:, start:],
+            "prompt_mask": part_batch["prompt_mask"][:, start:]}
 
 
 class Rollouts:
@@ -170,8 +232,8 @@ class Rollouts:
 
     @torch.no_grad()
     def generate(self, module, batch: dict[str, Any], num_samples: int, seed: int | None = None) -> Generation:
-        """The batch's prompts sampled ``num_samples`` times each, scored, with TRL's rollout metrics. ``seed``:
-        sample from an RNG seeded with it, not from the global stream (which it leaves as it was)."""
+        """The batch's prompts sampled ``num_samples`` times each and scored. ``seed``: sample from an RNG seeded with
+        it, not from the global stream (which it leaves as it was)."""
         devices = [module.device] if module.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
@@ -184,16 +246,38 @@ class Rollouts:
         if getattr(rollout, "prompt_ids", None) is not None:  # each rollout's own prompt (environments)
             prompt_ids, prompt_mask = rollout.prompt_ids, rollout.prompt_mask
         tool_mask = getattr(rollout, "tool_mask", None)  # 0 on tool turns: not the policy's tokens
-        mask = rollout.completion_mask
-        generation = Generation(
+        mask, rows = rollout.completion_mask, batch.get("dataset_rows")
+        return Generation(
             prompt_ids, prompt_mask, rollout.completion_ids, mask, mask if tool_mask is None else mask * tool_mask,
             rollout.truncated, rollout.logps, tool_mask, per_func, self.total(per_func), prompts, completions,
-            columns={k: v for k, v in columns.items() if len(v) == len(prompts)})
-        generation.stats = self.stats(module.trainer, generation, rollout, num_samples, metrics)
-        return generation
+            dataset_rows=None if rows is None else repeat_each(rows, num_samples),
+            columns={k: v for k, v in columns.items() if len(v) == len(prompts)}, metrics=metrics,
+            tool_calls=getattr(rollout, "tool_calls", 0), tool_failures=getattr(rollout, "tool_failures", 0))
 
-    def stats(self, trainer, generation: Generation, rollout, group: int,
-              metrics: dict[str, list]) -> dict[str, torch.Tensor]:
+    def generate_groups(self, module, batch: dict[str, Any], num_samples: int, groups: int, seed: int,
+                        ) -> tuple[Generation, Generation]:
+        """DAPO's dynamic sampling: ``groups`` groups of ``num_samples`` completions whose rewards are not all equal
+        (a group whose completions all scored alike has zero advantage: it teaches nothing). ``batch`` holds several
+        batches of ``groups`` prompts; they are sampled one after the other until every rank holds ``groups`` such
+        groups (all ranks sample alike: the decision is all-reduced), or ``batch`` is used up: the step is then
+        filled with the first groups left out. ``(the groups trained on, everything sampled)``."""
+        parts, kept = [], []
+        for start in range(0, len(batch["prompts"]), groups):
+            part = self.generate(module, batch_slice(batch, start, start + groups), num_samples,
+                                 seed=(seed + 104_729 * len(parts)) % 2**63)
+            spread = nanstd(part.rewards.view(-1, num_samples), dim=1).view(-1) >= ZERO_STD
+            kept += [len(parts) * groups + g for g in spread.nonzero().flatten().tolist()]
+            parts.append(part)
+            missing = torch.tensor(float(max(groups - len(kept), 0)), device=module.device)
+            if module.trainer.strategy.reduce(missing, reduce_op="max") == 0:
+                break
+        everything = Generation.concat(parts) if len(parts) > 1 else parts[0]
+        chosen = kept[:groups]
+        chosen += [g for g in range(len(parts) * groups) if g not in set(kept)][: groups - len(chosen)]
+        rows = [g * num_samples + j for g in chosen for j in range(num_samples)]
+        return everything.select(rows), everything
+
+    def stats(self, trainer, generation: Generation, group: int) -> dict[str, torch.Tensor]:
         """TRL's rollout metrics, averaged over ranks; std, min and max are over every rank's completions
         (gathered), not averages of per-rank values. Lengths count the sampled tokens only (tool turns are not)."""
         rewards, per_func, strategy = generation.rewards, generation.per_func, trainer.strategy
@@ -204,16 +288,16 @@ class Rollouts:
         stats = {
             "reward": rewards.nanmean(),
             "reward_std": nanstd(all_rewards, dim=1).view(()),
-            "frac_reward_zero_std": (nanstd(rewards.view(-1, group), dim=1) < 1e-6).float().mean(),
+            "frac_reward_zero_std": (nanstd(rewards.view(-1, group), dim=1) < ZERO_STD).float().mean(),
             "completions/mean_length": lengths.mean(),
             "completions/min_length": all_lengths.min(),
             "completions/max_length": all_lengths.max(),
             "completions/clipped_ratio": generation.truncated.float().mean(),
             **{f"rewards/{n}/mean": per_func[:, i].nanmean() for i, n in enumerate(self.reward_names)},
-            **{name: torch.tensor(sum(v) / len(v), device=device) for name, v in metrics.items()},
+            **{name: torch.tensor(sum(v) / len(v), device=device) for name, v in generation.metrics.items()},
         }
         if self.tool_loop is not None:  # TRL's: calls per completion, and the failed share of the calls (all ranks)
-            calls, failures = strategy.reduce(torch.tensor([rollout.tool_calls, rollout.tool_failures],
+            calls, failures = strategy.reduce(torch.tensor([generation.tool_calls, generation.tool_failures],
                                                            dtype=torch.float32, device=device), reduce_op="sum")
             stats["tools/call_frequency"] = calls / (len(lengths) * trainer.world_size)
             stats["tools/failure_frequency"] = failures / calls if calls > 0 else torch.zeros((), device=device)

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import lightning as L
@@ -247,6 +248,23 @@ def ddp_and_single(tmp_path_factory, ddp_args, single_args=None, strategy: list[
 def reward_digit_fraction(completions, **_):
     """Fraction of digits in the completion: random completions spread, so advantages (and gradients) are non-zero."""
     return digit_fraction(completions)
+
+
+def reward_constant(completions, **_):
+    """The same reward for every completion: every group scores alike."""
+    return [1.0] * len(completions)
+
+
+def flat_prompt(prompt) -> bool:
+    """The prompts ``reward_flat_on_some_prompts`` scores flat: about half, by a checksum of the text."""
+    return zlib.crc32(str(prompt).encode()) % 2 == 0
+
+
+def reward_flat_on_some_prompts(prompts, completions, **_):
+    """The same reward for every completion of a ``flat_prompt`` (its group teaches nothing), a spread one elsewhere
+    (a checksum of the completion: two distinct completions almost never tie)."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [0.5 if flat_prompt(p) else zlib.crc32(t.encode()) / 2**32 for p, t in zip(prompts, texts)]
 
 
 def digit_fraction(completions, **_):

@@ -423,3 +423,21 @@ def test_max_completion_length_below_one_names_the_setting(tmp_path, prompt_rows
     line = assert_one_line_error(code, err, "model.max_completion_length must be >= 1 (tokens sampled per "
                                             "completion), got 0")
     assert "max_new_tokens" not in line
+
+
+# -- pass@k -------------------------------------------------------------------------------------------------------------
+def test_pass_at_k_is_the_unbiased_estimator():
+    """``1 - C(n - c, k) / C(n, k)``, by hand for n = 8: c = 1, k = 2: 1 - 21/28; c = 2, k = 4: 1 - 15/70; no sample
+    solved: 0; c > n - k: 1; k = 1 is the solved fraction."""
+    from lit_align.rewards import pass_at_k
+
+    solved = torch.zeros(4, 8, dtype=torch.bool)
+    solved[0, 3] = True  # c = 1
+    solved[1, :2] = True  # c = 2
+    solved[3, :7] = True  # c = 7
+    assert pass_at_k(solved, 2).tolist() == pytest.approx([1 - 21 / 28, 1 - 15 / 28, 0.0, 1.0], abs=1e-12)
+    assert pass_at_k(solved, 4).tolist() == pytest.approx([0.5, 1 - 15 / 70, 0.0, 1.0], abs=1e-12)
+    assert pass_at_k(solved, 1).tolist() == pytest.approx([1 / 8, 2 / 8, 0.0, 7 / 8], abs=1e-12)
+    assert pass_at_k(solved, 8).tolist() == [1.0, 1.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(solved, 9)

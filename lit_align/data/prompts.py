@@ -162,12 +162,13 @@ class PromptDataModule(AlignDataModule):
         world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
         if self.round_shape is None:
             self.round_shape = RoundShape().resolve(self.batch_size, world)  # alone (no module handed one over)
-        sampler = RoundSampler(self.train_data, self.prompts_per_round, self.round_shape.steps, num_replicas=world,
-                               rank=rank, shuffle=self.shuffle, seed=self.seed)
+        per_round = self.prompts_per_round * self.round_shape.prompt_batches  # with dynamic sampling, its reserve
+        sampler = RoundSampler(self.train_data, per_round, self.round_shape.steps, num_replicas=world, rank=rank,
+                               shuffle=self.shuffle, seed=self.seed)
         if sampler.num_rounds == 0:
             raise LitAlignError(
                 f"{self.path}: {len(self.train_data)} prompts, but one generation round needs "
-                f"{self.prompts_per_round * world} (batch_size * steps_per_generation / num_generations * devices)"
-            )
-        return ResumableLoader(_RoundItems(self.train_data), batch_size=self.prompts_per_round, sampler=sampler,
+                f"{per_round * world} (batch_size * steps_per_generation / num_generations * devices"
+                f"{' * max_num_gen_batches' if self.round_shape.prompt_batches > 1 else ''})")
+        return ResumableLoader(_RoundItems(self.train_data), batch_size=per_round, sampler=sampler,
                                collate_fn=self.collate, num_workers=self.num_workers, trainer=trainer)

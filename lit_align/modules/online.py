@@ -25,11 +25,12 @@ from lit_align.errors import LitAlignError
 from lit_align.generation import SamplingConfig, VLLMOptions
 from lit_align.generation_round import GenerationRound, RoundShape, StepBatch
 from lit_align.logps import layout_logps
-from lit_align.losses.grpo import masked_mean, sequence_means
+from lit_align.losses.grpo import masked_mean, nanstd, sequence_means
 from lit_align.models import cast_lm_head_to_fp32
 from lit_align.modules.base import AlignModule
 from lit_align.reference import FrozenReference, build_reference
-from lit_align.rollouts import Generation, Rollouts, repeat_each
+from lit_align.rewards import pass_at_k
+from lit_align.rollouts import ZERO_STD, Generation, Rollouts
 
 CHECKPOINT_KEY = "lit_align_grpo"  # the round's entry in checkpoints (GRPO's name, kept: older checkpoints resume)
 
@@ -73,6 +74,13 @@ class OnlineModule(AlignModule):
         num_iterations: passes over each round's completions (TRL's mu).
         generation_batch_size: TRL's alternative to ``steps_per_generation`` (set one of them): the completions of
             one round on every device, ``data.batch_size * devices * steps_per_generation``.
+        dynamic_sampling: DAPO's dynamic sampling: leave out of the round the groups whose completions all got the
+            same reward (zero advantage: they teach nothing) and sample further prompts in their place, up to
+            ``max_num_gen_batches`` batches of the round's prompts per round (DAPO / verl's ``filter_groups``). The
+            data serves that many batches per round, and the ones a round did not need are skipped; when the last
+            one is sampled and groups are still missing, the round is filled with groups left out. Metrics:
+            ``dynamic_sampling/kept_groups``, ``sampled_groups``, ``gen_batches``.
+        max_num_gen_batches: with ``dynamic_sampling``, generation batches per round at most (verl's name).
         beta: the KL coefficient to a frozen reference; 0 loads no reference. GRPO puts the KL in its loss, RLOO in
             the rewards.
         ref_model: the reference when ``beta != 0``; None: a frozen copy of the initial policy (under LoRA: the
@@ -96,7 +104,10 @@ class OnlineModule(AlignModule):
             TRL: transformers' ``generate`` (``engine: hf``) or vLLM's ``SamplingParams`` (``engine: vllm``);
             ``native`` has none and refuses them. Validation's engine gets them too.
         num_generations_eval: completions per validation prompt, sampled as in training (TRL's); None (lit_align's
-            default): one greedy completion. ``val/reward`` is their mean.
+            default): one greedy completion. ``val/reward`` is their mean; with samples, ``val/pass@k`` (the unbiased
+            estimator, ``lit_align.rewards.pass_at_k``, for k = 1, 2, 4, ... and ``num_generations_eval``) and
+            ``val/mean@k`` (the mean reward over the k = ``num_generations_eval`` samples) are logged too.
+        pass_threshold: the summed reward at which a sampled completion counts as solved for ``val/pass@k``.
         engine: the generation engine: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode
             loop, faster) or ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with
             ``vllm_mode: colocate``; its own environment, see the README).
@@ -148,6 +159,8 @@ class OnlineModule(AlignModule):
         steps_per_generation: int | None = None,
         num_iterations: int = RoundShape.num_iterations,
         generation_batch_size: int | None = None,
+        dynamic_sampling: bool = False,
+        max_num_gen_batches: int = 3,
         beta: float = 0.0,
         ref_model: str | None = None,
         sync_ref_model: bool = False,
@@ -163,6 +176,7 @@ class OnlineModule(AlignModule):
         repetition_penalty: float = 1.0,
         generation_kwargs: dict | None = None,
         num_generations_eval: int | None = None,
+        pass_threshold: float = 1.0,
         engine: str = "hf",
         padding_free: bool = False,
         vllm_mode: str = "colocate",
@@ -179,30 +193,36 @@ class OnlineModule(AlignModule):
     ):
         super().__init__(model=model, **kwargs)
         check_online_settings(temperature, max_completion_length, num_generations_eval)
-        self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, generation_batch_size)
+        self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, generation_batch_size,
+                                      max_num_gen_batches if dynamic_sampling else 1)
         self.beta, self.temperature, self.padding_free = beta, temperature, padding_free
         self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
-        self.num_generations_eval = num_generations_eval
+        self.num_generations_eval, self.pass_threshold = num_generations_eval, pass_threshold
         self.reference, self.ref_sync = build_reference(
             ref_model, self.lora_config is not None, enabled=beta != 0.0, sync_ref_model=sync_ref_model,
             ref_model_mixup_alpha=ref_model_mixup_alpha, ref_model_sync_steps=ref_model_sync_steps)
-        self.sampling = SamplingConfig(max_new_tokens=max_completion_length, temperature=temperature, top_p=top_p,
-                                       top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                                       generation_kwargs=generation_kwargs)
+        self.sampling = SamplingConfig(max_completion_length, temperature, top_p, top_k, min_p=min_p,
+                                       repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs)
         vllm = VLLMOptions.from_flat(self.hparams) if engine == "vllm" else None
-        # (mode, clip_min, clip_max) when the recipe's loss corrects for vLLM's sampling
         self.importance_sampling = None if vllm is None else self.sampling_correction(vllm)
         self.rollouts = Rollouts(reward_funcs, reward_weights, self.sampling, engine, vllm, self.weights_version,
                                  tools, max_tool_calling_iterations, environment_factory, rollout_func)
         self.register_buffer("reward_weights", self.rollouts.reward_weights, persistent=False)
-        self.round, self.generation_rounds = None, 0  # the round being trained on, and how many were sampled
-        self.generation_seed = torch.initial_seed()  # re-read at fit start (after ``seed_everything``)
+        self.round, self.generation_rounds, self.generation_seed = None, 0, torch.initial_seed()  # (see make_round)
         self.val_metrics = self.validation_metrics()
 
     def validation_metrics(self) -> torch.nn.ModuleDict:
-        """The ``val/*`` means: the reward, each function's, and with tools the calls per completion."""
+        """The ``val/*`` means: the reward, each function's, with tools the calls per completion, with samples
+        pass@k and mean@k."""
         names = ["reward", *(f"rewards_{n}_mean" for n in self.rollouts.reward_names)]
-        return torch.nn.ModuleDict({n: MeanMetric() for n in names + ["tool_calls"] * self.rollouts.uses_tools})
+        names += ["tool_calls"] * self.rollouts.uses_tools + [f"pass@{k}" for k in self.pass_ks()]
+        names += ["mean@k"] * (self.num_generations_eval is not None)
+        return torch.nn.ModuleDict({n: MeanMetric() for n in names})
+
+    def pass_ks(self) -> list[int]:
+        """The k of ``val/pass@k``: 1, 2, 4, ... up to ``num_generations_eval``, and it (none when greedy)."""
+        n = self.num_generations_eval
+        return [] if n is None else sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
 
     def configure_callbacks(self):  # TEMPORARY until the base has it (pieces branch)
         return [self.ref_sync] if self.ref_sync is not None else []
@@ -260,8 +280,13 @@ class OnlineModule(AlignModule):
     def make_round(self, batch: dict[str, Any]) -> GenerationRound:
         """Sample and score the round's prompts (``Rollouts.generate``), then what the recipe trains on: the old and
         reference log-probs it needs and its advantages."""
-        shape = self.round_shape
-        gen = self.rollouts.generate(self, batch, shape.num_generations, seed=self.round_seed())
+        shape, rollouts = self.round_shape, self.rollouts
+        if shape.prompt_batches > 1:  # dynamic sampling
+            groups = len(batch["prompts"]) // shape.prompt_batches
+            gen, sampled = rollouts.generate_groups(self, batch, shape.num_generations, groups, self.round_seed())
+        else:
+            gen = sampled = rollouts.generate(self, batch, shape.num_generations, seed=self.round_seed())
+        stats = {**rollouts.stats(self.trainer, sampled, shape.num_generations), **self.dynamic_stats(gen, sampled)}
         loss_mask = gen.sampled_mask
         if self.mask_truncated_completions:
             loss_mask = loss_mask * (~gen.truncated).unsqueeze(1)
@@ -275,16 +300,27 @@ class OnlineModule(AlignModule):
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
         self.generation_rounds += 1
         order = torch.randperm(len(gen.prompts), generator=torch.Generator().manual_seed(self.global_step)).tolist()
-        prompt_rows = batch.get("dataset_rows")  # each prompt's dataset index; completion i is of prompt i // G
         names = self.rollouts.reward_names
         return GenerationRound(
             *sequences, loss_mask, advantages, old_logps, ref_logps, order=order, steps=shape.steps_per_generation,
             num_tokens=shape.tokens_per_step(float(num_tokens), self.trainer.world_size),
-            stats={**gen.stats, **sampling_stats}, prompts=gen.prompts, completions=gen.completion_texts,
+            stats={**stats, **sampling_stats}, prompts=gen.prompts, completions=gen.completion_texts,
             rewards=gen.rewards.tolist(), reward_funcs={n: gen.per_func[:, i].tolist() for i, n in enumerate(names)},
-            dataset_rows=None if prompt_rows is None else repeat_each(prompt_rows, shape.num_generations),
-            extra=gen.columns, is_ratio=is_ratio, tool_mask=gen.tool_mask,
+            dataset_rows=gen.dataset_rows, extra=gen.columns, is_ratio=is_ratio, tool_mask=gen.tool_mask,
             sampling_logps=self.kept_sampling_logps(gen, is_ratio))
+
+    def dynamic_stats(self, trained: Generation, sampled: Generation) -> dict[str, torch.Tensor]:
+        """Dynamic sampling's metrics, summed over ranks: the trained groups whose rewards differ, the groups
+        sampled, and the generation batches per rank (none without dynamic sampling)."""
+        if self.round_shape.prompt_batches == 1:
+            return {}
+        group = self.round_shape.num_generations
+        spread = nanstd(trained.rewards.view(-1, group), dim=1) >= ZERO_STD
+        counts = torch.tensor([float(spread.sum()), len(sampled.rewards) / group,
+                               len(sampled.rewards) / len(trained.rewards)], device=self.device)
+        kept, sampled_groups, batches = self.trainer.strategy.reduce(counts, reduce_op="sum")
+        return {"dynamic_sampling/kept_groups": kept, "dynamic_sampling/sampled_groups": sampled_groups,
+                "dynamic_sampling/gen_batches": batches / self.trainer.world_size}
 
     def kept_sampling_logps(self, generation: Generation, is_ratio: torch.Tensor | None) -> torch.Tensor | None:
         """The engine's log-probs a recipe's loss reads beside the old ones (GRPO's off-policy mask); None: none."""
@@ -389,5 +425,18 @@ class OnlineModule(AlignModule):
             calls = self.val_metrics["tool_calls"]
             calls.update(torch.tensor(rollout.tool_calls / len(prompts), device=self.device), weight=len(prompts))
             self.log("val/tools/call_frequency", calls)
+        if self.num_generations_eval is not None:
+            self.log_pass_at_k(rollouts.total(per_func).nan_to_num(0.0).view(-1, num))
+
+    def log_pass_at_k(self, rewards: torch.Tensor) -> None:
+        """``val/pass@k`` over each prompt's ``[P, n]`` sampled rewards (solved: at least ``pass_threshold``), and
+        ``val/mean@n``, their mean reward (``val/reward``'s figure, under the name the pass@k literature uses)."""
+        solved = rewards >= self.pass_threshold
+        for k in self.pass_ks():
+            metric = self.val_metrics[f"pass@{k}"]
+            metric.update(pass_at_k(solved, k).float())
+            self.log(f"val/pass@{k}", metric)
+        self.val_metrics["mean@k"].update(rewards.flatten())
+        self.log(f"val/mean@{rewards.shape[1]}", self.val_metrics["mean@k"])
 
     test_step = validation_step

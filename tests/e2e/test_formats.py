@@ -209,7 +209,7 @@ def test_standard_and_conversational_sources_mix_in_either_order(tmp_path, capfd
                                             "answer": "".join(sorted(d))}) + "\n" for d in ("64", "802", "19")))
     for recipe, module, sources in [("sft", CompletionDataModule, [completions, FORMATS / "capybara.jsonl"]),
                                     ("grpo", PromptDataModule, [strings, messages])]:
-        extra = {"grpo": dict(batch_size=2, num_generations=2)}.get(recipe, {})
+        extra = {"grpo": dict(batch_size=2)}.get(recipe, {})
         alone = [list(rows_of_source(module, source, **extra)) for source in sources]
         for order in (sources, sources[::-1]):
             mixture = json.dumps([{"path": str(source)} for source in order])

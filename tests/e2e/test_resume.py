@@ -138,19 +138,22 @@ def test_reward_model_resume_mid_epoch_is_exact(tmp_path, pairs_file, tiny_path)
     assert "score.weight" in full_weights
 
 
-GRPO_DATA = {"batch_size": 4, "num_generations": 2, "steps_per_generation": 3, "num_iterations": 2}
-GRPO_ROUND = {k: v for k, v in GRPO_DATA.items() if k != "batch_size"}  # the module needs the round's shape too
+GRPO_DATA = {"batch_size": 4}
+GRPO_ROUND = {"num_generations": 2, "steps_per_generation": 3, "num_iterations": 2}  # the module's
 GRPO_MODEL = {"reward_funcs": ["helpers.reward_digit_fraction"], "max_completion_length": 4, **GRPO_ROUND}
+DYNAMIC = {"reward_funcs": ["helpers.reward_flat_on_some_prompts"], "dynamic_sampling": True, "max_num_gen_batches": 3}
 
 
-def test_grpo_resume_mid_round_is_exact(tmp_path, prompts_file, tiny_path):
-    """A round serves 6 steps; checkpoint at step 4 is mid-round; the run goes on into round 2 (new generation)."""
-    data = {"path": prompts_file, **GRPO_DATA}
-    full, full_weights = fit(GRPOModule, GRPO_MODEL, PromptDataModule, data, tmp_path / "full", 9, ckpt_every=4)
-    again, _ = fit(GRPOModule, GRPO_MODEL, PromptDataModule, data, tmp_path / "again", 9)
+@pytest.mark.parametrize("settings", [{}, DYNAMIC], ids=["plain", "dynamic_sampling"])
+def test_grpo_resume_mid_round_is_exact(settings, tmp_path, prompts_file, tiny_path):
+    """A round serves 6 steps; checkpoint at step 4 is mid-round; the run goes on into round 2 (new generation).
+    With dynamic sampling the data serves 3 batches of prompts per round and the round samples what it needs."""
+    data, model = {"path": prompts_file, **GRPO_DATA}, {**GRPO_MODEL, **settings}
+    full, full_weights = fit(GRPOModule, model, PromptDataModule, data, tmp_path / "full", 9, ckpt_every=4)
+    again, _ = fit(GRPOModule, model, PromptDataModule, data, tmp_path / "again", 9)
     assert again.by_step == full.by_step  # determinism, generation included
 
-    resumed, resumed_weights = fit(GRPOModule, GRPO_MODEL, PromptDataModule, data, tmp_path / "resumed", 9,
+    resumed, resumed_weights = fit(GRPOModule, model, PromptDataModule, data, tmp_path / "resumed", 9,
                                    ckpt_path=str(tmp_path / "full" / "ckpt" / "step=4.ckpt"))
     assert sorted(resumed.by_step) == [4, 5, 6, 7, 8]
     assert resumed.firsts == {s: full.firsts[s] for s in resumed.firsts}

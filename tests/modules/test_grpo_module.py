@@ -90,8 +90,8 @@ def fit_grpo(root: Path, prompts: str, max_steps: int, model: dict | None = None
     torch.manual_seed(0)
     data = {"batch_size": 4, "num_generations": 2, **(data or {})}
     rounds = {k: data[k] for k in ("num_generations", "steps_per_generation", "num_iterations") if k in data}
-    module = GRPOModule(model="builtin:tiny", reward_funcs=REWARDS, max_completion_length=4, learning_rate=1e-3,
-                        **rounds, **(model or {}))
+    module = GRPOModule(**{"model": "builtin:tiny", "reward_funcs": REWARDS, "max_completion_length": 4,
+                           "learning_rate": 1e-3, **rounds, **(model or {})})
     dm = PromptDataModule(path=prompts, val_split=None, **{k: v for k, v in data.items() if k not in rounds})
     probe = GenerationProbe()
     run = fit(module, dm, max_steps=max_steps, callbacks=[probe, *(callbacks or [])],
@@ -594,3 +594,50 @@ def test_the_adaptive_entropy_coefficient_is_saved_and_restored():
     resumed.on_load_checkpoint(checkpoint)
     assert resumed.entropy_control.coef == pytest.approx(0.105) and resumed.entropy_control.last_entropy == 0.05
     assert resumed.entropy_control.applied() == pytest.approx(0.105)
+
+
+# -- dynamic sampling (DAPO): groups whose completions all scored alike are not trained on ------------------------------
+class RoundsSeen(L.Callback):
+    """Each round the module sampled: its trained prompts, and the metrics of dynamic sampling."""
+
+    def __init__(self):
+        self.rounds: list = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch["round_pos"] == 0:
+            self.rounds.append((pl_module.round.prompts, dict(pl_module.round.stats)))
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_dynamic_sampling_never_trains_on_groups_that_scored_alike(dynamic, tmp_path, prompts_file):
+    """About half of the prompts get one reward for all their completions (``flat_prompt``): with dynamic sampling
+    no step trains on them, and the round samples more of the served prompts only as far as it needs; without it
+    they are trained on (the check can fail)."""
+    from helpers import flat_prompt
+
+    seen = RoundsSeen()
+    model = {"reward_funcs": ["helpers.reward_flat_on_some_prompts"], "dynamic_sampling": dynamic,
+             "max_num_gen_batches": 4}
+    run = fit_grpo(tmp_path, prompts_file, 6, model=model, data={"steps_per_generation": 2}, callbacks=[seen])
+    trained = [p for prompts, _ in seen.rounds for p in prompts]
+    assert len(seen.rounds) == 3 and len(trained) == 3 * 8  # 4 prompts x 2 completions per round, 3 rounds
+    assert any(flat_prompt(p) for p in trained) is not dynamic
+    if dynamic:
+        for prompts, stats in seen.rounds:
+            batches = int(stats["dynamic_sampling/gen_batches"])
+            assert 1 <= batches <= 4 and stats["dynamic_sampling/kept_groups"] == 4
+            assert stats["dynamic_sampling/sampled_groups"] == 4 * batches
+        assert metric(run, "train/frac_reward_zero_std", 0) > 0  # over everything sampled, the flat groups included
+
+
+def test_dynamic_sampling_fills_the_round_when_its_batches_run_out(tmp_path, prompts_file):
+    """Every group scores alike: all ``max_num_gen_batches`` batches are sampled, none is kept, and the round is
+    filled with the first groups (zero advantage), so training goes on and says so in its metrics."""
+    seen = RoundsSeen()
+    model = {"reward_funcs": ["helpers.reward_constant"], "dynamic_sampling": True, "max_num_gen_batches": 3}
+    run = fit_grpo(tmp_path, prompts_file, 2, model=model, callbacks=[seen])
+    (_, first), (_, second) = seen.rounds
+    assert first["dynamic_sampling/gen_batches"] == 3 and first["dynamic_sampling/kept_groups"] == 0
+    assert first["dynamic_sampling/sampled_groups"] == 3 * 2
+    assert run.module.round.advantages.abs().max() == 0
+    assert metric(run, "train/dynamic_sampling/gen_batches", 1) == 3.0
