@@ -16,11 +16,7 @@ from lit_align import layouts
 from lit_align.errors import LitAlignError
 from lit_align.logps import layout_logps
 from lit_align.losses.preference_free import odds_ratio_loss
-from lit_align.modules.cpo import METRICS as CPO_METRICS
-from lit_align.modules.cpo import pair_statistics
-from lit_align.modules.dpo import PairModule
-
-METRICS = CPO_METRICS + ("log_odds_ratio", "log_odds_chosen")
+from lit_align.modules.pairs import METRICS, PairModule, pair_statistics
 
 
 class ORPOModule(PairModule):
@@ -32,7 +28,7 @@ class ORPOModule(PairModule):
             (false, the only value).
     """
 
-    metrics = METRICS
+    metrics = METRICS + ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
     def __init__(self, model: str = "builtin:tiny", beta: float = 0.1, share_prompt: bool = False, **kwargs):
         if share_prompt:
