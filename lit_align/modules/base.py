@@ -26,7 +26,7 @@ from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
 from lit_align.optimizers import DEFAULT_OPTIM, build_optimizer, check_optimizer_choice
 from lit_align.pretrained import gguf_path
 from lit_align.recompute import check_mode, enable_checkpointing
-from lit_align.reference import Reference
+from lit_align.reference import Reference, RefModelSync
 
 
 # Model settings a resume may change: how the same numbers are computed or exported, not which numbers.
@@ -149,6 +149,7 @@ class AlignModule(L.LightningModule):
         self.logps_chunk_size = logps_chunk_size
         self.policy: torch.nn.Module | None = None
         self.reference: Reference | None = None  # set by the recipes that compare against one (never checkpointed)
+        self.ref_sync: RefModelSync | None = None  # with the reference, TR-DPO's callback that mixes the policy in
         self.tokenizer = None
         self.skipped_batches = 0
         self.num_tokens = 0.0  # attended training tokens so far, all ranks (TRL's num_tokens; recipes that log it)
@@ -197,6 +198,11 @@ class AlignModule(L.LightningModule):
                 disable_dropout(self.policy)  # lora_dropout too
         if self.reference is not None:
             self.reference.setup(self)
+
+    def configure_callbacks(self) -> list:
+        """TR-DPO's ``RefModelSync`` where the recipe's ``build_reference`` made one: the setting that asks for it
+        (``model.sync_ref_model``) belongs to the model, so the model adds the callback."""
+        return [self.ref_sync] if self.ref_sync is not None else []
 
     @property
     def network(self) -> torch.nn.Module:

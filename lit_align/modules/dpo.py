@@ -19,12 +19,10 @@ from functools import partial
 
 import torch
 
-from lit_align.callbacks import RefModelSync
 from lit_align.data.preference import PreferenceDataModule
-from lit_align.errors import LitAlignError
 from lit_align.losses.dpo import DPOLoss, sequence_logps, sft_nll, wpo_weights
 from lit_align.modules.pairs import METRICS, PairModule, pair_statistics
-from lit_align.reference import PrecomputedReference, choose_reference
+from lit_align.reference import PrecomputedReference, build_reference
 
 
 class DPOModule(PairModule):
@@ -60,7 +58,7 @@ class DPOModule(PairModule):
             ``val_batch_size``); it needs no activations for backward, so it can be several times larger.
         sync_ref_model: TR-DPO: every ``ref_model_sync_steps`` optimizer steps,
             ``ref <- ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * ref`` (adds
-            ``lit_align.callbacks.RefModelSync``). Not with ``precompute_ref_log_probs`` or ``peft_config``.
+            ``lit_align.reference.RefModelSync``). Not with ``precompute_ref_log_probs`` or ``peft_config``.
         ref_model_mixup_alpha: the policy's weight in that mix (TRL's default 0.6).
         ref_model_sync_steps: the sync cadence in optimizer steps (TRL's default 512).
     """
@@ -80,15 +78,10 @@ class DPOModule(PairModule):
                                label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
                                f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau,
                                ld_alpha=ld_alpha, use_weighting=use_weighting)
-        lora = self.lora_config is not None
-        if sync_ref_model and (precompute_ref_log_probs or lora):
-            raise LitAlignError("model.sync_ref_model needs a reference model in memory: it cannot be combined with "
-                                "precompute_ref_log_probs or peft_config")
-        self.reference = choose_reference(ref_model, lora, precompute_ref_log_probs, precompute_ref_batch_size)
-        self.ref_sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
-
-    def configure_callbacks(self):
-        return [self.ref_sync] if self.ref_sync is not None else []
+        self.reference, self.ref_sync = build_reference(
+            ref_model, self.lora_config is not None, precompute=precompute_ref_log_probs,
+            precompute_batch_size=precompute_ref_batch_size, sync_ref_model=sync_ref_model,
+            ref_model_mixup_alpha=ref_model_mixup_alpha, ref_model_sync_steps=ref_model_sync_steps)
 
     def setup(self, stage: str) -> None:
         """A precomputed reference's pass, before the policy is loaded or a checkpoint restored: the DataModule's rows
