@@ -64,6 +64,7 @@ class DPOModule(PairModule):
     """
 
     metrics = METRICS + ("entropy", "mean_token_accuracy")
+    resume_may_change = ("precompute_ref_batch_size",)  # the pass's batch size, not its numbers
 
     def __init__(self, model: str = "builtin:tiny", ref_model: str | None = None, beta: float = 0.1,
                  loss_type: str | list[str] = "sigmoid", loss_weights: list[float] | None = None,
