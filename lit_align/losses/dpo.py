@@ -58,6 +58,18 @@ def _smoothed_sigmoid(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
 
+def _per_token_loss(loss_type: str, chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
+                    chosen_lengths: torch.Tensor | None, rejected_lengths: torch.Tensor | None,
+                    beta: float) -> torch.Tensor:
+    """``ipo`` and ``sigmoid_norm``: the losses on scores averaged per completion token, which need the lengths."""
+    if chosen_lengths is None or rejected_lengths is None:
+        raise ValueError(f"dpo_loss(loss_type={loss_type!r}) needs chosen_lengths and rejected_lengths")
+    mean_delta = chosen_scores / chosen_lengths.clamp(min=1) - rejected_scores / rejected_lengths.clamp(min=1)
+    if loss_type == "ipo":
+        return (mean_delta - 1 / (2 * beta)) ** 2
+    return -F.logsigmoid(beta * mean_delta)
+
+
 def _one_loss(
     loss_type: str,
     u_chosen: torch.Tensor,
@@ -81,13 +93,8 @@ def _one_loss(
         return -F.logsigmoid(z)
     if loss_type == "hinge":  # SLiC
         return torch.relu(1 - z)
-    if loss_type in ("ipo", "sigmoid_norm"):  # scores averaged per completion token
-        if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError(f"dpo_loss(loss_type={loss_type!r}) needs chosen_lengths and rejected_lengths")
-        mean_delta = chosen_scores / chosen_lengths.clamp(min=1) - rejected_scores / rejected_lengths.clamp(min=1)
-        if loss_type == "ipo":
-            return (mean_delta - 1 / (2 * beta)) ** 2
-        return -F.logsigmoid(beta * mean_delta)
+    if loss_type in ("ipo", "sigmoid_norm"):
+        return _per_token_loss(loss_type, chosen_scores, rejected_scores, chosen_lengths, rejected_lengths, beta)
     if loss_type == "exo_pair":  # KL(softmax over {chosen, rejected} || [1 - eps, eps])
         eps = label_smoothing
         return (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps))
