@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_align.errors import LitAlignError
+from lit_align.losses.settings import check_choice, check_positive
 
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
@@ -222,9 +223,7 @@ class DPOLoss:
         if not types or unknown:
             given = repr(unknown[0]) if unknown else "[]"
             raise LitAlignError(f"model.loss_type {given}: expected one or a list of {DPO_LOSS_TYPES}")
-        if self.f_divergence_type not in F_DIVERGENCE_TYPES:
-            raise LitAlignError(f"model.f_divergence_type {self.f_divergence_type!r}: expected one of "
-                                f"{F_DIVERGENCE_TYPES}")
+        check_choice("f_divergence_type", self.f_divergence_type, F_DIVERGENCE_TYPES)
         _check_combination(types, None if self.loss_weights is None else list(self.loss_weights),
                            self.f_divergence_type)
         smoothing = self.label_smoothing
@@ -240,8 +239,7 @@ class DPOLoss:
         if self.use_weighting and {"aot", "aot_unpaired"} & set(types):
             raise LitAlignError("model.use_weighting: not available with loss_type 'aot' or 'aot_unpaired' "
                                 "(they sort the batch, so per-pair weights would not match their pairs)")
-        if not self.discopop_tau > 0:
-            raise LitAlignError(f"model.discopop_tau {self.discopop_tau}: expected a value > 0")
+        check_positive("discopop_tau", self.discopop_tau)
 
     @property
     def loss_types(self) -> list[str]:

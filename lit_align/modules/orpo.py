@@ -16,6 +16,7 @@ from lit_align import layouts
 from lit_align.errors import LitAlignError
 from lit_align.logps import layout_logps
 from lit_align.losses.preference_free import odds_ratio_loss
+from lit_align.losses.settings import check_positive
 from lit_align.modules.pairs import METRICS, PairModule, pair_statistics
 
 
@@ -34,8 +35,7 @@ class ORPOModule(PairModule):
         if share_prompt:
             raise LitAlignError("model.share_prompt: ORPO's NLL term scores the chosen rows' prompt tokens too (as "
                                 "TRL's), which the shared-prompt rows do not; leave it false")
-        if not beta > 0:
-            raise LitAlignError(f"model.beta {beta}: expected a value > 0")
+        check_positive("beta", beta)
         super().__init__(model=model, share_prompt=False, **kwargs)
         self.beta = beta
 
