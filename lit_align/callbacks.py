@@ -11,11 +11,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_align.capabilities import sharded_strategy
 from lit_align.errors import LitAlignError
 from lit_align.export_dir import check_target, write_export
 from lit_align.hub import CONFIG_NAME, check_hub_token, model_card, push_to_hub
-from lit_align.reference import FrozenReference
+from lit_align.reference import RefModelSync  # noqa: F401 - its home is lit_align.reference; configs name it here too
 from lit_align.strategies import full_policy_state_dict
 
 
@@ -225,55 +224,3 @@ class SigtermCheckpoint(L.Callback):
         self.saved_to = path
         rank_zero_info(f"lit_align: SIGTERM at step {trainer.global_step}: saved {path} "
                        f"(resume with --ckpt_path {path})")
-
-
-class RefModelSync(L.Callback):
-    """TR-DPO: every ``ref_model_sync_steps`` optimizer steps, ``ref <- alpha * policy + (1 - alpha) * ref``.
-
-    TRL's ``sync_ref_model`` (https://huggingface.co/papers/2404.09656): the sync follows the optimizer step whose
-    count is a multiple of ``ref_model_sync_steps`` (steps N, 2N, ...; once per step under gradient accumulation).
-    Parameters only, like TRL; buffers are not mixed. Once it has synced, the reference is no longer the initial
-    model, so it is saved in checkpoints and restored on resume (``FrozenReference.save_mixed`` / ``load_mixed``:
-    the mixing is the reference's, when it happens is this callback's). Needs a
-    reference held in memory: not with ``precompute_ref_log_probs`` or ``peft_config`` (TRL refuses both too).
-    Under DDP every rank mixes its own copy; the policies are identical across ranks, so the references stay so.
-
-    Args:
-        ref_model_sync_steps: cadence in optimizer steps (TRL's default 512).
-        ref_model_mixup_alpha: weight of the policy in the mix (TRL's default 0.6).
-    """
-
-    def __init__(self, ref_model_sync_steps: int = 512, ref_model_mixup_alpha: float = 0.6):
-        if ref_model_sync_steps < 1:
-            raise LitAlignError(f"ref_model_sync_steps must be >= 1, got {ref_model_sync_steps}")
-        if not 0.0 <= ref_model_mixup_alpha <= 1.0:
-            raise LitAlignError(f"ref_model_mixup_alpha must be in [0, 1], got {ref_model_mixup_alpha}")
-        self.every, self.alpha = ref_model_sync_steps, ref_model_mixup_alpha
-        self._last_step: int | None = None
-        self.synced_at: list[int] = []  # optimizer steps after which this run synced
-
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not isinstance(getattr(pl_module, "reference", None), FrozenReference):
-            raise LitAlignError("RefModelSync (sync_ref_model) needs a reference model held in memory; it cannot be "
-                                "combined with precompute_ref_log_probs or peft_config")
-        if sharded_strategy(trainer):
-            raise LitAlignError("RefModelSync (sync_ref_model) mixes whole parameters: not under FSDP or DeepSpeed "
-                                "ZeRO-3, whose parameters are shards outside a forward (use ddp or ZeRO-1/2)")
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._last_step = trainer.global_step  # a run resumed right after a sync must not sync again
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if step == 0 or step % self.every or self._last_step == step:
-            return
-        self._last_step = step
-        pl_module.reference.mix_in(pl_module.network, self.alpha)
-        self.synced_at.append(step)
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        if trainer.global_step >= self.every:  # synced at least once: the reference is not the initial model
-            pl_module.reference.save_mixed(checkpoint)
-
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        pl_module.reference.load_mixed(checkpoint)

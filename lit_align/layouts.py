@@ -155,6 +155,17 @@ def right_aligned(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completio
                   attention_mask=attention_mask, index=index, window=width)
 
 
+def _prompts_then_completions(prompt_mask: torch.Tensor, completion_mask: torch.Tensor) -> bool:
+    """Whether every prompt is left-padded and not empty, and every completion one run from its first column: the
+    rows ``shared_prompt_completions`` can lay out."""
+    prompt, completion = prompt_mask.bool(), completion_mask.bool()
+    prompt_columns = torch.arange(prompt.shape[1], device=prompt.device)
+    completion_columns = torch.arange(completion.shape[1], device=completion.device)
+    return (torch.equal(prompt, prompt_columns >= prompt.shape[1] - prompt.sum(1)[:, None])
+            and torch.equal(completion, completion_columns < completion.sum(1)[:, None])
+            and bool((prompt.sum(1) > 0).all()))
+
+
 def shared_prompt_completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                               completion_mask: torch.Tensor) -> Layout | None:
     """GRPO's completions as one row per distinct prompt, ``[prompt, completion_a, completion_b, ..., padding]``.
@@ -168,15 +179,11 @@ def shared_prompt_completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     None when no prompt repeats, or the rows are not of that form: a prompt that is not left-padded, or a completion
     that is not one run from its first column.
     """
+    if not _prompts_then_completions(prompt_mask, completion_mask):
+        return None
     device = prompt_ids.device
     n, width = prompt_ids.shape
     prompt_lengths, completion_lengths = prompt_mask.bool().sum(1), completion_mask.bool().sum(1)
-    columns = torch.arange(width, device=device)
-    if not (torch.equal(prompt_mask.bool(), columns >= width - prompt_lengths[:, None])
-            and torch.equal(completion_mask.bool(),
-                            torch.arange(completion_ids.shape[1], device=device) < completion_lengths[:, None])
-            and bool((prompt_lengths > 0).all())):
-        return None
     keys = prompt_ids.masked_fill(~prompt_mask.bool(), -1)  # pad ids may differ between equal prompts
     _, group = torch.unique(keys, dim=0, return_inverse=True)
     rows = int(group.max()) + 1

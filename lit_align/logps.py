@@ -78,6 +78,17 @@ class _Head:
             logits = F.linear(h, w, None if self.bias is None else self.bias[v : v + self.block]).to(self.acc)
             yield v, w, logits if self.scale == 1.0 else logits.mul_(self.scale)
 
+    def log_softmax_tiles(self, h: torch.Tensor, lse: torch.Tensor, kept=None):
+        """``tiles(h)`` as log-probs, given the rows' log-sum-exp ``lse``: recomputed, or (``kept``: forward's
+        ``(logits - running max, running max)`` tiles, in order) shifted in place, with no matmul."""
+        if kept is None:
+            for v, w, x in self.tiles(h):
+                yield v, w, x.sub_(lse[:, None])
+        else:
+            for v in range(0, self.weight.shape[0], self.block):
+                x, top = next(kept)
+                yield v, self.weight[v : v + self.block], x.add_((top - lse)[:, None])
+
 
 class _ChunkedTokenLogps(torch.autograd.Function):
     """``[M, H], [V, H], [V] | None, [M] -> [M]`` log-probs, plus ``[M]`` stats (``chunked_token_logps``), without
@@ -163,22 +174,13 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         kept, ctx.kept = ctx.kept, None  # the kept tiles serve one backward (a second one recomputes)
 
         def softmax_tiles(h, rows):  # (start, weight block, softmax tile) of each vocabulary block
-            for v, w, logp in log_softmax_tiles(h, rows):
+            for v, w, logp in head.log_softmax_tiles(h, lse[rows], kept):
                 if grad_entropy is None:
                     yield v, w, logp.exp_()
                 else:  # the entropy's part folded in: the tile is then d loss / d logits, ``coef`` included
                     probs = logp.exp()
                     yield v, w, probs.mul_(logp.add_(entropy[rows, None]).mul_(coef_entropy[rows, None])
                                            .add_(coef[rows, None]))
-
-        def log_softmax_tiles(h, rows):
-            if kept is None:
-                for v, w, x in head.tiles(h):
-                    yield v, w, x.sub_(lse[rows, None])
-            else:
-                for v in range(0, len(head.weight), head.block):
-                    x, top = next(kept)
-                    yield v, head.weight[v : v + head.block], x.add_((top - lse[rows])[:, None])
 
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, labels.numel(), chunk):

@@ -4,13 +4,17 @@
 
 - ``FrozenReference``: a frozen model held in memory: ``ref_model``, or a copy of the initial policy (TRL's default).
   Eval mode, no gradients, wrapped as its own FSDP unit (``shard_unit``, which ``lit_align.strategies.DecoderLayers``
-  wraps). TR-DPO's ``RefModelSync`` callback decides when the policy is mixed into it (``mix_in``); once mixed it is
-  saved with the checkpoint (``save_mixed`` / ``load_mixed``).
+  wraps). TR-DPO's ``RefModelSync`` callback (here, beside what it mixes; ``lit_align.callbacks`` re-exports it)
+  decides when the policy is mixed into it (``mix_in``); once mixed it is saved with the checkpoint (``save_mixed`` /
+  ``load_mixed``).
 - ``AdapterReference``: under LoRA, the policy itself with its adapters switched off: no second copy.
 - ``PrecomputedReference``: no model while training: one no-grad pass before training gives every row its
   reference log-probs (``annotate``), cached on disk. The module starts it from its ``setup`` (Lightning sets the
   DataModule up first) and hands the function to the data (``PreferenceDataModule.add_reference_logps``): the data
   never reads the model.
+
+A recipe asks for its reference in one call, ``build_reference(...)``: the variant its settings name and, with
+``sync_ref_model``, the ``RefModelSync`` that goes with it, the settings checked against each other there once.
 
 Every variant answers ``reference.logps(batch, compute)``, where ``compute(network)`` is the function the policy's
 values come from: the same layout, the same kernel, so the reference's numbers mean what the policy's do. A batch that
@@ -42,12 +46,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
+import lightning as L
 import numpy as np
 import pyarrow.compute as pc
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from lit_align.capabilities import sharded_strategy
 from lit_align.errors import LitAlignError
 from lit_align.models import cache_dir, resolve
 
@@ -197,7 +203,7 @@ class FrozenReference(Reference):
     def shard_unit(self) -> torch.nn.Module | None:
         return self.model
 
-    # -- TR-DPO (``lit_align.callbacks.RefModelSync`` decides when) ---------------------------------------------------
+    # -- TR-DPO (``RefModelSync``, below, decides when) -------------------------------------------------------------
     @torch.no_grad()
     def mix_in(self, policy: torch.nn.Module, alpha: float) -> None:
         """``ref <- alpha * policy + (1 - alpha) * ref``, parameters only (buffers are not mixed, as TRL)."""
@@ -300,18 +306,89 @@ def choose_reference(ref_model: str | None, lora: bool, precompute: bool = False
 
 def build_reference(ref_model: str | None, lora: bool, *, enabled: bool = True, precompute: bool = False,
                     precompute_batch_size: int | None = None, sync_ref_model: bool = False,
-                    ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512):
-    """TEMPORARY (replaced by the pieces branch)."""
-    from lit_align.callbacks import RefModelSync
+                    ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512,
+                    ) -> tuple[Reference | None, RefModelSync | None]:
+    """A recipe's reference and, with ``sync_ref_model`` (TR-DPO), the ``RefModelSync`` callback that mixes the
+    policy into it: the settings checked against each other once, here, for every recipe.
 
-    if sync_ref_model and (not enabled or lora):
-        raise LitAlignError("model.sync_ref_model mixes the policy into the reference model: it needs model.beta "
-                            "!= 0 (beta 0 loads no reference) and no model.peft_config (the reference is then the "
-                            "policy without its adapters)")
+    ``enabled=False``: the recipe runs without a reference (GRPO's ``beta: 0``): ``(None, None)``. The module keeps
+    the pair as ``module.reference`` / ``module.ref_sync``; ``AlignModule.configure_callbacks`` adds the callback.
+    """
+    if sync_ref_model:
+        refuse_sync_without_model(enabled, lora, precompute)
     if not enabled:
         return None, None
+    reference = choose_reference(ref_model, lora, precompute, precompute_batch_size)
     sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
-    return choose_reference(ref_model, lora, precompute, precompute_batch_size), sync
+    return reference, sync
+
+
+def refuse_sync_without_model(enabled: bool, lora: bool, precompute: bool) -> None:
+    """TR-DPO mixes the policy into a reference model of its own, held in memory: refuse the settings that leave
+    none (TRL refuses them too)."""
+    if not enabled:
+        raise LitAlignError("model.sync_ref_model mixes the policy into the reference model: it needs model.beta != 0 "
+                            "(beta 0 loads no reference)")
+    if precompute:
+        raise LitAlignError("model.sync_ref_model needs a reference model in memory: it cannot be combined with "
+                            "model.precompute_ref_log_probs (the reference runs once before training, then is freed)")
+    if lora:
+        raise LitAlignError("model.sync_ref_model needs a reference model in memory: it cannot be combined with "
+                            "model.peft_config (the reference is then the policy without its adapters, and "
+                            "model.sync_ref_model mixes the policy into a reference of its own)")
+
+
+# -- TR-DPO: when the policy is mixed into a frozen reference -------------------------------------------------------
+class RefModelSync(L.Callback):
+    """TR-DPO: every ``ref_model_sync_steps`` optimizer steps, ``ref <- alpha * policy + (1 - alpha) * ref``.
+
+    TRL's ``sync_ref_model`` (https://huggingface.co/papers/2404.09656): the sync follows the optimizer step whose
+    count is a multiple of ``ref_model_sync_steps`` (steps N, 2N, ...; once per step under gradient accumulation).
+    Parameters only, like TRL; buffers are not mixed. Once it has synced, the reference is no longer the initial
+    model, so it is saved in checkpoints and restored on resume (``FrozenReference.save_mixed`` / ``load_mixed``:
+    the mixing is the reference's, when it happens is this callback's). Needs a reference held in memory: not with
+    ``precompute_ref_log_probs`` or ``peft_config`` (TRL refuses both too). Under DDP every rank mixes its own copy;
+    the policies are identical across ranks, so the references stay so.
+
+    Args:
+        ref_model_sync_steps: cadence in optimizer steps (TRL's default 512).
+        ref_model_mixup_alpha: weight of the policy in the mix (TRL's default 0.6).
+    """
+
+    def __init__(self, ref_model_sync_steps: int = 512, ref_model_mixup_alpha: float = 0.6):
+        if ref_model_sync_steps < 1:
+            raise LitAlignError(f"ref_model_sync_steps must be >= 1, got {ref_model_sync_steps}")
+        if not 0.0 <= ref_model_mixup_alpha <= 1.0:
+            raise LitAlignError(f"ref_model_mixup_alpha must be in [0, 1], got {ref_model_mixup_alpha}")
+        self.every, self.alpha = ref_model_sync_steps, ref_model_mixup_alpha
+        self._last_step: int | None = None
+        self.synced_at: list[int] = []  # optimizer steps after which this run synced
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not isinstance(getattr(pl_module, "reference", None), FrozenReference):
+            raise LitAlignError("RefModelSync (sync_ref_model) needs a reference model held in memory; it cannot be "
+                                "combined with precompute_ref_log_probs or peft_config")
+        if sharded_strategy(trainer):
+            raise LitAlignError("RefModelSync (sync_ref_model) mixes whole parameters: not under FSDP or DeepSpeed "
+                                "ZeRO-3, whose parameters are shards outside a forward (use ddp or ZeRO-1/2)")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_step = trainer.global_step  # a run resumed right after a sync must not sync again
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step == 0 or step % self.every or self._last_step == step:
+            return
+        self._last_step = step
+        pl_module.reference.mix_in(pl_module.network, self.alpha)
+        self.synced_at.append(step)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if trainer.global_step >= self.every:  # synced at least once: the reference is not the initial model
+            pl_module.reference.save_mixed(checkpoint)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        pl_module.reference.load_mixed(checkpoint)
 
 
 # -- the precompute cache ---------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from lit_align.data.tasks import SortTask
 from lit_align.errors import LitAlignError
 from lit_align.modules import DPOModule
 from lit_align import reference as reference_module
-from lit_align.reference import FrozenReference, PrecomputedReference
+from lit_align.reference import (AdapterReference, FrozenReference, PrecomputedReference, RefModelSync,
+                                 build_reference)
 from test_layouts import completion_logps
 from helpers import fit, trainer
 from numerics import TINY_TERMS, assert_rounding_close
@@ -295,6 +296,38 @@ def test_peft_config_errors():
         DPOModule(peft_config=LORA, ref_model="builtin:tiny")
     with pytest.raises(LitAlignError, match="model.sync_ref_model needs a reference model in memory"):
         DPOModule(sync_ref_model=True, precompute_ref_log_probs=True)
+
+
+def test_build_reference_gives_the_variant_and_the_sync_a_recipe_asks_for():
+    """One call per recipe: the variant its settings name, the TR-DPO callback with its own settings, none of either
+    where the recipe runs without a reference; and the module adds that callback itself."""
+    reference, sync = build_reference(None, False, sync_ref_model=True, ref_model_mixup_alpha=0.25,
+                                      ref_model_sync_steps=3)
+    assert isinstance(reference, FrozenReference) and reference.name is None
+    assert isinstance(sync, RefModelSync) and (sync.every, sync.alpha) == (3, 0.25)
+    reference, sync = build_reference("builtin:tiny", False, precompute=True, precompute_batch_size=5)
+    assert isinstance(reference, PrecomputedReference) and (reference.name, reference.batch_size) == ("builtin:tiny", 5)
+    assert sync is None
+    assert isinstance(build_reference(None, True)[0], AdapterReference)
+    assert build_reference("builtin:tiny", True, enabled=False) == (None, None)  # off: its settings are not read
+    module = DPOModule(sync_ref_model=True, ref_model_sync_steps=7)
+    assert module.configure_callbacks() == [module.ref_sync] and module.ref_sync.every == 7
+    assert DPOModule().configure_callbacks() == []
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"enabled": False}, "model.sync_ref_model mixes the policy into the reference model: it needs model.beta != 0 "
+                         "(beta 0 loads no reference)"),
+    ({"precompute": True}, "model.sync_ref_model needs a reference model in memory: it cannot be combined with "
+                           "model.precompute_ref_log_probs (the reference runs once before training, then is freed)"),
+    ({"lora": True}, "model.sync_ref_model needs a reference model in memory: it cannot be combined with "
+                     "model.peft_config (the reference is then the policy without its adapters, and "
+                     "model.sync_ref_model mixes the policy into a reference of its own)"),
+])
+def test_build_reference_refuses_a_sync_without_a_reference_model_in_memory(settings, message):
+    with pytest.raises(LitAlignError) as info:
+        build_reference(None, **{"lora": False, **settings}, sync_ref_model=True)
+    assert str(info.value) == message
 
 
 # -- DDP: each rank computes its share, rank 0 writes the cache ------------------------------------------------------

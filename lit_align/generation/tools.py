@@ -254,6 +254,27 @@ class ToolLoop:
         message["content"] = content.removesuffix(tokenizer.eos_token or "")
         return message
 
+    def answer_calls(self, row: _Row, tools: dict[str, Callable], counts: list[int]) -> bool:
+        """Run the tools ``row``'s last turn calls and append their results as tool turns (tokens out of the loss,
+        log-probs 0), counting calls and failures in ``counts``. False, the row left as it was, when the results
+        would not fit in ``max_completion_length`` / ``max_model_length``: the row then ends."""
+        results, failures = call_tools(row.messages[-1]["tool_calls"], tools)
+        counts[0] += len(results)
+        counts[1] += failures
+        turns = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
+                 for name, result in results]
+        suffix = tool_turn_ids(self.tokenizer, turns)
+        length = len(row.ids) + len(suffix)
+        if length > self.max_completion_length or (
+                self.max_model_length is not None and len(row.prompt) + length >= self.max_model_length):
+            return False  # rolled back: the row ends as it was
+        row.messages += turns
+        row.ids += suffix
+        row.tool_mask += [0] * len(suffix)
+        if row.logps is not None:
+            row.logps += [0.0] * len(suffix)
+        return True
+
     def generate(self, engine, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
                  eos_token_ids: list[int], pad_token_id: int,
                  row_tools: list[dict[str, Callable]] | None = None) -> ToolRollout:
@@ -278,24 +299,9 @@ class ToolLoop:
         while calling and (self.max_iterations is None or iteration < self.max_iterations):
             continuing, contexts = [], []
             for i in calling:
-                row = rows[i]
-                results, failures = call_tools(row.messages[-1]["tool_calls"], tools[i])
-                counts[0] += len(results)
-                counts[1] += failures
-                turns = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
-                         for name, result in results]
-                suffix = tool_turn_ids(self.tokenizer, turns)
-                length = len(row.ids) + len(suffix)
-                if length > self.max_completion_length or (
-                        self.max_model_length is not None and len(row.prompt) + length >= self.max_model_length):
-                    continue  # rolled back: the row ends as it was
-                row.messages += turns
-                row.ids += suffix
-                row.tool_mask += [0] * len(suffix)
-                if row.logps is not None:
-                    row.logps += [0.0] * len(suffix)
-                continuing.append(i)
-                contexts.append(row.prompt + row.ids)
+                if self.answer_calls(rows[i], tools[i], counts):
+                    continuing.append(i)
+                    contexts.append(rows[i].prompt + rows[i].ids)
             if not continuing:
                 break
             ids, mask = _left_pad(contexts, pad_token_id, prompt_ids.device)

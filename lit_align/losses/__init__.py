@@ -7,6 +7,7 @@ controller (``EntropyControl``).
 ``lit_align.losses.kto``: TRL's KTO losses (``kto_loss``, ``KTOLoss``) and the KL estimate.
 ``lit_align.losses.preference_free``: CPO, SimPO and AlphaPO (``cpo_loss``, ``CPOLoss``) and ORPO (``odds_ratio_loss``).
 ``lit_align.losses.reward``: the reward model's Bradley-Terry loss (``reward_loss``) and TRL's statistics of it.
+``lit_align.losses.settings``: the checks the settings above share (one of a list, a value > 0), worded alike.
 Token log-probs, which all but the reward model's take as input, come from ``lit_align.logps``.
 """
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_align.errors import LitAlignError
+from lit_align.losses.settings import check_choice, check_positive
 
 DPO_LOSS_TYPES = (
     "sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
@@ -58,6 +59,18 @@ def _smoothed_sigmoid(z: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
 
 
+def _per_token_loss(loss_type: str, chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
+                    chosen_lengths: torch.Tensor | None, rejected_lengths: torch.Tensor | None,
+                    beta: float) -> torch.Tensor:
+    """``ipo`` and ``sigmoid_norm``: the losses on scores averaged per completion token, which need the lengths."""
+    if chosen_lengths is None or rejected_lengths is None:
+        raise ValueError(f"dpo_loss(loss_type={loss_type!r}) needs chosen_lengths and rejected_lengths")
+    mean_delta = chosen_scores / chosen_lengths.clamp(min=1) - rejected_scores / rejected_lengths.clamp(min=1)
+    if loss_type == "ipo":
+        return (mean_delta - 1 / (2 * beta)) ** 2
+    return -F.logsigmoid(beta * mean_delta)
+
+
 def _one_loss(
     loss_type: str,
     u_chosen: torch.Tensor,
@@ -81,13 +94,8 @@ def _one_loss(
         return -F.logsigmoid(z)
     if loss_type == "hinge":  # SLiC
         return torch.relu(1 - z)
-    if loss_type in ("ipo", "sigmoid_norm"):  # scores averaged per completion token
-        if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError(f"dpo_loss(loss_type={loss_type!r}) needs chosen_lengths and rejected_lengths")
-        mean_delta = chosen_scores / chosen_lengths.clamp(min=1) - rejected_scores / rejected_lengths.clamp(min=1)
-        if loss_type == "ipo":
-            return (mean_delta - 1 / (2 * beta)) ** 2
-        return -F.logsigmoid(beta * mean_delta)
+    if loss_type in ("ipo", "sigmoid_norm"):
+        return _per_token_loss(loss_type, chosen_scores, rejected_scores, chosen_lengths, rejected_lengths, beta)
     if loss_type == "exo_pair":  # KL(softmax over {chosen, rejected} || [1 - eps, eps])
         eps = label_smoothing
         return (torch.sigmoid(z) * (F.logsigmoid(z) - math.log1p(-eps))
@@ -215,9 +223,7 @@ class DPOLoss:
         if not types or unknown:
             given = repr(unknown[0]) if unknown else "[]"
             raise LitAlignError(f"model.loss_type {given}: expected one or a list of {DPO_LOSS_TYPES}")
-        if self.f_divergence_type not in F_DIVERGENCE_TYPES:
-            raise LitAlignError(f"model.f_divergence_type {self.f_divergence_type!r}: expected one of "
-                                f"{F_DIVERGENCE_TYPES}")
+        check_choice("f_divergence_type", self.f_divergence_type, F_DIVERGENCE_TYPES)
         _check_combination(types, None if self.loss_weights is None else list(self.loss_weights),
                            self.f_divergence_type)
         smoothing = self.label_smoothing
@@ -233,8 +239,7 @@ class DPOLoss:
         if self.use_weighting and {"aot", "aot_unpaired"} & set(types):
             raise LitAlignError("model.use_weighting: not available with loss_type 'aot' or 'aot_unpaired' "
                                 "(they sort the batch, so per-pair weights would not match their pairs)")
-        if not self.discopop_tau > 0:
-            raise LitAlignError(f"model.discopop_tau {self.discopop_tau}: expected a value > 0")
+        check_positive("discopop_tau", self.discopop_tau)
 
     @property
     def loss_types(self) -> list[str]:

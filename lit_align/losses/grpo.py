@@ -105,15 +105,37 @@ def grpo_token_losses(
     mask = torch.ones_like(logps) if mask is None else mask.to(logps.dtype)
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
-    if importance_sampling_level == "token":
-        log_weights = log_ratio
-    elif importance_sampling_level == "sequence":
-        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    else:
-        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}: expected one of "
-                         f"{IMPORTANCE_SAMPLING_LEVELS}")
-    ratio = torch.exp(log_weights)
-    adv = advantages.unsqueeze(1)
+    ratio = torch.exp(importance_log_weights(log_ratio, mask, importance_sampling_level))
+    losses, info = _policy_term(loss_type, logps, log_ratio, ratio, advantages.unsqueeze(1), mask,
+                                epsilon=epsilon, epsilon_high=epsilon_high, delta=delta,
+                                sapo_temperatures=sapo_temperatures, vespo_params=vespo_params, is_ratio=is_ratio)
+    if token_weights is not None:
+        losses = losses * token_weights
+    if is_ratio is not None and loss_type != "vespo":
+        losses = losses * is_ratio
+    if beta != 0.0:
+        kl = _k3_kl(logps, ref_logps, ratio if use_bias_correction_kl else None)
+        losses = losses + beta * kl
+        info["kl"] = kl.detach()
+    return losses, info
+
+
+def importance_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """``log w`` at ``importance_sampling_level``: the tokens' log-ratios ``[N, C]`` (``token``), or each
+    completion's mean log-ratio over ``mask`` ``[N, 1]`` (``sequence``, GSPO)."""
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    raise ValueError(f"unknown importance_sampling_level {level!r}: expected one of {IMPORTANCE_SAMPLING_LEVELS}")
+
+
+def _policy_term(loss_type: str, logps: torch.Tensor, log_ratio: torch.Tensor, ratio: torch.Tensor,
+                 adv: torch.Tensor, mask: torch.Tensor, *, epsilon: float, epsilon_high: float, delta: float | None,
+                 sapo_temperatures: tuple[float, float], vespo_params: tuple[float, float, float, float],
+                 is_ratio: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``loss_type``'s policy term per token, ``ratio`` the importance weight ``w`` and ``adv`` the advantages
+    ``[N, 1]`` (the formulas: ``grpo_token_losses``), and its diagnostics."""
     info: dict[str, torch.Tensor] = {}
     if loss_type == "cispo":
         losses = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps
@@ -132,20 +154,17 @@ def grpo_token_losses(
         # counted on the delta-capped ratio, as TRL counts them
         info["low_clipped"] = ((unclipped < 1 - epsilon) & (adv < 0)).to(logps.dtype)
         info["high_clipped"] = ((unclipped > 1 + epsilon_high) & (adv > 0)).to(logps.dtype)
-    if token_weights is not None:
-        losses = losses * token_weights
-    if is_ratio is not None and loss_type != "vespo":
-        losses = losses * is_ratio
-    if beta != 0.0:
-        if ref_logps is None:
-            raise ValueError("grpo_token_losses: beta != 0 needs ref_logps")
-        diff = ref_logps - logps
-        kl = torch.exp(diff) - diff - 1
-        if use_bias_correction_kl:
-            kl = kl * ratio
-        losses = losses + beta * kl
-        info["kl"] = kl.detach()
     return losses, info
+
+
+def _k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor | None, ratio: torch.Tensor | None) -> torch.Tensor:
+    """The per-token KL estimate ``exp(ref - logps) - (ref - logps) - 1`` (k3), times ``ratio`` where given
+    (``use_bias_correction_kl``)."""
+    if ref_logps is None:
+        raise ValueError("grpo_token_losses: beta != 0 needs ref_logps")
+    diff = ref_logps - logps
+    kl = torch.exp(diff) - diff - 1
+    return kl if ratio is None else kl * ratio
 
 
 def vespo_gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor,

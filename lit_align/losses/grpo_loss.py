@@ -23,6 +23,7 @@ from lit_align.losses.grpo import (
     GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, aggregate_grpo_loss,
     grpo_token_losses, high_entropy_mask, masked_mean, off_policy_mask,
 )
+from lit_align.losses.settings import check_choice
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,7 @@ class GRPOLoss:
                                      ("scale_rewards", self.scale_rewards, SCALE_REWARDS),
                                      ("multi_objective_aggregation", self.multi_objective_aggregation,
                                       MULTI_OBJECTIVE_AGGREGATIONS)):
-            if value not in allowed:
-                raise LitAlignError(f"model.{name} {value!r}: expected one of {allowed}")
+            check_choice(name, value, allowed)
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             if not getattr(self, name) > 0:
                 raise LitAlignError(f"model.{name} must be > 0 (SAPO's gate divides by it), got {getattr(self, name)}")

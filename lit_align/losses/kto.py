@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lit_align.errors import LitAlignError
+from lit_align.losses.settings import check_choice, check_positive
 
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
@@ -74,11 +74,9 @@ class KTOLoss:
     undesirable_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.loss_type not in KTO_LOSS_TYPES:
-            raise LitAlignError(f"model.loss_type {self.loss_type!r}: expected one of {KTO_LOSS_TYPES}")
+        check_choice("loss_type", self.loss_type, KTO_LOSS_TYPES)
         for name in ("beta", "desirable_weight", "undesirable_weight"):
-            if not getattr(self, name) > 0:
-                raise LitAlignError(f"model.{name} {getattr(self, name)}: expected a value > 0")
+            check_positive(name, getattr(self, name))
 
     @property
     def uses_kl(self) -> bool:

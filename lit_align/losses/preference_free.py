@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lit_align.errors import LitAlignError
+from lit_align.losses.settings import check_choice, check_positive
 
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
 AVERAGED_LOSS_TYPES = ("ipo", "simpo")  # their log-probs are per-token averages, the others' sums
@@ -104,13 +105,11 @@ class CPOLoss:
     alpha: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.loss_type not in CPO_LOSS_TYPES:
-            raise LitAlignError(f"model.loss_type {self.loss_type!r}: expected one of {CPO_LOSS_TYPES}")
+        check_choice("loss_type", self.loss_type, CPO_LOSS_TYPES)
         if self.loss_type == "alphapo":
             object.__setattr__(self, "loss_type", "simpo")
             object.__setattr__(self, "cpo_alpha", 0.0)
-        if not self.beta > 0:
-            raise LitAlignError(f"model.beta {self.beta}: expected a value > 0")
+        check_positive("beta", self.beta)
         if not 0 <= self.label_smoothing < 0.5:
             raise LitAlignError(f"model.label_smoothing {self.label_smoothing}: expected a value in [0, 0.5)")
         if self.cpo_alpha < 0:

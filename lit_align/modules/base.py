@@ -26,13 +26,7 @@ from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
 from lit_align.optimizers import DEFAULT_OPTIM, build_optimizer, check_optimizer_choice
 from lit_align.pretrained import gguf_path
 from lit_align.recompute import check_mode, enable_checkpointing
-from lit_align.reference import Reference
-
-
-# Model settings a resume may change: how the same numbers are computed or exported, not which numbers.
-RESUME_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "mmap_activations", "on_nonfinite_loss",
-                     "export_merged", "engine", "precompute_ref_batch_size", "vllm_gpu_memory_utilization",
-                     "vllm_max_model_length", "vllm_enable_sleep_mode", "num_generations_eval")
+from lit_align.reference import Reference, RefModelSync
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -102,6 +96,10 @@ class AlignModule(L.LightningModule):
 
     peft_task_type = "CAUSAL_LM"  # the LoRA task of the network a recipe trains (a reward model's: SEQ_CLS)
     export_class = "AutoModelForCausalLM"  # what loads the export (its model card says so)
+    # this class's own options a resume may change: how the same numbers are computed or exported, not which numbers.
+    # Each subclass declares its own the same way; ``may_change_on_resume`` gathers them.
+    resume_may_change: tuple[str, ...] = ("logps_chunk_size", "gradient_checkpointing", "mmap_activations",
+                                          "on_nonfinite_loss", "export_merged")
 
     def __init__(
         self,
@@ -149,6 +147,7 @@ class AlignModule(L.LightningModule):
         self.logps_chunk_size = logps_chunk_size
         self.policy: torch.nn.Module | None = None
         self.reference: Reference | None = None  # set by the recipes that compare against one (never checkpointed)
+        self.ref_sync: RefModelSync | None = None  # with the reference, TR-DPO's callback that mixes the policy in
         self.tokenizer = None
         self.skipped_batches = 0
         self.num_tokens = 0.0  # attended training tokens so far, all ranks (TRL's num_tokens; recipes that log it)
@@ -200,6 +199,11 @@ class AlignModule(L.LightningModule):
                 disable_dropout(self.policy)  # lora_dropout too
         if self.reference is not None:
             self.reference.setup(self)
+
+    def configure_callbacks(self) -> list:
+        """TR-DPO's ``RefModelSync`` where the recipe's ``build_reference`` made one: the setting that asks for it
+        (``model.sync_ref_model``) belongs to the model, so the model adds the callback."""
+        return [self.ref_sync] if self.ref_sync is not None else []
 
     @property
     def network(self) -> torch.nn.Module:
@@ -301,10 +305,16 @@ class AlignModule(L.LightningModule):
         self.skipped_batches = checkpoint.get("lit_align_skipped_batches", 0)
         self.num_tokens = checkpoint.get("lit_align_num_tokens", 0.0)
 
+    @classmethod
+    def may_change_on_resume(cls) -> tuple[str, ...]:
+        """The model settings a resume may change: every ``resume_may_change`` along the class's MRO, base first."""
+        names = (name for klass in reversed(cls.__mro__) for name in vars(klass).get("resume_may_change", ()))
+        return tuple(dict.fromkeys(names))
+
     def check_resume(self, checkpoint: dict) -> None:
         """A resume continues the checkpoint's run: refuse another recipe's checkpoint, and any model setting that
-        differs from the checkpoint's except those in ``RESUME_MAY_CHANGE`` (trainer settings, e.g. ``max_steps``,
-        logging and callbacks, are not model settings and may change)."""
+        differs from the checkpoint's except those ``may_change_on_resume`` names (trainer settings, e.g.
+        ``max_steps``, logging and callbacks, are not model settings and may change)."""
         where = f"--ckpt_path {self._trainer.ckpt_path}" if self._trainer is not None else "the checkpoint"
         if "hyper_parameters" not in checkpoint:  # every rule below reads them: without them none could be checked
             raise LitAlignError(f"{where}: not a lit_align checkpoint: it has no hyper_parameters (the settings it "
@@ -316,13 +326,13 @@ class AlignModule(L.LightningModule):
                                 "checkpoint with the recipe that wrote it)")
         if self.reference is not None:
             self.reference.check_resume(checkpoint, where)
-        saved = checkpoint["hyper_parameters"]
+        saved, may_change = checkpoint["hyper_parameters"], self.may_change_on_resume()
         for key, value in self.hparams.items():
-            if key.startswith("_") or key in RESUME_MAY_CHANGE or key not in saved or saved[key] == value:
+            if key.startswith("_") or key in may_change or key not in saved or saved[key] == value:
                 continue
             raise LitAlignError(f"{where}: model.{key} is {value!r} in this run but {saved[key]!r} in the checkpoint; "
                                 f"a resume continues that run, so only these model settings may change: "
-                                f"{', '.join(RESUME_MAY_CHANGE)} (and trainer settings such as max_steps or logging)")
+                                f"{', '.join(may_change)} (and trainer settings such as max_steps or logging)")
 
     def on_validation_epoch_start(self) -> None:
         # trainer.validate runs in inference mode, so the metrics' states become inference tensors, which a later

@@ -13,27 +13,7 @@ import torch
 
 from lit_align.losses.dpo import sft_nll
 from lit_align.losses.preference_free import CPOLoss
-from lit_align.modules.dpo import PairModule
-
-METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss")
-
-
-def pair_statistics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor, logps: torch.Tensor,
-                    token_logits: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The per-pair metrics every reference-free recipe logs: rewards, their accuracy and margin, the log-probs the
-    loss read and the mean logit of each completion's tokens (``[2B]`` inputs, ``[B]`` outputs)."""
-    chosen, rejected = logps.detach().chunk(2)
-    return {
-        "rewards/chosen": chosen_rewards,
-        "rewards/rejected": rejected_rewards,
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
-        "rewards/margins": chosen_rewards - rejected_rewards,
-        "logps/chosen": chosen,
-        "logps/rejected": rejected,
-        "logits/chosen": token_logits.chunk(2)[0],
-        "logits/rejected": token_logits.chunk(2)[1],
-    }
+from lit_align.modules.pairs import METRICS, PairModule, pair_statistics
 
 
 class CPOModule(PairModule):
@@ -52,7 +32,7 @@ class CPOModule(PairModule):
             (0: off, TRL's default).
     """
 
-    metrics = METRICS
+    metrics = METRICS + ("nll_loss",)
 
     def __init__(self, model: str = "builtin:tiny", beta: float = 0.1, loss_type: str = "sigmoid",
                  label_smoothing: float = 0.0, cpo_alpha: float = 1.0, simpo_gamma: float = 0.5, alpha: float = 0.0,

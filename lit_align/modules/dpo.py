@@ -18,85 +18,11 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from torchmetrics import MeanMetric
 
-from lit_align import layouts
-from lit_align.callbacks import RefModelSync
 from lit_align.data.preference import PreferenceDataModule
-from lit_align.errors import LitAlignError
-from lit_align.logps import TokenLogps, layout_logps
 from lit_align.losses.dpo import DPOLoss, sequence_logps, sft_nll, wpo_weights
-from lit_align.modules.base import AlignModule
-from lit_align.reference import PrecomputedReference, choose_reference
-
-METRICS = (
-    "loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy",
-)
-
-
-def _mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    if weights is None:
-        return values.mean()
-    return (values * weights).sum() / weights.sum().clamp(min=1)
-
-
-class PairModule(AlignModule):
-    """What the recipes on preference pairs share (DPO, CPO, ORPO): batches of ``[chosen; rejected]`` sequences laid
-    out for the network (``share_prompt``, ``padding_free``), per-pair outputs from ``pair_outputs``, and logging
-    them under TRL's names (``metrics``).
-
-    Args:
-        share_prompt: run each pair as one sequence ``[prompt, chosen, rejected]`` so the prompt is computed once,
-            not twice (same log-probs up to float rounding). Used where the architecture supports it (Llama, Mistral,
-            Qwen, Gemma, Phi-3, ... with ``sdpa`` or ``eager`` attention); elsewhere the plain batch runs.
-        padding_free: pack each batch's rows (``share_prompt``'s, or the plain ones) without padding, several per
-            row, each attending only to itself; the LM head runs on completion tokens only. Same log-probs up to
-            float rounding (TRL's ``padding_free``, which TRL 1.16 turns off with a warning). Needs what
-            ``share_prompt`` needs, else an error.
-    """
-
-    metrics: tuple[str, ...] = METRICS  # what ``pair_outputs`` returns and each step logs, in TRL's names
-
-    def __init__(self, model: str = "builtin:tiny", share_prompt: bool = True, padding_free: bool = False, **kwargs):
-        super().__init__(model=model, **kwargs)
-        self.share_prompt, self.padding_free = share_prompt, padding_free
-        self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in self.metrics})
-
-    def pair_token_logps(self, network: torch.nn.Module, batch: dict[str, torch.Tensor],
-                         stats: tuple[str, ...] = ()) -> TokenLogps:
-        """Per-token completion log-probs ``[2B, T]`` of the batch's pairs, in the layout ``network`` runs best."""
-        return layout_logps(network, layouts.pairs(batch, network, self.share_prompt, self.padding_free), stats,
-                            self.logps_chunk_size)
-
-    def pair_outputs(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Per-pair losses and statistics ``[B]`` named as ``metrics``, and the weights of those averaged over
-        tokens rather than pairs."""
-        raise NotImplementedError
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        out, weights = self.pair_outputs(batch)
-        loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("dataset_rows"))
-        if loss is None:  # skipped (on_nonfinite_loss: skip)
-            return None
-        # one all-reduce for every metric (mean over ranks of per-rank means) and the token count (a sum)
-        stats = [_mean(out[name].detach().float(), weights.get(name)) for name in self.metrics]
-        stats.append(batch["attention_mask"].sum().float())
-        stats = self.trainer.strategy.reduce(torch.stack(stats), reduce_op="mean")
-        for name, value in zip(self.metrics, stats):
-            self.log(f"train/{name}", value, prog_bar=name == "loss")
-        self.num_tokens += float(stats[-1]) * self.trainer.world_size
-        self.log("train/num_tokens", self.num_tokens)
-        return loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        out, weights = self.pair_outputs(batch)
-        for name in self.metrics:
-            metric = self.val_metrics[name.replace("/", "_")]
-            metric.update(out[name].float(), weights.get(name, 1.0))
-            self.log(f"val/{name}", metric, prog_bar=name == "rewards/accuracies")
-
-    test_step = validation_step
+from lit_align.modules.pairs import METRICS, PairModule, pair_statistics
+from lit_align.reference import PrecomputedReference, build_reference
 
 
 class DPOModule(PairModule):
@@ -132,10 +58,13 @@ class DPOModule(PairModule):
             ``val_batch_size``); it needs no activations for backward, so it can be several times larger.
         sync_ref_model: TR-DPO: every ``ref_model_sync_steps`` optimizer steps,
             ``ref <- ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * ref`` (adds
-            ``lit_align.callbacks.RefModelSync``). Not with ``precompute_ref_log_probs`` or ``peft_config``.
+            ``lit_align.reference.RefModelSync``). Not with ``precompute_ref_log_probs`` or ``peft_config``.
         ref_model_mixup_alpha: the policy's weight in that mix (TRL's default 0.6).
         ref_model_sync_steps: the sync cadence in optimizer steps (TRL's default 512).
     """
+
+    metrics = METRICS + ("entropy", "mean_token_accuracy")
+    resume_may_change = ("precompute_ref_batch_size",)  # the pass's batch size, not its numbers
 
     def __init__(self, model: str = "builtin:tiny", ref_model: str | None = None, beta: float = 0.1,
                  loss_type: str | list[str] = "sigmoid", loss_weights: list[float] | None = None,
@@ -150,15 +79,10 @@ class DPOModule(PairModule):
                                label_smoothing=label_smoothing, f_divergence_type=f_divergence_type,
                                f_alpha_divergence_coef=f_alpha_divergence_coef, discopop_tau=discopop_tau,
                                ld_alpha=ld_alpha, use_weighting=use_weighting)
-        lora = self.lora_config is not None
-        if sync_ref_model and (precompute_ref_log_probs or lora):
-            raise LitAlignError("model.sync_ref_model needs a reference model in memory: it cannot be combined with "
-                                "precompute_ref_log_probs or peft_config")
-        self.reference = choose_reference(ref_model, lora, precompute_ref_log_probs, precompute_ref_batch_size)
-        self.ref_sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
-
-    def configure_callbacks(self):
-        return [self.ref_sync] if self.ref_sync is not None else []
+        self.reference, self.ref_sync = build_reference(
+            ref_model, self.lora_config is not None, precompute=precompute_ref_log_probs,
+            precompute_batch_size=precompute_ref_batch_size, sync_ref_model=sync_ref_model,
+            ref_model_mixup_alpha=ref_model_mixup_alpha, ref_model_sync_steps=ref_model_sync_steps)
 
     def setup(self, stage: str) -> None:
         """A precomputed reference's pass, before the policy is loaded or a checkpoint restored: the DataModule's rows
@@ -186,7 +110,8 @@ class DPOModule(PairModule):
         use_weighting = self.loss_fn.use_weighting
         stats = ("mean_logit", "entropy", "argmax") + (("log_sum_sq_probs",) if use_weighting else ())
         policy = self.pair_token_logps(self.network, batch, stats)
-        chosen, rejected = sequence_logps(policy.tokens, policy.mask, self.loss_fn.ld_alpha).chunk(2)
+        logps = sequence_logps(policy.tokens, policy.mask, self.loss_fn.ld_alpha)
+        chosen, rejected = logps.chunk(2)
         ref_chosen, ref_rejected = self.reference.logps(batch, lambda net: self.pair_logps(net, batch)).chunk(2)
         lengths = batch["completion_mask"].sum(1)
         chosen_lengths, rejected_lengths = lengths.chunk(2)
@@ -205,14 +130,7 @@ class DPOModule(PairModule):
             top1 = ((policy.stats["argmax"] == policy.labels) & mask).sum(1).chunk(2)[0]  # the chosen tokens
         return {
             "loss": losses,
-            "rewards/chosen": chosen_rewards,
-            "rewards/rejected": rejected_rewards,
-            "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
-            "rewards/margins": chosen_rewards - rejected_rewards,
-            "logps/chosen": chosen.detach(),
-            "logps/rejected": rejected.detach(),
-            "logits/chosen": token_logits.chunk(2)[0],
-            "logits/rejected": token_logits.chunk(2)[1],
+            **pair_statistics(chosen_rewards, rejected_rewards, logps, token_logits),
             "entropy": entropy / (chosen_lengths + rejected_lengths).clamp(min=1),
             "mean_token_accuracy": top1 / chosen_lengths.clamp(min=1),
         }, {"logits/chosen": chosen_lengths, "logits/rejected": rejected_lengths,

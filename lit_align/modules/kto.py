@@ -17,13 +17,12 @@ import torch
 from torchmetrics import MeanMetric
 
 from lit_align import layouts
-from lit_align.callbacks import RefModelSync
 from lit_align.data.unpaired import UnpairedPreferenceDataModule
 from lit_align.errors import LitAlignError
 from lit_align.logps import TokenLogps, layout_logps
 from lit_align.losses.kto import KTOLoss, kl_estimate
 from lit_align.modules.base import AlignModule
-from lit_align.reference import choose_reference
+from lit_align.reference import build_reference
 
 # What a step logs; ``*/chosen`` and ``*/rejected`` only where the batch has such rows (TRL's rule).
 METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected",
@@ -60,16 +59,10 @@ class KTOModule(AlignModule):
         super().__init__(model=model, **kwargs)
         self.loss_fn = KTOLoss(loss_type=loss_type, beta=beta, desirable_weight=desirable_weight,
                                undesirable_weight=undesirable_weight)
-        lora = self.lora_config is not None
-        if sync_ref_model and lora:
-            raise LitAlignError("model.sync_ref_model needs a reference model in memory: it cannot be combined with "
-                                "peft_config")
-        self.reference = choose_reference(ref_model, lora)
-        self.ref_sync = RefModelSync(ref_model_sync_steps, ref_model_mixup_alpha) if sync_ref_model else None
+        self.reference, self.ref_sync = build_reference(
+            ref_model, self.lora_config is not None, sync_ref_model=sync_ref_model,
+            ref_model_mixup_alpha=ref_model_mixup_alpha, ref_model_sync_steps=ref_model_sync_steps)
         self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in METRICS})
-
-    def configure_callbacks(self):
-        return [self.ref_sync] if self.ref_sync is not None else []
 
     def setup(self, stage: str) -> None:
         datamodule = self.trainer.datamodule

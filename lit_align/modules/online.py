@@ -224,9 +224,6 @@ class OnlineModule(AlignModule):
         n = self.num_generations_eval
         return [] if n is None else sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
 
-    def configure_callbacks(self):  # TEMPORARY until the base has it (pieces branch)
-        return [self.ref_sync] if self.ref_sync is not None else []
-
     def data_settings(self) -> dict:
         """The data follows the round's shape and renders the tools' schemas (``PromptDataModule.connect``)."""
         return {**super().data_settings(), "round_shape": self.round_shape,

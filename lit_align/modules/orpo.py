@@ -16,11 +16,8 @@ from lit_align import layouts
 from lit_align.errors import LitAlignError
 from lit_align.logps import layout_logps
 from lit_align.losses.preference_free import odds_ratio_loss
-from lit_align.modules.cpo import METRICS as CPO_METRICS
-from lit_align.modules.cpo import pair_statistics
-from lit_align.modules.dpo import PairModule
-
-METRICS = CPO_METRICS + ("log_odds_ratio", "log_odds_chosen")
+from lit_align.losses.settings import check_positive
+from lit_align.modules.pairs import METRICS, PairModule, pair_statistics
 
 
 class ORPOModule(PairModule):
@@ -32,14 +29,13 @@ class ORPOModule(PairModule):
             (false, the only value).
     """
 
-    metrics = METRICS
+    metrics = METRICS + ("nll_loss", "log_odds_ratio", "log_odds_chosen")
 
     def __init__(self, model: str = "builtin:tiny", beta: float = 0.1, share_prompt: bool = False, **kwargs):
         if share_prompt:
             raise LitAlignError("model.share_prompt: ORPO's NLL term scores the chosen rows' prompt tokens too (as "
                                 "TRL's), which the shared-prompt rows do not; leave it false")
-        if not beta > 0:
-            raise LitAlignError(f"model.beta {beta}: expected a value > 0")
+        check_positive("beta", beta)
         super().__init__(model=model, share_prompt=False, **kwargs)
         self.beta = beta
 

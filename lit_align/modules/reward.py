@@ -101,7 +101,7 @@ class RewardModule(AlignModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         losses, stats = self.pair_outputs(batch)
-        loss = self.guard_loss(losses.mean(), losses, batch_idx, batch.get("rows"))
+        loss = self.guard_loss(losses.mean(), losses, batch_idx, batch.get("dataset_rows"))
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
         # one all-reduce for the means and the token count; the extremes over every rank's sequences, as TRL's gather

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from helpers import fit, read_metrics, trainer
 from lit_align.data import PreferenceDataModule, PromptDataModule
 from lit_align.errors import LitAlignError
-from lit_align.modules import DPOModule, GRPOModule
+from lit_align.modules import AlignModule, DPOModule, GRPOModule, SFTModule
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,34 @@ def test_out_of_range_settings_are_refused_when_the_module_is_built(settings, me
     with pytest.raises(LitAlignError) as info:
         DPOModule(**settings)
     assert str(info.value) == message
+
+
+BASE_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "mmap_activations", "on_nonfinite_loss",
+                   "export_merged")
+
+
+class LooserDPO(DPOModule):
+    resume_may_change = ("beta",)
+
+
+def test_each_class_declares_what_a_resume_may_change_and_a_module_allows_the_union():
+    assert AlignModule.may_change_on_resume() == BASE_MAY_CHANGE == SFTModule.may_change_on_resume()
+    assert DPOModule.may_change_on_resume() == BASE_MAY_CHANGE + ("precompute_ref_batch_size",)
+    assert LooserDPO.may_change_on_resume() == BASE_MAY_CHANGE + ("precompute_ref_batch_size", "beta")
+
+
+def test_a_resume_refuses_another_setting_naming_what_this_module_may_change():
+    module = DPOModule(precompute_ref_batch_size=8, logps_chunk_size=16)
+    saved = {"hyper_parameters": {**module.hparams, "precompute_ref_batch_size": 4, "logps_chunk_size": None}}
+    module.check_resume(saved)  # DPO's own option and the base's may change
+    with pytest.raises(LitAlignError) as info:
+        module.check_resume({"hyper_parameters": {**saved["hyper_parameters"], "beta": 0.5}})
+    assert str(info.value) == (
+        "the checkpoint: model.beta is 0.1 in this run but 0.5 in the checkpoint; a resume continues that run, so only "
+        "these model settings may change: logps_chunk_size, gradient_checkpointing, mmap_activations, "
+        "on_nonfinite_loss, export_merged, precompute_ref_batch_size (and trainer settings such as max_steps or "
+        "logging)")
+    LooserDPO().check_resume({"hyper_parameters": {**LooserDPO().hparams, "beta": 0.5}})  # declared: allowed
 
 
 def test_disable_dropout_zeroes_every_dropout_module():

@@ -15,9 +15,12 @@ from transformers import AutoModelForCausalLM
 from lit_align.data import PreferenceDataModule
 from lit_align.errors import LitAlignError
 from lit_align.modules import DPOModule
-from lit_align.modules.dpo import METRICS
 from helpers import trainer
 from numerics import TINY_TERMS, assert_rounding_close
+
+# what DPO logs, TRL's names (``DPOModule.metrics``)
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
 
 REPO = Path(__file__).resolve().parents[2]
 LN2_F32 = torch.tensor(math.log(2), dtype=torch.float32).item()
@@ -71,7 +74,7 @@ def test_step0_loss_is_ln2_on_a_real_batch(original):
     assert out["rewards/chosen"].tolist() == [0.0] * 8 and out["rewards/margins"].tolist() == [0.0] * 8
     assert out["rewards/accuracies"].tolist() == [0.0] * 8  # a tie is not a win
     assert (out["logps/chosen"] < 0).all() and (out["logps/rejected"] < 0).all()
-    assert set(out) == set(METRICS)
+    assert set(out) == set(METRICS) and module.metrics == METRICS
     # the reference stays in eval mode and frozen while the policy trains
     assert module.policy.training and not module.reference.model.training
     assert not any(p.requires_grad for p in module.reference.model.parameters())

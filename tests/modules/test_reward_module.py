@@ -133,6 +133,29 @@ def test_bad_settings_are_one_line_naming_the_field(pairs_file, tmp_path):
         fit(RewardModule(), PreferenceDataModule(path=pairs_file, val_split=None, batch_size=4), tmp_path)
 
 
+class PoisonOneMargin(L.Callback):
+    """Before the second step, a NaN margin for the pair at batch position 2, which makes that pair's loss NaN."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            self.dataset_row = int(batch["dataset_rows"][2])
+            batch["margin"] = torch.tensor([0.0, 0.0, float("nan"), 0.0])
+
+
+def test_a_nonfinite_loss_names_the_pairs_dataset_rows(tmp_path, pairs_file):
+    """The numeric guard names the offending pair by its batch position and its dataset row (the collate's
+    ``dataset_rows``), and nothing is updated."""
+    rm = module(learning_rate=1e-3)
+    poison = PoisonOneMargin()
+    with pytest.raises(LitAlignError) as error:
+        fit(rm, data(pairs_file), tmp_path, max_steps=2, callbacks=[poison])
+    assert poison.dataset_row == 6  # no pair dropped, no shuffle: batch 1's position 2 is the file's row 6
+    assert str(error.value) == (
+        "non-finite training loss (nan) at step 1, batch 1, rows [2] (dataset rows [6]); nothing was updated "
+        "(set model.on_nonfinite_loss: skip to skip such batches)")
+    assert all(torch.isfinite(p).all() for p in rm.policy.parameters())
+
+
 def test_a_bad_margin_through_the_cli_is_one_error_line(tmp_path, capfd, write_jsonl):
     path = write_jsonl([{"prompt": "sort 31:", "chosen": "13", "rejected": "31", "margin": "wide"}])
     code, _, err = run_main(["fit", "-c", "configs/reward.yaml", "--data.init_args.path", path,
