@@ -163,3 +163,23 @@ def test_a_rollout_func_makes_the_round(tmp_path, prompts_file, tiny_path):
         fit(GRPOModule(model="builtin:tiny", rollout_func="helpers.bad_rollout", num_generations=2,
                        reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=8),
             PromptDataModule(path=prompts_file, val_split=None, batch_size=4))
+
+
+def test_rloo_trains_on_the_same_tool_rollouts(tmp_path, prompts_file):
+    """The rollouts are ``OnlineModule``'s, so RLOO runs tools too (beyond RLOOConfig): its round keeps the tool mask
+    and its loss leaves the tool turns out."""
+    from lit_align.modules import RLOOModule
+
+    torch.manual_seed(0)
+    module = RLOOModule(model="builtin:tiny", chat_template="builtin:tools", tools=["helpers.add"], beta=0.0,
+                        reward_funcs=["helpers.reward_digit_fraction"], num_generations=2, max_completion_length=128,
+                        learning_rate=0.0)
+    data = PromptDataModule(path=prompts_file, val_split=None, batch_size=4, chat_template="builtin:tools",
+                            shuffle=False)
+    keep = KeepSteps()
+    fit(module, data, max_steps=1, callbacks=[ForceFirstTurn(), keep])
+    rnd = module.round
+    assert (rnd.tool_mask == 0).any() and torch.equal(rnd.loss_mask, rnd.completion_mask * rnd.tool_mask)
+    assert rnd.advantages.abs().sum() > 0
+    # on-policy, one ratio per completion over its sampled tokens: each completion's loss is -A, their mean the loss
+    assert keep.losses[0] == pytest.approx(float(-rnd.advantages.mean()), abs=1e-6)
