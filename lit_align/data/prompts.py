@@ -1,16 +1,17 @@
 """Prompt-only rows for the online recipes (GRPO, RLOO), served one *generation round* at a time.
 
 Generation is autoregressive and costly, so one round of completions must feed several optimizer steps. The
-training DataLoader therefore yields every prompt of a round in one batch (``batch_size * steps_per_generation /
-num_generations`` prompts per device) and yields that same batch ``steps_per_generation * num_iterations`` times in a
-row, tagged with its position in the round. Lightning's own loop thus runs one ``training_step`` per yield: the module
-generates when ``round_pos == 0`` and trains on slice ``round_pos % steps_per_generation`` of the round's completions.
-``global_step``, ``max_steps``, ``accumulate_grad_batches``, ``val_check_interval`` and checkpointing keep their
+training DataLoader therefore yields every prompt of a round in one batch (``batch_size * steps_per_generation / G``
+prompts per device, G completions per prompt: the module's round shape) and yields that same batch
+``steps_per_generation * num_iterations`` times in a row, tagged with its position in the round. Lightning's own loop
+thus runs one ``training_step`` per yield: the module generates when ``round_pos == 0`` and trains on slice
+``round_pos % steps_per_generation`` of the round's completions. ``global_step``, ``max_steps``,
+``accumulate_grad_batches``, ``val_check_interval`` and checkpointing keep their
 Lightning meaning; only collation is repeated, which costs next to nothing.
 
 ::
 
-    prompts of one round (per rank):   p0 p1 p2 p3            (batch_size=8, num_generations=4, steps_per_generation=2)
+    prompts of one round (per rank):   p0 p1 p2 p3            (batch_size=8, G=4, steps_per_generation=2)
     yields:        round_pos 0: [p0 p1 p2 p3]   -> generate 4 x 4 = 16 completions, train on completions 0..7
                    round_pos 1: [p0 p1 p2 p3]   -> train on completions 8..15
                    round_pos 0: [p4 p5 p6 p7]   -> next round ...
@@ -76,10 +77,10 @@ class PromptDataModule(AlignDataModule):
 
     ``batch_size`` counts *completions* per device per optimizer step, as TRL's ``per_device_train_batch_size``
     does. One generation round per device covers ``batch_size * steps_per_generation`` completions, that is
-    ``batch_size * steps_per_generation / num_generations`` prompts (must divide evenly). ``val_batch_size`` counts
-    prompts (one greedy completion each).
+    ``batch_size * steps_per_generation / G`` prompts (must divide evenly; G completions per prompt).
+    ``val_batch_size`` counts prompts (one greedy completion each).
 
-    The round's shape (``num_generations``, ``steps_per_generation``, ``num_iterations``, ``generation_batch_size``)
+    The round's shape (G, ``steps_per_generation``, ``num_iterations``, ``generation_batch_size``: ``RoundShape``)
     is the module's: set it under ``model:``. The module hands it over (``connect``); alone, the data uses
     ``RoundShape``'s defaults.
 
@@ -168,7 +169,7 @@ class PromptDataModule(AlignDataModule):
         if sampler.num_rounds == 0:
             raise LitAlignError(
                 f"{self.path}: {len(self.train_data)} prompts, but one generation round needs "
-                f"{per_round * world} (batch_size * steps_per_generation / num_generations * devices"
+                f"{per_round * world} (batch_size * steps_per_generation / G * devices"
                 f"{' * max_num_gen_batches' if self.round_shape.prompt_batches > 1 else ''})")
         return ResumableLoader(_RoundItems(self.train_data), batch_size=per_round, sampler=sampler,
                                collate_fn=self.collate, num_workers=self.num_workers, trainer=trainer)
