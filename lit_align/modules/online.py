@@ -148,7 +148,7 @@ class OnlineModule(AlignModule):
     """
 
     resume_may_change = ("engine", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_enable_sleep_mode",
-                         "num_generations_eval")
+                         "num_generations_eval", "pass_threshold")
 
     def __init__(
         self,
