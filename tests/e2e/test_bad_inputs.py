@@ -2,7 +2,7 @@
 one ``error:`` line naming the file, row or field (or jsonargparse's usage error for a config mistake), no traceback,
 and nothing an earlier run wrote is touched.
 
-The README's "Reliability" section and the issue's closing note list each input with its message.
+docs/reliability.md and the issue's closing note list each input with its message.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a resume may change, through the real CLI: the user's settings are never silently replaced by the
 checkpoint's; a setting a resume cannot honour, a checkpoint of another recipe, a checkpoint file that is not whole,
-another batch size, another reference: each is one ``error:`` line and exit status 2 (README: Reliability)."""
+another batch size, another reference: each is one ``error:`` line and exit status 2 (docs/reliability.md)."""
 
 from __future__ import annotations
 

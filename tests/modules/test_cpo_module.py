@@ -4,7 +4,7 @@ layouts agreeing, no reference model, and learning under lightning.Trainer.
 TRL's side: its own ``get_batch_loss_metrics`` (forward, log-probs, NLL, ``cpo_loss``) in fp32 on the CPU, on
 lit_align's tokens (``helpers.trl_pair_batch``): TRL's experimental trainers tokenize pairs their own older way,
 lit_align as its DPO does. ``logits/*`` are not compared: TRL's average every logit of the padded batch, prompts and
-padding included, lit_align's the completion tokens' (README, "CPO, SimPO and ORPO").
+padding included, lit_align's the completion tokens' (docs/cpo_orpo.md).
 Tolerance: ``tests/numerics.py`` rule 3.
 """
 

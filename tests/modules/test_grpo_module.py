@@ -437,7 +437,8 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
 
 @pytest.mark.parametrize("recipe", ["grpo", "rloo", "dpo", "sft", "kto", "cpo", "orpo", "reward"])
 def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
-    """Every option named as in TRL defaults as in TRL, but the differences the README gives reasons for."""
+    """Every option named as in TRL defaults as in TRL, but the differences docs/grpo.md gives reasons for
+    ("Defaults")."""
     import dataclasses
 
     import trl
@@ -552,10 +553,10 @@ def test_trl_loss_options_are_accepted_by_lit_align_fit_and_move_their_metrics(t
     assert metric_at(unsynced, "train/kl", 2) > 1e-6
 
 
-def test_readme_lists_every_grpo_config_field():
-    """The README's "GRPOConfig fields" table names every field TRL's ``GRPOConfig`` adds to ``TrainingArguments``, each
-    with what it is here; every ``model.`` option it names is one of ``GRPOModule``'s (the table cannot rot either
-    way)."""
+def test_grpo_page_lists_every_grpo_config_field():
+    """The "GRPOConfig fields" table of docs/grpo.md names every field TRL's ``GRPOConfig`` adds to
+    ``TrainingArguments``, each with what it is here; every ``model.`` option it names is one of ``GRPOModule``'s (the
+    table cannot rot either way)."""
     import dataclasses
     import inspect
     import re
@@ -563,15 +564,15 @@ def test_readme_lists_every_grpo_config_field():
     import transformers
     import trl
 
-    text = (REPO / "README.md").read_text()
-    table = text.split("### GRPOConfig fields", 1)[1].split("\n#", 1)[0]
+    text = (REPO / "docs" / "grpo.md").read_text()
+    table = text.split("\n## GRPOConfig fields\n", 1)[1].split("\n#", 1)[0]
     body = table.split("|---|---|\n", 1)[1].split("\n\n", 1)[0]
     rows = [line.split(" | ") for line in body.splitlines()]
     listed = {name for first, _ in rows for name in re.findall(r"`(\w+)`", first)}
     base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)} - base
-    assert sorted(theirs - listed) == [], "GRPOConfig fields missing from the README table"
-    assert sorted(listed - theirs) == [], "README table rows that are not GRPOConfig fields"
+    assert sorted(theirs - listed) == [], "GRPOConfig fields missing from the table in docs/grpo.md"
+    assert sorted(listed - theirs) == [], "rows of the table in docs/grpo.md that are not GRPOConfig fields"
     options = {name for cls in GRPOModule.__mro__ if "__init__" in cls.__dict__
                for name in inspect.signature(cls.__init__).parameters}
     for first, second in rows:

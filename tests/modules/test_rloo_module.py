@@ -1,5 +1,5 @@
 """RLOOModule: it trains through ``lit-align fit`` on the built-in task with TRL's metric names, a step matches TRL's
-``RLOOTrainer`` on the same completions, and the README names every RLOOConfig field (its defaults are compared with
+``RLOOTrainer`` on the same completions, and docs/rloo.md names every RLOOConfig field (its defaults are compared with
 TRL's with the other recipes', in ``test_grpo_module.py``).
 
 The TRL side runs ``RLOOTrainer._generate_and_score_completions`` and ``_compute_loss`` on a stand-in ``self`` whose
@@ -32,7 +32,7 @@ from lit_align.modules import RLOOModule
 from numerics import TINY_TERMS, assert_rounding_close
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+RLOO_PAGE = REPO / "docs" / "rloo.md"
 
 
 def test_rloo_trains_through_the_cli_with_trls_metric_names(tmp_path, monkeypatch):
@@ -75,15 +75,15 @@ def test_unset_num_generations_is_rloos_default_and_grpo_options_are_not_rlooss(
             parse("--model.init_args.model", "builtin:tiny", *grpo_only, config="rloo.yaml")
 
 
-def test_readme_table_names_every_rloo_config_field():
+def test_rloo_page_names_every_rloo_config_field():
     import transformers
     import trl
 
     base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     own = [f.name for f in dataclasses.fields(trl.RLOOConfig) if f.name not in base]
-    section = README.read_text().split("\n## RLOO\n", 1)[1].split("\n## ", 1)[0]
+    section = RLOO_PAGE.read_text()
     missing = [name for name in own if f"| `{name}` |" not in section]
-    assert not missing, f"RLOOConfig fields missing from the README's RLOO table: {missing}"
+    assert not missing, f"RLOOConfig fields missing from the RLOOConfig table in docs/rloo.md: {missing}"
 
 
 def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path):
