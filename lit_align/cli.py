@@ -139,7 +139,7 @@ class AlignCLI(LightningCLI):
                 callback.config = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
 
     def instantiate_trainer(self, **kwargs):
-        """The trainer, plus crash safety: atomic checkpoint writes, a checkpoint on SIGTERM (README: Reliability)."""
+        """The trainer, plus crash safety: atomic checkpoint writes, a checkpoint on SIGTERM (docs/reliability.md)."""
         trainer = super().instantiate_trainer(**kwargs)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # keep any other CheckpointIO the user chose
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()

@@ -114,7 +114,7 @@ RECIPES = {
                          "--model.init_args.reward_weights": "[1.0, 0.0]"}},
         # 3 epochs (750 steps), validated at each epoch's end: held-out pair accuracy 0.97 (200 steps: 0.915); GRPO
         # with the KL term (beta 0.1) to the SFT model, which the learned reward alone pulls away from the task
-        # (README, "Reward modelling")
+        # (docs/reward.md)
         overrides={"reward": ["--trainer.max_steps", "750", "--trainer.val_check_interval", "250"],
                    "grpo": ["--model.init_args.beta", "0.1"]},
         measured=("sft", "grpo"),

@@ -97,7 +97,7 @@ class RewardModel:
     unless it is there): the text a reward model trained on standard rows saw (TRL's ``RewardTrainer`` and
     ``lit_align.modules.RewardModule`` append it), whose reward is read at that EOS. TRL's ``GRPOTrainer`` scores
     ``prompt + completion`` without it; a reward model trained on the built-in sort task ranks 200 held-out pairs
-    79% right with the EOS and 56% without it (README, "Reward modelling"). Conversations are rendered with the
+    79% right with the EOS and 56% without it (docs/reward.md). Conversations are rendered with the
     reward model's own chat template, which closes the assistant turn itself (its tokenizer is its own, not the
     policy's). Rows are scored ``batch_size`` at a time, right-padded,
     without added special tokens (the text is what the policy saw), on the policy's device. ``load`` runs in the

@@ -28,7 +28,7 @@ from lit_align.reference import PrecomputedReference, build_reference
 class DPOModule(PairModule):
     """Direct Preference Optimization against a reference model.
 
-    The reference (README, "Reference model"): a frozen copy of the initial policy (default), ``ref_model``, the
+    The reference (docs/dpo.md, "Reference model"): a frozen copy of the initial policy (default), ``ref_model``, the
     policy with its LoRA adapters disabled (``peft_config``), or no model at all during training
     (``precompute_ref_log_probs``); ``sync_ref_model`` mixes the policy into it as training goes (TR-DPO).
 

@@ -33,7 +33,7 @@ class KTOModule(AlignModule):
     """Kahneman-Tversky Optimization from unpaired desirable / undesirable completions, against a reference model.
 
     The data is ``lit_align.data.UnpairedPreferenceDataModule`` (``prompt`` / ``completion`` / ``label`` rows, or
-    preference pairs unpaired as TRL does). The reference (README, "Reference model"): a frozen copy of the initial
+    preference pairs unpaired as TRL does). The reference (docs/dpo.md, "Reference model"): a frozen copy of the initial
     policy (default), ``ref_model``, or the policy with its LoRA adapters disabled (``peft_config``);
     ``sync_ref_model`` mixes the policy into it as training goes (TR-DPO).
 

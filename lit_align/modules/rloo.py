@@ -6,7 +6,7 @@
 a penalty on each completion's reward (``beta`` times its summed ``logps - ref``, with the policy's log-probs at
 sampling time), the advantage is the reward minus the mean of the other completions of its prompt (optionally
 normalized over the batch), and the loss is a PPO-clipped surrogate with one ratio per completion, averaged over
-completions. The math is ``lit_align.losses.rloo``. The README lists every RLOOConfig field and what became of it.
+completions. The math is ``lit_align.losses.rloo``. ``docs/rloo.md`` lists every RLOOConfig field and what became of it.
 """
 
 from __future__ import annotations
