@@ -111,7 +111,7 @@ class CompletionsLogger(L.Callback):
     (W&B). The first ``num_completions_to_print`` are printed as a table on the console (TRL's name; 0: none).
     Columns: step, prompt, completion, reward (weighted sum), each reward function's value when there are several,
     advantage, and the columns reward functions logged (``log_extra``). Works with any module exposing its latest
-    ``round`` (``lit_align.generation_round.GenerationRound``: GRPOModule).
+    ``round`` (``lit_align.generation_round.GenerationRound``: the online recipes, GRPO and RLOO).
 
     Args:
         every_n_steps: cadence in optimizer steps.

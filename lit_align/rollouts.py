@@ -118,8 +118,9 @@ class Generation:
                 return [v for value in values for v in value]
             if isinstance(values[0], int):
                 return sum(values)
-            return {k: [v for value in values for v in value.get(k, [])] for k in dict.fromkeys(
-                k for value in values for k in value)}
+            # a table column holds a value per row: only the columns every part logged; metrics: all of them
+            names = set.intersection(*map(set, values)) if name == "columns" else {k for v in values for k in v}
+            return {k: [x for value in values for x in value.get(k, [])] for k in sorted(names)}
 
         return Generation(**{f.name: join(f.name) for f in fields(Generation)})
 
