@@ -68,8 +68,9 @@ RESERVED_TEMPLATE_KWARGS = {
 
 
 def check_messages(value: Any, field: str, where: str) -> None:
-    """``value`` must be a non-empty list of ``{role, content}`` messages with string content and a known role; an
-    assistant message that calls tools (a ``tool_calls`` list) may have empty or null content."""
+    """``value`` must be a non-empty list of ``{role, content}`` messages with string content and a known role, not
+    all of them blank (as a string field must not be); an assistant message that calls tools (a ``tool_calls`` list)
+    may have empty or null content."""
     if not isinstance(value, list) or not value:
         raise LitAlignError(f"{where}: field {field!r} must be a non-empty list of {{role, content}} messages")
     for i, message in enumerate(value):
@@ -81,6 +82,8 @@ def check_messages(value: Any, field: str, where: str) -> None:
             raise LitAlignError(f"{where}: {field}[{i}] must be a {{role, content}} message with string content")
         if message.get("role") not in ROLES:
             raise LitAlignError(f"{where}: {field}[{i}] has role {message.get('role')!r}, expected one of {ROLES}")
+    if not any((message["content"] or "").strip() or message.get("tool_calls") for message in value):
+        raise LitAlignError(f"{where}: field {field!r} is empty (no message has content)")
 
 
 def check_text(value: Any, field: str, where: str) -> None:

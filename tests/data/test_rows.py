@@ -82,6 +82,18 @@ def test_check_messages():
     )
 
 
+def test_messages_with_no_content_are_empty_as_a_blank_string_is():
+    """A conversational side whose every message is blank says nothing, as an empty string side: refused. A turn
+    that only calls tools has content."""
+    for value in ([assistant("")], [assistant(" \n"), assistant("")]):
+        assert message_of(check_messages, value, "rejected", "w") == (
+            "w: field 'rejected' is empty (no message has content)")
+    assert message_of(check_field, [user("  ")], "prompt", "w", True) == "w: field 'prompt' is empty (no message has content)"
+    call = {"type": "function", "function": {"name": "add", "arguments": {}}}
+    check_messages([{"role": "assistant", "content": None, "tool_calls": [call]}], "completion", "w")
+    check_messages([{"role": "system", "content": ""}, user("hi")], "prompt", "w")
+
+
 def test_check_text():
     check_text("13", "chosen", "w")
     assert message_of(check_text, 13, "chosen", "w") == "w: field 'chosen' must be a string, got int"
