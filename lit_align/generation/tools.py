@@ -156,6 +156,13 @@ def call_tools(calls: list[dict], tools: dict[str, Callable]) -> tuple[list[tupl
     return list(zip(names, results)), failures
 
 
+def tool_content(result: Any) -> Any:
+    """A tool's result as its turn's content: content blocks (a list of ``{"type": ...}`` dicts, TRL's multimodal
+    results) as they are, anything else as its text (``str``: a list of numbers is ``"[1, 2]"``)."""
+    blocks = isinstance(result, list) and result and all(isinstance(b, dict) and "type" in b for b in result)
+    return result if blocks else str(result)
+
+
 def tool_turn_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
     """The ids a chat template renders after an assistant turn that called tools: the tool turns and the next
     assistant turn's header. Read off a rendering with and without them, the assistant turn cut after its EOS
@@ -261,9 +268,16 @@ class ToolLoop:
         results, failures = call_tools(row.messages[-1]["tool_calls"], tools)
         counts[0] += len(results)
         counts[1] += failures
-        turns = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
-                 for name, result in results]
-        suffix = tool_turn_ids(self.tokenizer, turns)
+        turns = [{"role": "tool", "name": name, "content": tool_content(result)} for name, result in results]
+        try:
+            suffix = tool_turn_ids(self.tokenizer, turns)
+        except LitAlignError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the template is the user's Jinja code, given the tools' results
+            names = ", ".join(sorted({repr(name) for name, _ in results}))
+            raise LitAlignError(f"model.tools: the chat template cannot render the result of tool {names} "
+                                f"({type(exc).__name__}: {one_line(exc, 120)}); a tool returns a string, or content "
+                                "blocks the template renders") from None
         length = len(row.ids) + len(suffix)
         if length > self.max_completion_length or (
                 self.max_model_length is not None and len(row.prompt) + length >= self.max_model_length):
