@@ -191,7 +191,7 @@ class Rollouts:
         if self.rollout_func is not None:  # the user's rollouts (TRL's rollout_func), in training and validation
             output = self.rollout_func(repeat_each(batch["prompts"], num_samples), module)
             rollout = rollout_from_output(output, self.rollout_func_name, len(batch["prompts"]) * num_samples,
-                                          device=module.device, **eos_pad)
+                                          device=module.device, vocab_size=len(tok), **eos_pad)
         elif self.environments is not None:  # a fresh environment per rollout, its prompt rendered after its reset
             rollout = self.environments.rollout(self.tool_loop, engine, module.policy, batch, num_samples, **eos_pad)
         else:
