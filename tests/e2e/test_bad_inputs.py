@@ -146,6 +146,18 @@ CASES = [
           ("reward", "empty_chosen.jsonl", "chosen", 2, ""),
           *[(r, "empty_rejected_conversation.jsonl", "rejected", 1, " (no message has content)")
             for r in ("cpo", "orpo", "reward")]]],
+    *[(f"environment_factory {what}", ["fit", "-c", GRPO, "--model.init_args.model", "builtin:tiny",
+                                       "--model.init_args.chat_template", "builtin:tools",
+                                       "--model.init_args.environment_factory", spec, "--data.init_args.path",
+                                       "builtin:modsum", "--data.init_args.val_split", "null"], f"error: {message}")
+      for what, spec, message in [
+          ("that cannot be imported", "no_such_pkg.Env",
+           "model.environment_factory: 'no_such_pkg.Env': cannot import it (No module named 'no_such_pkg')"),
+          ("that raises when made", "{class_path: helpers.CounterEnvironment, init_args: {level: 3}}",
+           "model.environment_factory: making an environment with CounterEnvironment raised TypeError: "
+           "CounterEnvironment() takes no arguments"),
+          ("without reset", "collections.Counter",
+           "model.environment_factory: Counter has no reset method (expected reset(**row) -> str | None)")]],
     ("CPO unknown loss type", ["fit", "-c", str(TESTS.parent / "configs" / "cpo.yaml"), "--model.init_args.loss_type",
                                "kto"],
      "error: model.loss_type 'kto': expected one of ('sigmoid', 'hinge', 'ipo', 'simpo', 'alphapo')"),
