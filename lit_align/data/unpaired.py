@@ -158,8 +158,8 @@ class UnpairedPreferenceDataModule(AlignDataModule):
         if desirable in (0, len(tokenized)):  # TRL trains on it too; said, since a label column gone wrong looks alike
             kind, other = ("desirable", "undesirable") if desirable else ("undesirable", "desirable")
             rank_zero_warn(f"lit_align: {source}: every row is {kind}, none {other}: KTO trains on one side only (its "
-                           f"loss moves these completions against the KL estimate; desirable_weight and "
-                           f"undesirable_weight cannot balance a missing side); check the 'label' column if both were "
+                           "loss moves these completions against the KL estimate; desirable_weight and "
+                           "undesirable_weight cannot balance a missing side); check the 'label' column if both were "
                            "meant")
         return tokenized
 
