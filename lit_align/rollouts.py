@@ -24,7 +24,8 @@ import torch
 from lit_align.errors import LitAlignError
 from lit_align.generation import SamplingConfig, VLLMOptions, make_engine
 from lit_align.generation.environments import Environments
-from lit_align.generation.tools import ToolLoop, load_tool, rollout_from_output, tool_schema, turns_text
+from lit_align.generation.rollout_func import rollout_from_output
+from lit_align.generation.tools import ToolLoop, load_tool, tool_schema, turns_text
 from lit_align.imports import callable_name
 from lit_align.losses.grpo import nanstd
 from lit_align.rewards import RewardModel, RewardState, load_reward, score_all
