@@ -25,7 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from lit_align.data.base import AlignDataModule
 from lit_align.data.rows import (
-    check_field, check_max_length, check_prompt, encode_prompt_completion, keep_start, naming_row, normalize_pair,
+    check_completion, check_max_length, check_prompt, encode_prompt_completion, keep_start, naming_row, normalize_pair,
     template_kwargs,
 )
 from lit_align.errors import LitAlignError
@@ -48,7 +48,7 @@ def normalize_unpaired(row: dict[str, Any], where: str) -> tuple[Any, Any, bool,
     if row["prompt"] is None:
         raise LitAlignError(f"{where}: field 'prompt' is missing or null")
     conversational = check_prompt(row["prompt"], where)
-    check_field(row["completion"], "completion", where, conversational)
+    check_completion(row["completion"], "completion", where, conversational)
     return row["prompt"], row["completion"], label, conversational
 
 

@@ -10,6 +10,7 @@ from lit_align.data import CompletionDataModule, PreferenceDataModule, PromptDat
 from lit_align.data.preference import tokenize_pair
 from lit_align.data.rows import (
     ROLES,
+    check_completion,
     check_field,
     check_max_length,
     check_messages,
@@ -82,16 +83,16 @@ def test_check_messages():
     )
 
 
-def test_messages_with_no_content_are_empty_as_a_blank_string_is():
-    """A conversational side whose every message is blank says nothing, as an empty string side: refused. A turn
-    that only calls tools has content."""
+def test_a_completion_of_blank_messages_is_empty_as_a_blank_string_is():
+    """A conversational completion whose every message is blank says nothing, as an empty string one: refused. A turn
+    that only calls tools has content; a blank conversational prompt is left alone (an environment may fill it)."""
     for value in ([assistant("")], [assistant(" \n"), assistant("")]):
-        assert message_of(check_messages, value, "rejected", "w") == (
+        assert message_of(check_completion, value, "rejected", "w", True) == (
             "w: field 'rejected' is empty (no message has content)")
-    assert message_of(check_field, [user("  ")], "prompt", "w", True) == "w: field 'prompt' is empty (no message has content)"
+    assert message_of(check_completion, " ", "chosen", "w", False) == "w: field 'chosen' is empty"
     call = {"type": "function", "function": {"name": "add", "arguments": {}}}
-    check_messages([{"role": "assistant", "content": None, "tool_calls": [call]}], "completion", "w")
-    check_messages([{"role": "system", "content": ""}, user("hi")], "prompt", "w")
+    check_completion([{"role": "assistant", "content": None, "tool_calls": [call]}], "completion", "w", True)
+    assert check_prompt([user("")], "w") is True
 
 
 def test_check_text():
