@@ -209,8 +209,8 @@ def recipe_run(recipe: str, write_jsonl):
     digits = [f"{i}{i + 3}" for i in range(12)]
     if recipe == "rloo":
         path = write_jsonl([{"prompt": f"sort {d}:", "answer": d} for d in digits])
-        return (RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=4,
-                           num_generations=2, steps_per_generation=2),
+        return (RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"],
+                           max_completion_length=4, num_generations=2, steps_per_generation=2),
                 PromptDataModule(path=path, val_split=None, batch_size=4, shuffle=False))
     if recipe == "kto":
         path = write_jsonl([{"prompt": f"sort {d}:", "completion": f" {d}", "label": i % 2 == 0}

@@ -249,7 +249,8 @@ def test_a_nonfinite_loss_names_the_batchs_dataset_rows(tmp_path, write_jsonl, p
     poison = PoisonAtBatch()
     with pytest.raises(LitAlignError) as error:
         fit(SFTModule(model="builtin:tiny"), data, tmp_path, max_steps=2, callbacks=[poison])
-    assert str(error.value) == (f"non-finite training loss (nan) at step 1, batch 1 (dataset rows {poison.dataset_rows}); "
-                                "nothing was updated (set model.on_nonfinite_loss: skip to skip such batches)")
+    assert str(error.value) == (f"non-finite training loss (nan) at step 1, batch 1 (dataset rows "
+                                f"{poison.dataset_rows}); nothing was updated (set model.on_nonfinite_loss: skip to "
+                                "skip such batches)")
     if not packing:
         assert poison.dataset_rows == [4, 5, 6, 7]
