@@ -202,6 +202,8 @@ def load_model(
     path = check_loadable(gguf_path(name_or_path, model_init_kwargs), "model")
     if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise LitAlignError(f"model dtype {dtype!r}: expected float32, bfloat16, float16 or auto")
+    if (model_init_kwargs or {}).get("num_labels") is not None:
+        check_num_labels(path, name_or_path, model_init_kwargs["num_labels"], trust_remote_code)
     try:
         return auto_class.from_pretrained(
             path,
@@ -212,6 +214,22 @@ def load_model(
         )
     except Exception as exc:  # noqa: BLE001
         raise LitAlignError(f"could not load model {name_or_path!r}: {one_line(exc)}") from exc
+
+
+def check_num_labels(path: str, name: str, num_labels: int, trust_remote_code: bool = False) -> None:
+    """Refuse a sequence classifier whose head has another number of labels than asked for (a reward model's one):
+    transformers would stop with a size mismatch pointing at a log. A causal LM is fine: it gets a new head."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - from_pretrained says what is wrong with it
+        return
+    classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+    if classifier and config.num_labels != num_labels:
+        raise LitAlignError(f"model {name!r} is a sequence classifier with {config.num_labels} labels, not "
+                            f"{num_labels} (a reward model has one output: give a causal LM, which gets a new head, or "
+                            "a classifier with one label)")
 
 
 def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:

@@ -135,7 +135,11 @@ def convert_gguf(file: Path, path: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
         quantized = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types (an unsupported architecture: ValueError)
-        raise LitAlignError(f"model {str(file)!r}: transformers cannot load this GGUF file: {one_line(exc)}") from exc
+        # what the gguf reader says when the file ends before its header or tensor data does
+        cut = any(s in str(exc) for s in ("cannot reshape array of size", "unpack_from requires a buffer"))
+        hint = " (the file ends before its data does: cut short, e.g. by an interrupted download?)" if cut else ""
+        raise LitAlignError(f"model {str(file)!r}: transformers cannot load this GGUF file: {one_line(exc)}"
+                            f"{hint}") from exc
     config = quantized.config
     del config.quantization_config  # what makes transformers refuse to save it
     with torch.device("meta"):

@@ -237,6 +237,8 @@ def score(fn: Callable, prompts: list, completions: list, completion_ids: list[l
         values = returned
     except Exception as exc:  # noqa: BLE001 - the user's function; say whose and what
         raise LitAlignError(f"reward function {name!r} raised {type(exc).__name__}: {exc}") from exc
+    if hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # a tensor or an array, as TRL iterates it
+        values = values.tolist()
     if not isinstance(values, (list, tuple)) or len(values) != len(completions):
         got = len(values) if isinstance(values, (list, tuple)) else type(values).__name__
         raise LitAlignError(f"reward function {name!r} returned {got} values for {len(completions)} completions "

@@ -24,7 +24,8 @@ import torch
 from lit_align.errors import LitAlignError
 from lit_align.generation import SamplingConfig, VLLMOptions, make_engine
 from lit_align.generation.environments import Environments
-from lit_align.generation.tools import ToolLoop, load_tool, rollout_from_output, tool_schema, turns_text
+from lit_align.generation.rollout_func import rollout_from_output
+from lit_align.generation.tools import ToolLoop, load_tool, tool_schema, turns_text
 from lit_align.imports import callable_name
 from lit_align.losses.grpo import nanstd
 from lit_align.rewards import RewardModel, RewardState, load_reward, score_all
@@ -192,7 +193,7 @@ class Rollouts:
         if self.rollout_func is not None:  # the user's rollouts (TRL's rollout_func), in training and validation
             output = self.rollout_func(repeat_each(batch["prompts"], num_samples), module)
             rollout = rollout_from_output(output, self.rollout_func_name, len(batch["prompts"]) * num_samples,
-                                          device=module.device, **eos_pad)
+                                          device=module.device, vocab_size=len(tok), **eos_pad)
         elif self.environments is not None:  # a fresh environment per rollout, its prompt rendered after its reset
             rollout = self.environments.rollout(self.tool_loop, engine, module.policy, batch, num_samples, **eos_pad)
         else:

@@ -511,6 +511,13 @@ def replay_rollout(prompts, module):
             "score": [float(k) for k in range(len(prompts))]}
 
 
+def out_of_vocab_rollout(prompts, module):
+    """``replay_rollout`` with the first completion's first id one past the tokenizer's last."""
+    output = replay_rollout(prompts, module)
+    output["completion_ids"][0][0] = len(module.tokenizer)
+    return output
+
+
 def reward_score(completions, score, **_):
     """Reads a rollout_func's own column."""
     return list(score)

@@ -124,6 +124,22 @@ def test_directory_that_is_not_a_model(tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_a_classifier_with_another_number_of_labels_is_refused_as_a_reward_model(tmp_path, tiny_path):
+    """A reward model has one output: a causal LM gets a new one-output head, a 2-label classifier (e.g. a sentiment
+    model) is refused in one line instead of transformers' size mismatch that points at a log."""
+    from transformers import AutoModelForSequenceClassification
+
+    AutoModelForSequenceClassification.from_pretrained(tiny_path, num_labels=2).save_pretrained(tmp_path / "cls2")
+    with pytest.raises(LitAlignError) as info:
+        load_model(str(tmp_path / "cls2"), model_init_kwargs={"num_labels": 1},
+                   auto_class=AutoModelForSequenceClassification)
+    assert str(info.value) == (f"model '{tmp_path / 'cls2'}' is a sequence classifier with 2 labels, not 1 (a reward "
+                               "model has one output: give a causal LM, which gets a new head, or a classifier with "
+                               "one label)")
+    head = load_model(tiny_path, model_init_kwargs={"num_labels": 1}, auto_class=AutoModelForSequenceClassification)
+    assert head.score.out_features == 1
+
+
 def test_a_directory_without_a_tokenizer_says_what_it_lacks(tmp_path, tiny_path):
     """transformers' message runs over several lines; the error keeps all of it on one."""
     import shutil

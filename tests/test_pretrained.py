@@ -16,7 +16,7 @@ from gguf_files import CHATML, bpe_tokenizer, tiny_llama, write_gguf
 from helpers import assert_one_line_error, read_metrics, run_main, write_sort_rows
 from lit_align.errors import LitAlignError
 from lit_align.models import load_model, load_tokenizer, resolve
-from lit_align.pretrained import PRETRAINED, fetch_command
+from lit_align.pretrained import PRETRAINED, cache_dir, fetch_command
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SMOL = "smollm2-135m-instruct"
@@ -135,6 +135,33 @@ def test_gguf_mistakes_are_one_error_line(source, tmp_path, capfd, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)  # as without the package: `import gguf` raises ImportError
     code, _, err = run_main([*fit_args(tmp_path, rows, 1), "--model.init_args.model", str(fresh)], capfd)
     assert_one_line_error(code, err, "reading GGUF files needs the gguf package: pip install 'lit_align[gguf]'")
+
+
+@pytest.mark.parametrize("kind", ["cut in half", "cut in its header", "a text file", "a zip file", "empty"])
+def test_a_gguf_file_that_is_not_whole_or_not_gguf_is_one_error_line(kind, gguf_file, tmp_path, capfd):
+    """A truncated download or another file renamed ``.gguf``: one line naming the file, nothing left in the cache."""
+    data = gguf_file.read_bytes()
+    bad = tmp_path / "model.gguf"
+    if kind == "a zip file":
+        with zipfile.ZipFile(bad, "w") as archive:
+            archive.writestr("weights.bin", b"0" * 64)
+    else:
+        bad.write_bytes({"cut in half": data[: len(data) // 2], "cut in its header": data[:100],
+                         "a text file": b"not a model\n", "empty": b""}[kind])
+    expected = {"cut in half": "the file ends before its data does", "cut in its header": "the file ends before its",
+                "a text file": "does not start with the GGUF magic bytes",
+                "a zip file": "does not start with the GGUF magic bytes", "empty": "cannot mmap an empty file"}[kind]
+    rows = write_sort_rows(tmp_path / "pairs.jsonl", 8, "pairs")
+    code, _, err = run_main([*fit_args(tmp_path, rows, 1), "--model.init_args.model", str(bad)], capfd)
+    assert_one_line_error(code, err, f"model {str(bad)!r}: transformers cannot load this GGUF file", expected)
+    assert not list((cache_dir() / "gguf").glob("*model-*"))  # no conversion, no staging directory left behind
+
+
+def test_an_unknown_pretrained_name_is_one_error_line_listing_the_known_ones(tmp_path, capfd):
+    rows = write_sort_rows(tmp_path / "pairs.jsonl", 8, "pairs")
+    code, _, err = run_main([*fit_args(tmp_path, rows, 1), "--model.init_args.model", "pretrained:llama-9000"], capfd)
+    assert_one_line_error(code, err, "unknown pretrained model pretrained:llama-9000: expected one of "
+                                     f"['pretrained:{SMOL}']")
 
 
 def test_a_named_model_resolves_to_its_cached_gguf_file_and_says_how_to_fetch_it(source, gguf_file, tmp_path,

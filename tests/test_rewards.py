@@ -134,6 +134,17 @@ def test_none_becomes_nan_and_numbers_are_accepted():
     assert run(reward_numbers, completions=("a", "b", "c")) == [0.5, 1.0, 2.0]
 
 
+def test_a_tensor_or_an_array_of_rewards_is_taken_as_trl_iterates_it():
+    import numpy as np
+
+    assert run(lambda completions, **_: torch.tensor([0.5, 1.0])) == [0.5, 1.0]
+    assert run(lambda completions, **_: np.array([0.25, 2.0], dtype=np.float32)) == [0.25, 2.0]
+    with pytest.raises(LitAlignError, match=r"returned 1 values for 2 completions"):
+        run(lambda completions, **_: torch.tensor([1.0]))
+    with pytest.raises(LitAlignError, match=r"returned nan for completion 0 \(use None to skip\)"):
+        run(lambda completions, **_: torch.tensor([math.nan, 1.0]))
+
+
 def test_reward_gets_prompts_ids_and_columns():
     out = score(reward_echo, ["ab", "abcd"], ["x", "y"], [[1, 2, 3], [4]], {"level": [10, 20]})
     assert out == [2 + 3 + 10, 4 + 1 + 20]

@@ -74,6 +74,8 @@ def collate_completions(rows: list[dict[str, Any]], pad_token_id: int) -> dict[s
     }
     if "assistant_mask" in present_keys(rows):
         batch["assistant_mask"] = padded("assistant_mask")
+    if "row" in rows[0]:
+        batch["dataset_rows"] = torch.tensor([r["row"] for r in rows])
     return batch
 
 
@@ -132,7 +134,7 @@ class CompletionDataModule(AlignDataModule):
                 )
             for key in ("input_ids", "completion_mask", "assistant_mask"):
                 out[key] = keep_start(out[key], max_length)
-            return out
+            return {**out, "row": index}  # the dataset index travels with the row (numeric guard messages)
 
         tokenized = rows.map(tokenize, with_indices=True, remove_columns=rows.column_names, num_proc=self.num_proc,
                              desc=f"Tokenizing {source}")

@@ -76,10 +76,11 @@ def bfd_bins(lengths: list[int], capacity: int) -> list[list[int]]:
 def pack(rows: list[dict[str, list[int]]], max_length: int, strategy: str = "bfd") -> list[dict[str, list[int]]]:
     """Packed rows (``KEYS`` concatenated, plus ``seq_lengths``) from tokenized SFT rows."""
     keys = present_keys(rows)
+    index = [r.get("row", i) for i, r in enumerate(rows)]  # each packed row lists the dataset rows in it (``rows``)
     if strategy == "bfd":
         rows = [{k: r[k][:max_length] for k in keys} for r in rows]
         return [{**{k: [t for i in b for t in rows[i][k]] for k in keys},
-                 "seq_lengths": [len(rows[i]["input_ids"]) for i in b]}
+                 "seq_lengths": [len(rows[i]["input_ids"]) for i in b], "rows": [index[i] for i in b]}
                 for b in bfd_bins([len(r["input_ids"]) for r in rows], max_length)]
     flat = {k: [t for r in rows for t in r[k]] for k in keys}
     ends = list(itertools.accumulate(len(r["input_ids"]) for r in rows))
@@ -87,8 +88,10 @@ def pack(rows: list[dict[str, list[int]]], max_length: int, strategy: str = "bfd
     for start in range(0, len(flat["input_ids"]), max_length):
         stop = min(start + max_length, len(flat["input_ids"]))
         cuts = [start, *(e for e in ends if start < e < stop), stop]
+        first = bisect.bisect_right(ends, start)  # the sequence the row starts in
         out.append({**{k: v[start:stop] for k, v in flat.items()},
-                    "seq_lengths": [b - a for a, b in zip(cuts, cuts[1:])]})
+                    "seq_lengths": [b - a for a, b in zip(cuts, cuts[1:])],
+                    "rows": index[first : first + len(cuts) - 1]})
     return out
 
 
@@ -110,4 +113,6 @@ def collate_packed(rows: list[dict[str, Any]], pad_token_id: int) -> dict[str, t
         batch["position_ids"][n, :length] = torch.cat([torch.arange(s) for s in row["seq_lengths"]])
         batch["segment_ids"][n, :length] = torch.repeat_interleave(torch.arange(len(row["seq_lengths"])),
                                                                    torch.tensor(row["seq_lengths"]))
+    if "rows" in rows[0]:
+        batch["dataset_rows"] = torch.tensor([i for row in rows for i in row["rows"]])
     return batch

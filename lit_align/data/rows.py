@@ -101,6 +101,15 @@ def check_field(value: Any, field: str, where: str, conversational: bool) -> Non
         check_text(value, field, where)
 
 
+def check_completion(value: Any, field: str, where: str, conversational: bool) -> None:
+    """A completion (``chosen``, ``rejected``, ``completion``): a field that must say something, as a string one does;
+    messages that are all blank and call no tool are empty. (A blank conversational prompt is left alone: an
+    environment's ``reset`` may fill it.)"""
+    check_field(value, field, where, conversational)
+    if conversational and not any((m["content"] or "").strip() or m.get("tool_calls") for m in value):
+        raise LitAlignError(f"{where}: field {field!r} is empty (no message has content)")
+
+
 def check_prompt(prompt: Any, where: str) -> bool:
     """A prompt decides its row's format: True if conversational (a list of messages), False if a string."""
     if isinstance(prompt, str):
@@ -142,8 +151,8 @@ def normalize_pair(row: dict[str, Any], where: str) -> tuple[Any, Any, Any, bool
     else:
         prompt = row["prompt"]
         check_field(prompt, "prompt", where, conversational)
-    check_field(chosen, "chosen", where, conversational)
-    check_field(rejected, "rejected", where, conversational)
+    check_completion(chosen, "chosen", where, conversational)
+    check_completion(rejected, "rejected", where, conversational)
     if chosen == rejected:
         raise LitAlignError(f"{where}: 'chosen' and 'rejected' are identical (a pair must differ)")
     return prompt, chosen, rejected, conversational
@@ -177,7 +186,7 @@ def normalize_completion(row: dict[str, Any], where: str) -> tuple[Any, Any, boo
     if row["prompt"] is None:
         raise LitAlignError(f"{where}: field 'prompt' is missing or null")
     conversational = check_prompt(row["prompt"], where)
-    check_field(row["completion"], "completion", where, conversational)
+    check_completion(row["completion"], "completion", where, conversational)
     return row["prompt"], row["completion"], conversational
 
 

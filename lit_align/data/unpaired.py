@@ -20,12 +20,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.utils.rnn import pad_sequence
 
 from lit_align.data.base import AlignDataModule
 from lit_align.data.rows import (
-    check_field, check_max_length, check_prompt, encode_prompt_completion, keep_start, naming_row, normalize_pair,
+    check_completion, check_max_length, check_prompt, encode_prompt_completion, keep_start, naming_row, normalize_pair,
     template_kwargs,
 )
 from lit_align.errors import LitAlignError
@@ -48,7 +48,7 @@ def normalize_unpaired(row: dict[str, Any], where: str) -> tuple[Any, Any, bool,
     if row["prompt"] is None:
         raise LitAlignError(f"{where}: field 'prompt' is missing or null")
     conversational = check_prompt(row["prompt"], where)
-    check_field(row["completion"], "completion", where, conversational)
+    check_completion(row["completion"], "completion", where, conversational)
     return row["prompt"], row["completion"], label, conversational
 
 
@@ -155,6 +155,12 @@ class UnpairedPreferenceDataModule(AlignDataModule):
                 raise LitAlignError(f"{source}: every row was dropped (prompt alone >= max_length={self.max_length})")
         desirable = sum(tokenized["label"])
         rank_zero_info(f"lit_align: {source}: {desirable} desirable and {len(tokenized) - desirable} undesirable rows")
+        if desirable in (0, len(tokenized)):  # TRL trains on it too; said, since a label column gone wrong looks alike
+            kind, other = ("desirable", "undesirable") if desirable else ("undesirable", "desirable")
+            rank_zero_warn(f"lit_align: {source}: every row is {kind}, none {other}: KTO trains on one side only (its "
+                           "loss moves these completions against the KL estimate; desirable_weight and "
+                           "undesirable_weight cannot balance a missing side); check the 'label' column if both were "
+                           "meant")
         return tokenized
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ class Environments:
         self.classes: dict[str | None, type] = {}
         for name, factory_spec in specs.items():
             factory = _factory(factory_spec)
-            probe = factory()  # one instance, to read its class: its reset, tools and reward
+            probe = _make(factory, WHERE)  # one instance, to read its class: its reset, tools and reward
             cls = type(probe)
             if not callable(getattr(probe, "reset", None)):
                 raise LitAlignError(f"{WHERE}: {cls.__name__} has no reset method "
@@ -87,7 +88,7 @@ class Environments:
             if name not in self.factories:
                 raise LitAlignError(f"{place}: field 'environment' is {name!r}, expected one of "
                                     f"{sorted(map(str, self.factories))} ({WHERE})")
-            environment = self.factories[name]()
+            environment = _make(self.factories[name], f"{place} ({WHERE})")
             arguments = {k: v for k, v in row.items() if not (self.multi and k == "environment")}
             try:
                 observation = environment.reset(**arguments)
@@ -132,6 +133,16 @@ class Environments:
         return rollout
 
 
+def _make(factory: Callable, where: str):
+    """A new environment from ``factory``; one that raises (wrong ``init_args``, a service down) is one error."""
+    try:
+        return factory()
+    except Exception as exc:  # noqa: BLE001 - the user's class: say which and what it raised
+        name = getattr(getattr(factory, "func", factory), "__name__", type(factory).__name__)  # a partial: its class
+        raise LitAlignError(f"{where}: making an environment with {name} raised {type(exc).__name__}: "
+                            f"{one_line(exc, 200)}") from None
+
+
 def _factory(spec) -> Callable:
     """A factory from its spec: a callable, a class path (the class is the factory) or ``{class_path, init_args}``
     (a new instance of the class per call)."""
@@ -140,5 +151,5 @@ def _factory(spec) -> Callable:
     label, expected = WHERE + ": {!r}", "a class path"
     if isinstance(spec, dict) and "class_path" in spec:
         cls, init_args = load_callable(spec["class_path"], label, expected), spec.get("init_args") or {}
-        return lambda: cls(**init_args)
+        return partial(cls, **init_args)
     return load_callable(spec, label, expected)

@@ -156,6 +156,13 @@ def call_tools(calls: list[dict], tools: dict[str, Callable]) -> tuple[list[tupl
     return list(zip(names, results)), failures
 
 
+def tool_content(result: Any) -> Any:
+    """A tool's result as its turn's content: content blocks (a list of ``{"type": ...}`` dicts, TRL's multimodal
+    results) as they are, anything else as its text (``str``: a list of numbers is ``"[1, 2]"``)."""
+    blocks = isinstance(result, list) and result and all(isinstance(b, dict) and "type" in b for b in result)
+    return result if blocks else str(result)
+
+
 def tool_turn_ids(tokenizer, tool_messages: list[dict]) -> list[int]:
     """The ids a chat template renders after an assistant turn that called tools: the tool turns and the next
     assistant turn's header. Read off a rendering with and without them, the assistant turn cut after its EOS
@@ -261,9 +268,16 @@ class ToolLoop:
         results, failures = call_tools(row.messages[-1]["tool_calls"], tools)
         counts[0] += len(results)
         counts[1] += failures
-        turns = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
-                 for name, result in results]
-        suffix = tool_turn_ids(self.tokenizer, turns)
+        turns = [{"role": "tool", "name": name, "content": tool_content(result)} for name, result in results]
+        try:
+            suffix = tool_turn_ids(self.tokenizer, turns)
+        except LitAlignError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the template is the user's Jinja code, given the tools' results
+            names = ", ".join(sorted({repr(name) for name, _ in results}))
+            raise LitAlignError(f"model.tools: the chat template cannot render the result of tool {names} "
+                                f"({type(exc).__name__}: {one_line(exc, 120)}); a tool returns a string, or content "
+                                "blocks the template renders") from None
         length = len(row.ids) + len(suffix)
         if length > self.max_completion_length or (
                 self.max_model_length is not None and len(row.prompt) + length >= self.max_model_length):
@@ -364,41 +378,3 @@ def _as_rollout(rows: list[_Row], truncated: list[bool], counts: list[int], pad:
         tool_calls=counts[0],
         tool_failures=counts[1],
     )
-
-
-ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
-
-
-def rollout_from_output(output: dict, name: str, rows: int, eos_token_ids: list[int], pad_token_id: int,
-                        device) -> ToolRollout:
-    """What a ``rollout_func`` (TRL's: ``f(prompts, module) -> dict``) returned, as a rollout: per row, its
-    ``prompt_ids``, ``completion_ids`` and ``logprobs`` (lists; ``logprobs`` may be None), an optional ``env_mask``
-    (0 on tokens the model did not sample: the tool mask) and any other keys, which reach the reward functions."""
-    where = f"model.rollout_func {name!r}"
-    if not isinstance(output, dict) or set(ROLLOUT_KEYS) - set(output):
-        got = sorted(output) if isinstance(output, dict) else type(output).__name__
-        raise LitAlignError(f"{where} returned {got}; expected a dict with keys {list(ROLLOUT_KEYS)} (and optionally "
-                            "env_mask and reward-function columns)")
-    prompts, completions, logps = output["prompt_ids"], output["completion_ids"], output["logprobs"]
-    mask = output.get("env_mask")
-    for key, values in (("prompt_ids", prompts), ("completion_ids", completions), ("logprobs", logps),
-                        ("env_mask", mask)):
-        if values is not None and len(values) != rows:
-            raise LitAlignError(f"{where}: {key} has {len(values)} rows for {rows} completions")
-    for i, ids in enumerate(completions):
-        if not ids:
-            raise LitAlignError(f"{where}: completion_ids[{i}] is empty")
-        for key, values in (("logprobs", logps), ("env_mask", mask)):
-            if values is not None and len(values[i]) != len(ids):
-                raise LitAlignError(f"{where}: {key}[{i}] has {len(values[i])} values for {len(ids)} completion ids")
-    ends = set(eos_token_ids) | {pad_token_id}
-    rows_ = [_Row(list(p), list(c), list(mask[i]) if mask is not None else [1] * len(c),
-                  None if logps is None else [float(v) for v in logps[i]], [])
-             for i, (p, c) in enumerate(zip(prompts, completions))]
-    rollout = _as_rollout(rows_, [c[-1] not in ends for c in completions], [0, 0], pad_token_id, device)
-    rollout.prompt_ids, rollout.prompt_mask = _left_pad([list(p) for p in prompts], pad_token_id, device)
-    rollout.messages = None
-    if mask is None:
-        rollout.tool_mask = None
-    rollout.extra = {k: v for k, v in output.items() if k not in (*ROLLOUT_KEYS, "env_mask")}
-    return rollout

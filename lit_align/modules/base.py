@@ -236,7 +236,7 @@ class AlignModule(L.LightningModule):
                    rows: torch.Tensor | list[int] | None = None) -> torch.Tensor | None:
         """``loss`` if it is finite; else stop (``on_nonfinite_loss: error``) or return None, which makes Lightning
         skip the batch (``skip``). ``row_losses``: per-row losses ``[B]`` to name the offending rows; ``rows``: the
-        dataset index of each batch row, when the batch carries one."""
+        dataset index of each batch row, when the batch carries one (without ``row_losses``, all of them are named)."""
         bad = ~torch.isfinite(loss.detach()).all()
         bad_rows = None
         if row_losses is not None:
@@ -255,6 +255,8 @@ class AlignModule(L.LightningModule):
             where += f", rows {positions}"
             if rows is not None:
                 where += f" (dataset rows {[int(rows[i]) for i in positions]})"
+        elif rows is not None:  # no per-row losses (SFT's token mean): every row of the batch may be the one
+            where += f" (dataset rows {sorted({int(i) for i in rows})})"
         if skip:
             self.skipped_batches += 1
             rank_zero_warn(f"lit_align: non-finite loss at step {self.global_step}, {where}: batch skipped "

@@ -90,7 +90,7 @@ class SFTModule(AlignModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size,
                                               self.assistant_only_loss, self.padding_free)
-        if self.guard_loss(loss, None, batch_idx) is None:
+        if self.guard_loss(loss, None, batch_idx, batch.get("dataset_rows")) is None:
             return None
         # one all-reduce: the loss tokens of every rank, so the loss is the mean over the global batch's tokens (as
         # transformers' average_tokens_across_devices), and accuracy is a ratio of sums (as TRL gathers it)

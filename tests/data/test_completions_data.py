@@ -51,13 +51,14 @@ def test_all_formats_through_a_file(write_jsonl, tokenizer):
     conversational.setup("fit")
     messages = datamodule(write_jsonl([{"messages": conversation}], name="messages.jsonl"))
     messages.setup("fit")
-    assert standard.train_data[0] == {**tokenize_completion(tokenizer, "sort 31:", "13", False), "assistant_mask": []}
+    assert standard.train_data[0] == {**tokenize_completion(tokenizer, "sort 31:", "13", False), "assistant_mask": [],
+                                      "row": 0}
     expected = tokenize_completion(tokenizer, conversation[:2], conversation[2:], True)
-    assert conversational.train_data[0] == {**expected, "assistant_mask": expected["completion_mask"]}
+    assert conversational.train_data[0] == {**expected, "assistant_mask": expected["completion_mask"], "row": 0}
     # `messages` is language modelling (TRL's): the same tokens, all of them trained; its assistant turn is marked
     assert messages.train_data[0] == {"input_ids": expected["input_ids"],
                                       "completion_mask": [1] * len(expected["input_ids"]),
-                                      "assistant_mask": expected["completion_mask"]}
+                                      "assistant_mask": expected["completion_mask"], "row": 0}
 
 
 def test_a_conversational_completion_marks_its_assistant_turns_not_its_tool_turns(write_jsonl, tokenizer):
@@ -65,7 +66,7 @@ def test_a_conversational_completion_marks_its_assistant_turns_not_its_tool_turn
     prompt's too; the loss keeps the completion's: tests/modules/test_sft_module.py), not on the tool's result."""
     dm = datamodule(write_jsonl([TOOL_ROW]), chat_template="builtin:tools", assistant_only_loss=True)
     dm.setup("fit")
-    assert dm.train_data[0] == tool_row_tokens(tokenizer)
+    assert dm.train_data[0] == {**tool_row_tokens(tokenizer), "row": 0}
 
 
 def test_collate_right_pads_and_truncation_keeps_the_start(write_jsonl, tokenizer):

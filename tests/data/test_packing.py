@@ -35,13 +35,16 @@ def test_bfd_fills_bins_without_splitting_or_overflowing():
 def test_pack_keeps_each_sequences_tokens_and_lengths():
     rows = [{"input_ids": list(range(10, 10 + n)), "completion_mask": [1] * n, "assistant_mask": []} for n in (5, 7, 3)]
     assert pack(rows, 8, "bfd") == [
-        {"input_ids": list(range(10, 17)), "completion_mask": [1] * 7, "seq_lengths": [7]},
-        {"input_ids": [10, 11, 12, 13, 14, 10, 11, 12], "completion_mask": [1] * 8, "seq_lengths": [5, 3]},
+        {"input_ids": list(range(10, 17)), "completion_mask": [1] * 7, "seq_lengths": [7], "rows": [1]},
+        {"input_ids": [10, 11, 12, 13, 14, 10, 11, 12], "completion_mask": [1] * 8, "seq_lengths": [5, 3],
+         "rows": [0, 2]},
     ]
     wrapped = pack(rows, 8, "wrapped")  # cut every 8 tokens: the second sequence goes on in the next row
     assert [r["input_ids"] for r in wrapped] == [[10, 11, 12, 13, 14, 10, 11, 12], [13, 14, 15, 16, 10, 11, 12]]
     assert [r["seq_lengths"] for r in wrapped] == [[5, 3], [4, 3]]
+    assert [r["rows"] for r in wrapped] == [[0, 1], [1, 2]]  # the dataset rows in each (the numeric guard names them)
     batch = collate_packed(wrapped, pad_token_id=0)
+    assert batch["dataset_rows"].tolist() == [0, 1, 1, 2]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 0, 1, 2, 0]]
     assert batch["segment_ids"].tolist() == [[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, -1]]
 

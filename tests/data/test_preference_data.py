@@ -273,6 +273,14 @@ def test_empty_field(write_jsonl):
     assert error_of(path) == "FILE row 2: field 'chosen' is empty"
 
 
+def test_an_empty_conversational_side_is_refused_as_an_empty_string_is(write_jsonl):
+    """What CPO, ORPO and the reward model read (``normalize_pair``): an assistant message with no content is an empty
+    side, as ``""`` is, not a completion of the template's end-of-turn token alone."""
+    conversation = {"prompt": [user("sort 31:")], "chosen": [assistant("13")], "rejected": [assistant("31")]}
+    path = write_jsonl([conversation, {**conversation, "rejected": [assistant(" ")]}], name="conv.jsonl")
+    assert error_of(path) == "FILE row 1: field 'rejected' is empty (no message has content)"
+
+
 def test_non_string_field(write_jsonl):
     path = write_jsonl([{"prompt": "a", "chosen": 13, "rejected": "c"}], name="ints.jsonl")
     assert error_of(path) == "FILE row 0: field 'chosen' must be a string, got int"

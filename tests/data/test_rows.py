@@ -10,6 +10,7 @@ from lit_align.data import CompletionDataModule, PreferenceDataModule, PromptDat
 from lit_align.data.preference import tokenize_pair
 from lit_align.data.rows import (
     ROLES,
+    check_completion,
     check_field,
     check_max_length,
     check_messages,
@@ -80,6 +81,18 @@ def test_check_messages():
     assert message_of(check_messages, [{"role": "bot", "content": "x"}], "chosen", "w") == (
         "w: chosen[0] has role 'bot', expected one of ('system', 'user', 'assistant', 'tool')"
     )
+
+
+def test_a_completion_of_blank_messages_is_empty_as_a_blank_string_is():
+    """A conversational completion whose every message is blank says nothing, as an empty string one: refused. A turn
+    that only calls tools has content; a blank conversational prompt is left alone (an environment may fill it)."""
+    for value in ([assistant("")], [assistant(" \n"), assistant("")]):
+        assert message_of(check_completion, value, "rejected", "w", True) == (
+            "w: field 'rejected' is empty (no message has content)")
+    assert message_of(check_completion, " ", "chosen", "w", False) == "w: field 'chosen' is empty"
+    call = {"type": "function", "function": {"name": "add", "arguments": {}}}
+    check_completion([{"role": "assistant", "content": None, "tool_calls": [call]}], "completion", "w", True)
+    assert check_prompt([user("")], "w") is True
 
 
 def test_check_text():

@@ -75,6 +75,16 @@ def test_rows_whose_prompt_fills_max_length_are_dropped():
         processed([{"prompt": "sort 123456789:", "completion": " 1", "label": True}], max_length=8)
 
 
+@pytest.mark.parametrize("label,kind,other", [(True, "desirable", "undesirable"), (False, "undesirable", "desirable")])
+def test_rows_all_of_one_label_are_kept_and_said(label, kind, other):
+    """TRL trains on rows of one label; so does KTO here, but a label column gone wrong looks the same: a warning."""
+    rows = [{"prompt": f"sort {i}1:", "completion": f" 1{i}", "label": label} for i in range(3)]
+    with pytest.warns(UserWarning, match=rf"rows.jsonl: every row is {kind}, none {other}: KTO trains on one side "
+                                         r"only .*check the 'label' column"):
+        out = processed(rows)
+    assert out["label"] == [label] * 3
+
+
 @pytest.mark.parametrize("row,message", [
     ({"prompt": "p", "completion": "c"}, "rows.jsonl row 0: missing column 'label' (expected prompt/completion/label"),
     ({"prompt": "p", "completion": "c", "label": None}, "rows.jsonl row 0: field 'label' is missing or null"),

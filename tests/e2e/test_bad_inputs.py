@@ -39,6 +39,13 @@ def kto(path: str | Path, *extra: str) -> list[str]:
             "--trainer.val_check_interval", "1.0", "--trainer.max_steps", "2", *extra]
 
 
+def pairs(recipe: str, path: str | Path, *extra: str) -> list[str]:
+    """``configs/<recipe>.yaml`` (cpo, orpo, reward) on ``path``."""
+    return ["fit", "-c", str(TESTS.parent / "configs" / f"{recipe}.yaml"), "--data.init_args.path", str(path),
+            "--data.init_args.val_split", "null", "--trainer.val_check_interval", "1.0", "--trainer.max_steps", "2",
+            *extra]
+
+
 def grpo(reward: str, *extra: str) -> list[str]:
     return ["fit", "-c", GRPO, "--model.init_args.model", "builtin:tiny", "--model.init_args.reward_funcs",
             f"[bad_rewards.{reward}]", "--model.init_args.max_completion_length", "4", "--data.init_args.batch_size",
@@ -132,6 +139,25 @@ CASES = [
     ("KTO batch of one row", kto("builtin:sort", "--data.init_args.batch_size", "1"),
      "error: data.batch_size 1: KTO's KL estimate pairs each prompt with another row's completion in the batch, so "
      "it needs at least 2 rows (loss_type apo_zero_unpaired does not)"),
+    *[(f"{recipe} empty {side}", pairs(recipe, BAD / name), f"error: {{bad}}/{name} row {row}: field '{side}' is empty"
+       + suffix)
+      for recipe, name, side, row, suffix in [
+          ("cpo", "empty_chosen.jsonl", "chosen", 2, ""), ("orpo", "empty_chosen.jsonl", "chosen", 2, ""),
+          ("reward", "empty_chosen.jsonl", "chosen", 2, ""),
+          *[(r, "empty_rejected_conversation.jsonl", "rejected", 1, " (no message has content)")
+            for r in ("cpo", "orpo", "reward")]]],
+    *[(f"environment_factory {what}", ["fit", "-c", GRPO, "--model.init_args.model", "builtin:tiny",
+                                       "--model.init_args.chat_template", "builtin:tools",
+                                       "--model.init_args.environment_factory", spec, "--data.init_args.path",
+                                       "builtin:modsum", "--data.init_args.val_split", "null"], f"error: {message}")
+      for what, spec, message in [
+          ("that cannot be imported", "no_such_pkg.Env",
+           "model.environment_factory: 'no_such_pkg.Env': cannot import it (No module named 'no_such_pkg')"),
+          ("that raises when made", "{class_path: helpers.CounterEnvironment, init_args: {level: 3}}",
+           "model.environment_factory: making an environment with CounterEnvironment raised TypeError: "
+           "CounterEnvironment() takes no arguments"),
+          ("without reset", "collections.Counter",
+           "model.environment_factory: Counter has no reset method (expected reset(**row) -> str | None)")]],
     ("CPO unknown loss type", ["fit", "-c", str(TESTS.parent / "configs" / "cpo.yaml"), "--model.init_args.loss_type",
                                "kto"],
      "error: model.loss_type 'kto': expected one of ('sigmoid', 'hinge', 'ipo', 'simpo', 'alphapo')"),

@@ -17,9 +17,10 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 def args(recipe: str, root: Path, rows: str, max_steps: int, *extra: str) -> list[str]:
     """A short CPU run of ``configs/<recipe>.yaml`` on ``rows``, checkpointing every 2 steps under ``root``."""
-    data = {"sft": [], "dpo": ["--data.init_args.max_length", "32"],
-            "grpo": ["--model.init_args.model", "builtin:tiny", "--model.init_args.max_completion_length", "4",
-                     "--model.init_args.num_generations", "2", "--model.init_args.steps_per_generation", "1"]}[recipe]
+    online = ["--model.init_args.model", "builtin:tiny", "--model.init_args.max_completion_length", "4",
+              "--model.init_args.num_generations", "2", "--model.init_args.steps_per_generation", "1"]
+    data = {"sft": [], "dpo": ["--data.init_args.max_length", "32"], "kto": ["--data.init_args.max_length", "32"],
+            "grpo": online, "rloo": online}[recipe]
     return ["fit", "-c", str(CONFIGS / f"{recipe}.yaml"), "--data.init_args.path", rows,
             "--data.init_args.val_split", "null", "--data.init_args.batch_size", "4", "--trainer.max_steps",
             str(max_steps), "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
@@ -72,6 +73,24 @@ def test_a_resume_keeps_the_users_settings_and_refuses_a_model_setting_it_cannot
     assert saved["model"]["init_args"]["logps_chunk_size"] == 8  # the user's value, not the checkpoint's
     assert [int(r["step"]) for r in read_metrics(tmp_path / "dpo" / "run") if "train/loss" in r] \
         == [2, 3, 4]
+
+
+@pytest.mark.parametrize("recipe,setting,value,saved", [
+    ("kto", "loss_type", "apo_zero_unpaired", "'kto'"), ("kto", "desirable_weight", "2.0", "1.0"),
+    ("rloo", "beta", "0.5", "0.05"), ("rloo", "normalize_advantages", "true", "False"),
+])
+def test_a_changed_loss_setting_of_kto_or_rloo_is_refused_as_dpos_is(tmp_path, pairs, recipe, setting, value, saved,
+                                                                      capfd):
+    """The recipes added last follow DPO's rule: their loss settings are model settings, so a resume that changes one
+    is one error line (it would silently train another objective on the checkpoint's state)."""
+    rows = pairs if recipe == "kto" else write_sort_rows(tmp_path / "prompts.jsonl", 16, "prompts")
+    checkpoint = tmp_path / recipe / "run" / "checkpoints" / "step=2.ckpt"
+    assert _run(args(recipe, tmp_path, rows, 2)) == 0
+    code, _, err = run_main([*args(recipe, tmp_path, rows, 3), "--ckpt_path", str(checkpoint),
+                             f"--model.init_args.{setting}", value], capfd)
+    shown = {"true": "True"}.get(value, repr(value) if setting == "loss_type" else value)
+    assert_one_line_error(code, err, f"--ckpt_path {checkpoint}: model.{setting} is {shown} in this run but {saved} in "
+                                     "the checkpoint")
 
 
 def test_a_checkpoint_of_another_recipe_is_refused(tmp_path, pairs, dpo_run, capfd):

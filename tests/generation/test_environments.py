@@ -87,6 +87,33 @@ def test_a_class_path_with_init_args_makes_a_new_environment_per_call():
                                             r"path$"):
         Environments("lit_align.rewards.math")
 
+class Unreachable(CounterEnvironment):
+    """An environment whose making fails (a service it connects to is down)."""
+
+    def __init__(self):
+        raise ConnectionError("sandbox at localhost:8000 refused the connection")
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("no_such_package.Env", "model.environment_factory: 'no_such_package.Env': cannot import it (No module named "
+                            "'no_such_package')"),
+    ("helpers.NoSuchEnvironment", "model.environment_factory: 'helpers.NoSuchEnvironment': cannot import it (module "
+                                  "'helpers' has no attribute 'NoSuchEnvironment')"),
+    ("test_environments.Unreachable", "model.environment_factory: making an environment with Unreachable raised "
+                                      "ConnectionError: sandbox at localhost:8000 refused the connection"),
+    ({"class_path": "helpers.CounterEnvironment", "init_args": {"level": 3}},
+     "model.environment_factory: making an environment with CounterEnvironment raised TypeError: "
+     "CounterEnvironment() takes no arguments"),
+    ("lit_align.rewards.RewardState", "model.environment_factory: making an environment with RewardState raised "
+                                      "TypeError: RewardState.__init__() missing 3 required positional arguments: "
+                                      "'global_step', 'max_steps', and 'epoch'"),
+])
+def test_a_factory_that_cannot_be_imported_or_made_is_one_error(spec, message):
+    with pytest.raises(LitAlignError) as info:
+        Environments(spec)
+    assert str(info.value) == message
+
+
 def test_grpo_with_an_environment_that_owns_the_reward(tmp_path, write_jsonl, tiny_path):
     """No reward_funcs: the environment's get_reward is the reward (rewards/CounterEnvironment/mean), the prompts are
     rendered after each reset, and the tool calls count."""

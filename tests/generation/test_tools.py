@@ -195,6 +195,67 @@ def test_max_tool_calling_iterations_caps_the_rounds(tok):
     assert len(engine.prompts) == 1 and rollout.tool_calls == 0
 
 
+def returning(value):
+    """A tool named ``add`` that returns ``value``."""
+    def add(a: int, b: int):
+        """Add two whole numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        return value
+
+    return add
+
+
+@pytest.mark.parametrize("value,content", [([1, 2], "[1, 2]"), ({"sum": 42}, "{'sum': 42}"), (None, "None"),
+                                           ([], "[]"), (["4", "2"], "['4', '2']")])
+def test_a_result_that_is_not_a_string_is_its_text(tok, value, content):
+    """TRL's rule: content blocks (``[{"type": ...}]``) pass as they are, anything else as ``str(result)`` (a list of
+    numbers once reached the template as a list: a TypeError in the middle of a round)."""
+    rollout, _, _ = run(tok, [[CALL, "0</s>"], ["42</s>"]], tools=(returning(value),))
+    assert rollout.messages[0][1] == {"role": "tool", "name": "add", "content": content}
+    assert rollout.tool_failures == 0
+
+
+def test_content_blocks_the_template_cannot_render_are_one_error_naming_the_tool(tok):
+    with pytest.raises(LitAlignError, match=r"^model.tools: the chat template cannot render the result of tool 'add' "
+                                            r"\(TypeError: .*\); a tool returns a string"):
+        run(tok, [[CALL, "0</s>"], ["42</s>"]], tools=(returning([{"type": "text", "text": "42"}]),))
+
+
+def test_a_result_of_megabytes_ends_the_row_as_it_was(tok):
+    """A tool turn past ``max_completion_length`` is rolled back, however long: the row keeps what it sampled."""
+    for tool in (returning("9" * 1_000_000), crash_with("x" * 1_000_000)):
+        rollout, engine, _ = run(tok, [[CALL, "0</s>"]], tools=(tool,), max_completion_length=100)
+        assert len(engine.prompts) == 1  # no second turn
+        assert row(rollout, 0)[0] == encode(tok, CALL) and rollout.tool_calls == 1
+
+
+def test_a_model_that_calls_tools_forever_stops_at_the_completion_budget(tok):
+    """``max_tool_calling_iterations: null`` (TRL's: until no call): each round adds tokens, so
+    ``max_completion_length`` ends the loop."""
+    rollout, engine, _ = run(tok, [[CALL, "0</s>"]] + [[CALL]] * 100, max_completion_length=300,
+                             max_tool_calling_iterations=None)
+    assert 2 < len(engine.prompts) < 10 and rollout.completion_mask[0].sum() == 300
+    assert rollout.truncated.tolist() == [True, False]  # its last turn was cut to the budget
+
+
+def crash_with(message: str):
+    """A tool named ``add`` that raises with ``message``."""
+    def add(a: int, b: int):
+        """Add two whole numbers.
+
+        Args:
+            a: the first number
+            b: the second number
+        """
+        raise ValueError(message)
+
+    return add
+
+
 def test_templates_that_cannot_call_tools_are_refused(tok):
     plain = build_tokenizer()  # the built-in models' own template ignores tool calls
     assert plain.chat_template == CHAT_TEMPLATE

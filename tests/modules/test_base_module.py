@@ -6,6 +6,7 @@ Either way the weights stay finite."""
 from __future__ import annotations
 
 import math
+import re
 
 import lightning as L
 import pytest
@@ -190,3 +191,46 @@ def test_gradients_are_freed_right_after_the_optimizer_step(tmp_path):
     trained = sum(1 for _ in module.policy.parameters())
     assert grads.at_step == [trained, trained]
     assert grads.at_batch_end == [trained, 0, trained, 0]  # kept inside the window, freed at its end
+
+
+class PoisonPolicy(L.Callback):
+    """Before batch 1, NaN in the policy's final norm: every row of that step's loss is NaN."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            pl_module.policy.model.norm.weight.data.fill_(math.nan)
+
+
+def recipe_run(recipe: str, write_jsonl):
+    """``(module, data)`` of a short run of ``recipe`` on 12 rows, batches of 4 in file order."""
+    from lit_align.data import UnpairedPreferenceDataModule
+    from lit_align.modules import CPOModule, KTOModule, ORPOModule, RLOOModule
+
+    digits = [f"{i}{i + 3}" for i in range(12)]
+    if recipe == "rloo":
+        path = write_jsonl([{"prompt": f"sort {d}:", "answer": d} for d in digits])
+        return (RLOOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"],
+                           max_completion_length=4, num_generations=2, steps_per_generation=2),
+                PromptDataModule(path=path, val_split=None, batch_size=4, shuffle=False))
+    if recipe == "kto":
+        path = write_jsonl([{"prompt": f"sort {d}:", "completion": f" {d}", "label": i % 2 == 0}
+                            for i, d in enumerate(digits)])
+        return KTOModule(model="builtin:tiny"), UnpairedPreferenceDataModule(path=path, val_split=None, batch_size=4,
+                                                                            shuffle=False, max_length=32)
+    path = write_jsonl([{"prompt": f"sort {d}:", "chosen": f" {d}", "rejected": f" {d[::-1]}0"} for d in digits])
+    module = {"cpo": CPOModule, "orpo": ORPOModule}[recipe](model="builtin:tiny")
+    return module, PreferenceDataModule(path=path, val_split=None, batch_size=4, shuffle=False, max_length=32)
+
+
+@pytest.mark.parametrize("recipe", ["kto", "cpo", "orpo", "rloo"])
+def test_every_recipe_names_the_dataset_rows_of_a_nonfinite_loss(tmp_path, write_jsonl, recipe):
+    """The recipes added last pass their batch's dataset rows to the guard too (DPO, GRPO, SFT and the reward model:
+    tested above and in their own files)."""
+    module, data = recipe_run(recipe, write_jsonl)
+    with pytest.raises(LitAlignError) as error:
+        fit(module, data, tmp_path, max_steps=2, callbacks=[PoisonPolicy()])
+    # batch 1 holds the file's rows 4-7 (RLOO: its 4 completions, 2 each of 2 prompts of the round's 4)
+    rows = r"\[\d+, \d+, \d+, \d+\]" if recipe == "rloo" else r"\[4, 5, 6, 7\]"
+    assert re.fullmatch(rf"non-finite training loss \(nan\) at step 1, batch 1, rows \[0, 1, 2, 3\] \(dataset rows "
+                        rf"{rows}\); nothing was updated \(set model.on_nonfinite_loss: skip to skip such batches\)",
+                        str(error.value)), str(error.value)

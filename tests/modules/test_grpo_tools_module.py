@@ -164,6 +164,13 @@ def test_a_rollout_func_makes_the_round(tmp_path, prompts_file, tiny_path):
                        reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=8),
             PromptDataModule(path=prompts_file, val_split=None, batch_size=4))
 
+    with pytest.raises(LitAlignError, match=r"^model.rollout_func 'helpers.out_of_vocab_rollout': "
+                                            r"completion_ids\[0\]\[0\] is 104, expected a token id "
+                                            r"\(an int >= 0, < 104: the tokenizer's\)$"):
+        fit(GRPOModule(model="builtin:tiny", rollout_func="helpers.out_of_vocab_rollout", num_generations=2,
+                       reward_funcs=["helpers.reward_digit_fraction"], max_completion_length=8),
+            PromptDataModule(path=prompts_file, val_split=None, batch_size=4))
+
 
 def test_rloo_trains_on_the_same_tool_rollouts(tmp_path, prompts_file):
     """The rollouts are ``OnlineModule``'s, so RLOO runs tools too (beyond RLOOConfig): its round keeps the tool mask

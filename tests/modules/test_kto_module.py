@@ -149,6 +149,20 @@ def test_training_moves_the_policy_and_logs_trls_metrics(tmp_path, tiny_path):
     assert last["train/rewards/margins"] > 0  # desirable rows pulled up, undesirable ones down
 
 
+@pytest.mark.parametrize("label", [True, False])
+def test_rows_all_of_one_label_train_and_log_their_side_only(tmp_path, write_jsonl, label):
+    """Legitimate (TRL trains on it): the loss is finite, the policy moves, the absent side's metrics are not logged."""
+    record = LoggedSteps()
+    rows = [{"prompt": f"sort {i}{i + 2}:", "completion": f" {i}{i + 2}", "label": label} for i in range(8)]
+    data = UnpairedPreferenceDataModule(path=write_jsonl(rows), batch_size=4, max_length=32, val_split=None)
+    with pytest.warns(UserWarning, match="every row is"):
+        fit(KTOModule(model="builtin:tiny", learning_rate=1e-3), data, tmp_path, max_steps=2, callbacks=[record])
+    present, absent = ("chosen", "rejected") if label else ("rejected", "chosen")
+    for step in record.steps:
+        assert math.isfinite(step["train/loss"]) and math.isfinite(step[f"train/rewards/{present}"])
+        assert f"train/rewards/{absent}" not in step and "train/rewards/margins" not in step
+
+
 @pytest.mark.parametrize("settings,message", [
     ({"loss_type": "sigmoid"}, "model.loss_type 'sigmoid': expected one of"),
     ({"sync_ref_model": True, "peft_config": {"r": 2}}, "model.sync_ref_model needs a reference model in memory"),

@@ -124,6 +124,22 @@ def test_lora_trains_adapters_and_the_score_head_and_both_exports_score_alike(tm
         assert_rounding_close(logits, torch.cat([chosen, rejected]), terms=TINY_TERMS, msg=str(path))
 
 
+def test_the_default_lora_export_an_adapter_scores_as_a_grpo_reward_model(tmp_path, pairs_file):
+    """``export_merged: false`` (the default) writes the adapter with its score head: GRPO's reward model loads it on
+    its base model and gives the trained module's rewards, not a fresh random head's."""
+    rm = module(learning_rate=1e-2, peft_config={"r": 4, "lora_alpha": 8, "target_modules": "all-linear"})
+    fit(rm, data(pairs_file), tmp_path, max_steps=2, callbacks=[HFExport(path=str(tmp_path / "rm"))])
+    assert (tmp_path / "rm" / "adapter_config.json").exists()
+    with torch.no_grad():
+        chosen, _ = rm.rewards(first_batch(pairs_file))
+    rows = [json.loads(line) for line in open(pairs_file)][:4]
+    for seed in (0, 1):  # a head drawn at load would differ from seed to seed
+        torch.manual_seed(seed)
+        scores = RewardModel(str(tmp_path / "rm"))(prompts=[r["prompt"] for r in rows],
+                                                  completions=[r["chosen"] for r in rows])
+        assert_rounding_close(scores, chosen, terms=TINY_TERMS, msg=f"adapter export, seed {seed}")
+
+
 def test_bad_settings_are_one_line_naming_the_field(pairs_file, tmp_path):
     with pytest.raises(LitAlignError, match=r"^model.center_rewards_coefficient must be >= 0 or null, got -1"):
         RewardModule(center_rewards_coefficient=-1.0)

@@ -15,6 +15,7 @@ import torch
 from helpers import TOOL_ROW, fit, read_metrics
 
 from lit_align.data.completions import CompletionDataModule, collate_completions, tokenize_completion
+from lit_align.errors import LitAlignError
 from lit_align.modules.sft import SFTModule, sft_token_stats
 from numerics import TINY_TERMS, assert_rounding_close, formula
 
@@ -228,3 +229,28 @@ def test_short_sft_run_lowers_the_loss(tmp_path, tiny_path):
     assert val["val/loss"] < 1.3  # measured: 1.02
     assert 0.55 < val["val/mean_token_accuracy"] <= 1.0  # measured: 0.67
     assert 0.0 <= val["val/exact_match"] <= 1.0
+
+
+class PoisonAtBatch(L.Callback):
+    """Before batch 1, NaN in the final norm: every row's loss is NaN (what a diverging run or bad weights give)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 1:
+            self.dataset_rows = sorted(set(batch["dataset_rows"].tolist()))
+            pl_module.policy.model.norm.weight.data.fill_(math.nan)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_nonfinite_loss_names_the_batchs_dataset_rows(tmp_path, write_jsonl, packing):
+    """SFT's loss is a token mean (no per-row losses): the guard names every dataset row of the batch, packed or not."""
+    path = write_jsonl([{"prompt": f"sort {i}{i + 3}:", "completion": f" {i}{i + 3}"} for i in range(12)])
+    data = CompletionDataModule(path, tokenizer="builtin:tiny", val_split=None, batch_size=4 if not packing else 2,
+                                shuffle=False, max_length=32, packing=packing)
+    poison = PoisonAtBatch()
+    with pytest.raises(LitAlignError) as error:
+        fit(SFTModule(model="builtin:tiny"), data, tmp_path, max_steps=2, callbacks=[poison])
+    assert str(error.value) == (f"non-finite training loss (nan) at step 1, batch 1 (dataset rows "
+                                f"{poison.dataset_rows}); nothing was updated (set model.on_nonfinite_loss: skip to "
+                                "skip such batches)")
+    if not packing:
+        assert poison.dataset_rows == [4, 5, 6, 7]
