@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Callable
 
 from lit_align.errors import LitAlignError
-from lit_align.generation.tools import ToolRollout, _as_rollout, _left_pad, _Row
+from lit_align.generation.tools import RowTurns, ToolRollout, as_tool_rollout, left_pad
 
 ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 
@@ -55,11 +55,11 @@ def rollout_from_output(output: dict, name: str, rows: int, eos_token_ids: list[
             raise LitAlignError(f"{where}: {key!r} has {got} values for {rows} completions (a reward-function column: "
                                 "one value per completion)")
     ends = set(eos_token_ids) | {pad_token_id}
-    rows_ = [_Row(p, c, mask[i] if mask is not None else [1] * len(c),
+    rows_ = [RowTurns(p, c, mask[i] if mask is not None else [1] * len(c),
                   None if logps is None else [float(v) for v in logps[i]], [])
              for i, (p, c) in enumerate(zip(prompts, completions))]
-    rollout = _as_rollout(rows_, [c[-1] not in ends for c in completions], [0, 0], pad_token_id, device)
-    rollout.prompt_ids, rollout.prompt_mask = _left_pad(prompts, pad_token_id, device)
+    rollout = as_tool_rollout(rows_, [c[-1] not in ends for c in completions], [0, 0], pad_token_id, device)
+    rollout.prompt_ids, rollout.prompt_mask = left_pad(prompts, pad_token_id, device)
     rollout.messages = None
     if mask is None:
         rollout.tool_mask = None

@@ -214,7 +214,7 @@ class ToolRollout(Rollout):
 
 
 @dataclass
-class _Row:
+class RowTurns:
     """One completion as the loop grows it: plain lists, sampled turns and tool turns appended."""
 
     prompt: list[int]
@@ -261,7 +261,7 @@ class ToolLoop:
         message["content"] = content.removesuffix(tokenizer.eos_token or "")
         return message
 
-    def answer_calls(self, row: _Row, tools: dict[str, Callable], counts: list[int]) -> bool:
+    def answer_calls(self, row: RowTurns, tools: dict[str, Callable], counts: list[int]) -> bool:
         """Run the tools ``row``'s last turn calls and append their results as tool turns (tokens out of the loss,
         log-probs 0), counting calls and failures in ``counts``. False, the row left as it was, when the results
         would not fit in ``max_completion_length`` / ``max_model_length``: the row then ends."""
@@ -300,7 +300,7 @@ class ToolLoop:
         for i, (ids, mask) in enumerate(zip(first.completion_ids, first.completion_mask)):
             sampled = ids[mask.bool()].tolist()
             logps = None if first.logps is None else first.logps[i][mask.bool()].tolist()
-            rows.append(_Row(prompts[i // num_samples], sampled, [1] * len(sampled), logps, []))
+            rows.append(RowTurns(prompts[i // num_samples], sampled, [1] * len(sampled), logps, []))
         tools = row_tools or [self.tools] * len(rows)
         schemas = [self.schemas if row_tools is None else [tool_schema(t) for t in r.values()] for r in tools]
         calling = []  # rows whose last turn called tools
@@ -318,7 +318,7 @@ class ToolLoop:
                     contexts.append(rows[i].prompt + rows[i].ids)
             if not continuing:
                 break
-            ids, mask = _left_pad(contexts, pad_token_id, prompt_ids.device)
+            ids, mask = left_pad(contexts, pad_token_id, prompt_ids.device)
             turn = engine.generate(model, ids, mask, 1, eos_token_ids, pad_token_id)
             calling = []
             for k, i in enumerate(continuing):
@@ -336,7 +336,7 @@ class ToolLoop:
             iteration += 1
         ends = set(eos_token_ids) | {pad_token_id}  # TRL's rule: a completion not ending in EOS was cut
         truncated = [not row.ids or row.ids[-1] not in ends for row in rows]
-        return _as_rollout(rows, truncated, counts, pad_token_id, prompt_ids.device)
+        return as_tool_rollout(rows, truncated, counts, pad_token_id, prompt_ids.device)
 
 
 def _named_calls(calls) -> bool:
@@ -352,14 +352,14 @@ def _named_calls(calls) -> bool:
     return True
 
 
-def _left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
     return ids, mask
 
 
-def _as_rollout(rows: list[_Row], truncated: list[bool], counts: list[int], pad: int, device) -> ToolRollout:
+def as_tool_rollout(rows: list[RowTurns], truncated: list[bool], counts: list[int], pad: int, device) -> ToolRollout:
     width = max(1, max(len(r.ids) for r in rows))
 
     def right_pad(values: list[list], fill) -> torch.Tensor:
