@@ -44,6 +44,8 @@ class Recipe:
             them starts from the previous stage's export.
         measured: the stages the eval config measures (None: every one; a reward model is no policy to measure).
         held_out: stage -> ``(metric, label)``: a held-out figure the stage logs itself, printed under the table.
+        eval_overrides: extra ``lit-align validate`` arguments of every eval (e.g. the task, where it is not the
+            eval config's).
     """
 
     configs: dict[str, str]
@@ -57,7 +59,10 @@ class Recipe:
     inputs: dict[str, dict[str, str]] = field(default_factory=dict)
     measured: tuple[str, ...] | None = None
     held_out: dict[str, tuple[str, str]] = field(default_factory=dict)
+    eval_overrides: list[str] = field(default_factory=list)
 
+
+WORDS = ["--data.init_args.path", "builtin:arith-words"]
 
 RECIPES = {
     # The built-in sort task from scratch with builtin:tiny. DPO starts from the SFT model, whose greedy answers the
@@ -90,6 +95,30 @@ RECIPES = {
                  "format": "val/rewards/arith_format/mean"},
         root="runs/smollm2",
         base_model="pretrained:smollm2-135m-instruct",  # `make pretrained` fetches it once
+        quick=["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+               "--data.init_args.val_batch_size", "4"],
+        plots=[("sft", "train/loss", "SFT train loss"),
+               ("sft", "train/mean_token_accuracy", "SFT train token accuracy"),
+               ("dpo", "train/loss", "DPO train loss"),
+               ("dpo", "train/rewards/accuracies", "DPO train reward accuracy"),
+               ("grpo", "train/reward", "GRPO train reward"),
+               ("grpo", "train/completions/mean_length", "GRPO completion length")],
+        held_out={"dpo": ("val/rewards/accuracies", "DPO held-out preference (reward) accuracy")},
+    ),
+    # The same chain on builtin:arith-words: SFT and DPO see the bare problems ("Compute 59 + 63."), GRPO and every
+    # eval the same + and * problems as word problems in ten phrasings, so which operation a story asks for is the
+    # reward's to teach (issue 39: on builtin:arith, whose headroom is subtraction the model only guesses, GRPO moved
+    # held-out accuracy by -5 to -1 points). GRPO: 20 steps of 32 completions (8 prompts x 8 a round), lr 2e-5.
+    "smollm2-words": Recipe(
+        configs={stage: f"configs/{stage}_smollm2.yaml" for stage in STAGES},
+        eval_config="configs/eval_smollm2.yaml",
+        columns={"accuracy": "val/rewards/last_number_match/mean", "exact": "val/rewards/arith_exact/mean",
+                 "format": "val/rewards/arith_format/mean"},
+        root="runs/smollm2-words",
+        base_model="pretrained:smollm2-135m-instruct",
+        overrides={"sft": WORDS, "dpo": WORDS,
+                   "grpo": WORDS + ["--data.init_args.batch_size", "32", "--trainer.max_steps", "20"]},
+        eval_overrides=WORDS,
         quick=["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
                "--data.init_args.val_batch_size", "4"],
         plots=[("sft", "train/loss", "SFT train loss"),
@@ -151,7 +180,7 @@ def evaluate(recipe: Recipe, model: str, root: Path, name: str, quick: bool) -> 
     args = ["validate", "-c", recipe.eval_config, "--model.init_args.model", model,
             "--trainer.logger.init_args.save_dir", str(root), "--trainer.logger.init_args.name", f"eval-{name}",
             "--trainer.logger.init_args.version", "run", "--trainer.enable_progress_bar", "false"]
-    metrics = cli(args + (recipe.quick if quick else [])).trainer.callback_metrics
+    metrics = cli(args + recipe.eval_overrides + (recipe.quick if quick else [])).trainer.callback_metrics
     return {column: float(metrics[metric]) for column, metric in recipe.columns.items()}
 
 

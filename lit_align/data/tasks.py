@@ -210,6 +210,65 @@ class ArithmeticTask(GeneratedTask):
         })
 
 
+class ArithWordsTask(ArithmeticTask):
+    """The arith task's + and * as word problems only, with demonstrations of the bare problems: what GRPO's reward
+    teaches that SFT's rows do not show.
+
+    SFT rows and preference pairs ask the bare problem (``"Compute 59 + 63."``, the answer format and the arithmetic);
+    prompt rows (GRPO, and the held-out eval of every stage) ask the same problems as one-step word problems over more
+    phrasings than the arith task has, so reading which operation a story asks for (``"every day for 4 days"``: *) is
+    learnt from the reward alone. No subtraction: SmolLM2-135M's two-digit differences are guesses (greedy 0.05-0.12
+    on the arith task's test prompts after SFT and DPO), which no reward sharpens. Train and test share no
+    ``(operation, a, b)``; within a split a problem may come back in another wording (the 2-9 times table has 64).
+    """
+
+    name = "arith-words"
+    WORDED = {
+        "+": ("{n} has {a} {i} and gets {b} more. How many {i} does {n} have now?",
+              "A shelf holds {a} {i} and another holds {b}. How many {i} are there in all?",
+              "{n} found {a} {i} on Monday and {b} on Tuesday. How many {i} did {n} find?",
+              "There are {a} red {i} and {b} blue {i}. How many {i} are there altogether?",
+              "{n} collected {a} {i} and a friend gave {n} {b} more. How many {i} does {n} have?"),
+        "*": ("{n} buys {a} bags with {b} {i} in each. How many {i} does {n} buy?",
+              "There are {a} boxes and each box holds {b} {i}. How many {i} are there in total?",
+              "{n} gets {b} {i} every day for {a} days. How many {i} does {n} get?",
+              "{a} children each have {b} {i}. How many {i} do they have together?",
+              "A table has {a} rows of {b} {i}. How many {i} are on the table?"),
+    }
+
+    def _draw(self, n: int, seed: int, exclude: set) -> list[dict]:
+        rng = random.Random(seed)
+        out: list[dict] = []
+        seen: set = set()  # (operation, a, b, wording): a problem may come back in another story (8 * 9 has 64 keys)
+        while len(out) < n:
+            op = rng.choice("+*")
+            a, b = (rng.randint(2, 9), rng.randint(2, 9)) if op == "*" else (rng.randint(10, 99), rng.randint(10, 99))
+            text = rng.choice(self.WORDED[op]).format(n=rng.choice(self.NAMES), i=rng.choice(self.ITEMS), a=a, b=b)
+            if (op, a, b) in exclude or (op, a, b, text) in seen:
+                continue
+            seen.add((op, a, b, text))
+            out.append({"key": (op, a, b), "text": text, "bare": f"Compute {a} {op} {b}.",
+                        "equation": self.equation(op, a, b), "answer": str(self.OPS[op](a, b))})
+        return out
+
+    def _demonstrated(self, split: str) -> list[dict]:
+        return [{**p, "text": p["bare"]} for p in self._problems(split)]
+
+    def completion_rows(self, split: str) -> Dataset:
+        problems = self._demonstrated(split)
+        return Dataset.from_dict({"prompt": [self._prompt(p["text"]) for p in problems],
+                                  "completion": [[{"role": "assistant", "content": p["equation"]}] for p in problems]})
+
+    def preference_rows(self, split: str) -> Dataset:
+        rng = random.Random(100 + SPLIT_SEEDS[split])
+        problems = self._demonstrated(split)
+        return Dataset.from_dict({
+            "prompt": [self._prompt(p["text"]) for p in problems],
+            "chosen": [[{"role": "assistant", "content": p["equation"]}] for p in problems],
+            "rejected": [[{"role": "assistant", "content": self.wrong_answer(p["key"], rng)}] for p in problems],
+        })
+
+
 class ModSumEnvironment:
     """The modsum task's environment (GRPO's ``model.environment_factory: lit_align.data.tasks.ModSumEnvironment``):
     a calculator that has read the question, so its one tool, ``compute``, takes no arguments."""
@@ -318,4 +377,4 @@ class ModSumTask(GeneratedTask):
         raise LitAlignError("builtin:modsum has prompts (GRPO) and SFT rows, no preference pairs")
 
 
-BUILTIN_TASKS = {"sort": SortTask, "arith": ArithmeticTask, "modsum": ModSumTask}
+BUILTIN_TASKS = {"sort": SortTask, "arith": ArithmeticTask, "arith-words": ArithWordsTask, "modsum": ModSumTask}

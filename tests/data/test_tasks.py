@@ -60,6 +60,38 @@ def test_arith_rewards_score_format_and_result():
     assert arith_format(["9 * 8 = 72", "9 * 8 is 72", "72"]) == [1.0, 0.0, 0.0]
 
 
+def test_arith_words_asks_word_problems_and_demonstrates_the_bare_ones():
+    """builtin:arith-words: prompt rows (GRPO, the eval) are + and * word problems; SFT rows and pairs ask the same
+    problems bare, with the same answers; train and test share no (operation, a, b)."""
+    from lit_align.data.sources import BUILTIN_PREFIX
+    from lit_align.data.tasks import BUILTIN_TASKS, ArithWordsTask
+
+    assert BUILTIN_TASKS["arith-words"] is ArithWordsTask and BUILTIN_PREFIX == "builtin:"
+    task = ArithWordsTask()
+    train, test = task._problems("train"), task._problems("test")
+    assert (len(train), len(test)) == (1000, 100)
+    assert not {p["key"] for p in train} & {p["key"] for p in test}
+    assert len({(p["key"], p["text"]) for p in train}) == 1000  # a problem comes back only in another wording
+    for split, problems in (("train", train), ("test", test)):
+        assert {p["key"][0] for p in problems} == {"+", "*"}
+        prompts, sft = task.prompt_rows(split), task.completion_rows(split)
+        pairs = task.preference_rows(split)
+        for p, prompt, demo, pair_prompt, chosen, answer in zip(problems, prompts["prompt"], sft["prompt"],
+                                                                pairs["prompt"], sft["completion"], prompts["answer"]):
+            op, a, b = p["key"]
+            assert answer == str({"+": a + b, "*": a * b}[op])
+            assert prompt[0] == demo[0] == {"role": "system", "content": ArithWordsTask.INSTRUCTION}
+            assert "How many" in prompt[1]["content"] and not prompt[1]["content"].startswith("Compute")
+            assert demo[1]["content"] == pair_prompt[1]["content"] == f"Compute {a} {op} {b}."
+            assert chosen == [{"role": "assistant", "content": f"{a} {op} {b} = {answer}"}]
+        assert arith_exact(pairs["chosen"], prompts["answer"]) == [1.0] * len(problems)
+        assert last_number_match(pairs["rejected"], prompts["answer"]) == [0.0] * len(problems)
+    used = {template for op in "+*" for template in ArithWordsTask.WORDED[op]
+            if any(p["text"] == template.format(n=n, i=i, a=p["key"][1], b=p["key"][2])
+                   for p in train if p["key"][0] == op for n in ArithWordsTask.NAMES for i in ArithWordsTask.ITEMS)}
+    assert len(used) == 10  # every phrasing is drawn
+
+
 def test_lit_align_validates_a_model_on_the_arith_task(tmp_path, tiny_path):
     """`lit-align validate -c configs/eval_smollm2.yaml` reads the task's chat prompts and scores greedy answers with
     its three rewards (here on the built-in tiny model: figures in [0, 1], the format never met)."""

@@ -80,3 +80,15 @@ def test_quick_smollm2_job_chains_stages_from_the_pretrained_model(tmp_path, cap
     assert "DPO held-out preference (reward) accuracy:" in out
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / "hf_model")
+
+
+@pytest.mark.slow
+def test_quick_smollm2_words_job_runs_every_stage_and_eval_on_the_word_problems(tmp_path, capsys, user_cache):
+    """`--recipe smollm2-words`: the smollm2 chain with builtin:arith-words given to every stage and every eval."""
+    pipeline.main(["--recipe", "smollm2-words", "--quick", "--root", str(tmp_path)])
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["sft"], ["dpo"], ["grpo"])]
+    assert [row[0] for row in table] == ["base", "sft", "dpo", "grpo"]
+    for run in ("sft", "dpo", "grpo", "eval-base", "eval-sft", "eval-dpo", "eval-grpo"):
+        assert "path: builtin:arith-words" in (tmp_path / run / "run" / "config.yaml").read_text()
+    assert f"model: {tmp_path}/dpo/hf_model" in (tmp_path / "grpo" / "run" / "config.yaml").read_text()
