@@ -3,7 +3,8 @@ stage's held-out figure before and after.
 
     python -m lit_align.pipeline                          # the toy job on the sort task; runs/pipeline/curves.png
     python -m lit_align.pipeline --quick                  # a few steps per stage (what CI runs)
-    python -m lit_align.pipeline --recipe smollm2         # SmolLM2-135M-Instruct on the arith task (make demo-real)
+    python -m lit_align.pipeline --recipe smollm2-words   # SmolLM2-135M-Instruct on arith word problems (make demo-real)
+    python -m lit_align.pipeline --recipe smollm2         # the same on the plain arith task (make demo-real-arith)
     python -m lit_align.pipeline --recipe learned-reward  # SFT -> reward model -> GRPO with the learned reward
 
 Each stage is an ordinary ``lit-align fit -c configs/<stage>.yaml`` (run in this process through ``cli.run``) whose
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from lit_align.cli import run as cli
@@ -63,6 +64,29 @@ class Recipe:
 
 
 WORDS = ["--data.init_args.path", "builtin:arith-words"]
+DPO_HELD_OUT = {"dpo": ("val/rewards/accuracies", "DPO held-out preference (reward) accuracy")}
+
+
+def chain_plots(sft: tuple[str, str], dpo: tuple[str, str], grpo: tuple[str, str]) -> list[tuple[str, str, str]]:
+    """The SFT -> DPO -> GRPO chains' curves: each stage's train loss (GRPO's reward) and one figure of its own."""
+    return [("sft", "train/loss", "SFT train loss"), ("sft", *sft), ("dpo", "train/loss", "DPO train loss"),
+            ("dpo", *dpo), ("grpo", "train/reward", "GRPO train reward"), ("grpo", *grpo)]
+
+
+SMOLLM2 = Recipe(
+    configs={stage: f"configs/{stage}_smollm2.yaml" for stage in STAGES},
+    eval_config="configs/eval_smollm2.yaml",
+    columns={"accuracy": "val/rewards/last_number_match/mean", "exact": "val/rewards/arith_exact/mean",
+             "format": "val/rewards/arith_format/mean"},
+    root="runs/smollm2",
+    base_model="pretrained:smollm2-135m-instruct",  # `make pretrained` fetches it once
+    quick=["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+           "--data.init_args.val_batch_size", "4"],
+    plots=chain_plots(("train/mean_token_accuracy", "SFT train token accuracy"),
+                      ("train/rewards/accuracies", "DPO train reward accuracy"),
+                      ("train/completions/mean_length", "GRPO completion length")),
+    held_out=DPO_HELD_OUT,
+)
 
 RECIPES = {
     # The built-in sort task from scratch with builtin:tiny. DPO starts from the SFT model, whose greedy answers the
@@ -77,58 +101,23 @@ RECIPES = {
         overrides={"dpo": ["--model.init_args.learning_rate", "3.0e-4", "--model.init_args.loss_type",
                            "[sigmoid, sft]", "--trainer.max_steps", "300"]},
         quick=["--trainer.max_steps", "4", "--trainer.val_check_interval", "4", "--trainer.limit_val_batches", "1"],
-        plots=[("sft", "train/loss", "SFT train loss"),
-               ("sft", "val/exact_match", "SFT held-out exact match"),
-               ("dpo", "train/loss", "DPO train loss"),
-               ("dpo", "val/rewards/accuracies", "DPO held-out reward accuracy"),
-               ("grpo", "train/reward", "GRPO train reward"),
-               ("grpo", "val/reward", "GRPO held-out reward (greedy)")],
-        held_out={"dpo": ("val/rewards/accuracies", "DPO held-out preference (reward) accuracy")},
+        plots=chain_plots(("val/exact_match", "SFT held-out exact match"),
+                          ("val/rewards/accuracies", "DPO held-out reward accuracy"),
+                          ("val/reward", "GRPO held-out reward (greedy)")),
+        held_out=DPO_HELD_OUT,
     ),
     # SmolLM2-135M-Instruct on the built-in arith task; the configs say why each setting is what it is. Measured
     # (100 held-out prompts, last-number accuracy): base 0.05 -> SFT 0.52 -> DPO 0.55 -> GRPO 0.50 (8 steps), DPO
     # held-out preference accuracy 1.0; 5.6 min on 2 quiet cores (24 min on 2 cores shared at load 5-8).
-    "smollm2": Recipe(
-        configs={stage: f"configs/{stage}_smollm2.yaml" for stage in STAGES},
-        eval_config="configs/eval_smollm2.yaml",
-        columns={"accuracy": "val/rewards/last_number_match/mean", "exact": "val/rewards/arith_exact/mean",
-                 "format": "val/rewards/arith_format/mean"},
-        root="runs/smollm2",
-        base_model="pretrained:smollm2-135m-instruct",  # `make pretrained` fetches it once
-        quick=["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-               "--data.init_args.val_batch_size", "4"],
-        plots=[("sft", "train/loss", "SFT train loss"),
-               ("sft", "train/mean_token_accuracy", "SFT train token accuracy"),
-               ("dpo", "train/loss", "DPO train loss"),
-               ("dpo", "train/rewards/accuracies", "DPO train reward accuracy"),
-               ("grpo", "train/reward", "GRPO train reward"),
-               ("grpo", "train/completions/mean_length", "GRPO completion length")],
-        held_out={"dpo": ("val/rewards/accuracies", "DPO held-out preference (reward) accuracy")},
-    ),
-    # The same chain on builtin:arith-words: SFT and DPO see the bare problems ("Compute 59 + 63."), GRPO and every
-    # eval the same + and * problems as word problems in ten phrasings, so which operation a story asks for is the
-    # reward's to teach (issue 39: on builtin:arith, whose headroom is subtraction the model only guesses, GRPO moved
+    "smollm2": SMOLLM2,
+    # The same chain on builtin:arith-words (make demo-real): SFT and DPO see the bare problems ("Compute 59 + 63."),
+    # GRPO and every eval the same + and * problems as word problems in ten phrasings, so which operation a story asks
+    # for is the reward's to teach (on builtin:arith, whose headroom is subtraction the model only guesses, GRPO moved
     # held-out accuracy by -5 to -1 points). GRPO: 20 steps of 32 completions (8 prompts x 8 a round), lr 2e-5.
-    "smollm2-words": Recipe(
-        configs={stage: f"configs/{stage}_smollm2.yaml" for stage in STAGES},
-        eval_config="configs/eval_smollm2.yaml",
-        columns={"accuracy": "val/rewards/last_number_match/mean", "exact": "val/rewards/arith_exact/mean",
-                 "format": "val/rewards/arith_format/mean"},
-        root="runs/smollm2-words",
-        base_model="pretrained:smollm2-135m-instruct",
+    "smollm2-words": replace(
+        SMOLLM2, root="runs/smollm2-words", eval_overrides=WORDS,
         overrides={"sft": WORDS, "dpo": WORDS,
-                   "grpo": WORDS + ["--data.init_args.batch_size", "32", "--trainer.max_steps", "20"]},
-        eval_overrides=WORDS,
-        quick=["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
-               "--data.init_args.val_batch_size", "4"],
-        plots=[("sft", "train/loss", "SFT train loss"),
-               ("sft", "train/mean_token_accuracy", "SFT train token accuracy"),
-               ("dpo", "train/loss", "DPO train loss"),
-               ("dpo", "train/rewards/accuracies", "DPO train reward accuracy"),
-               ("grpo", "train/reward", "GRPO train reward"),
-               ("grpo", "train/completions/mean_length", "GRPO completion length")],
-        held_out={"dpo": ("val/rewards/accuracies", "DPO held-out preference (reward) accuracy")},
-    ),
+                   "grpo": WORDS + ["--data.init_args.batch_size", "32", "--trainer.max_steps", "20"]}),
     # The built-in sort task with a learned reward: SFT from scratch, a reward model from the SFT model trained on the
     # task's preference pairs, then GRPO from the SFT model scored by that reward model alone; the task's own score
     # (held-out exact match) only measures.

@@ -195,14 +195,18 @@ class ArithmeticTask(GeneratedTask):
         return Dataset.from_dict({"prompt": [self._prompt(p["text"]) for p in problems],
                                   "answer": [p["answer"] for p in problems]})
 
+    def _demonstrated(self, split: str) -> list[dict]:
+        """The problems SFT's completions and DPO's pairs answer (the prompts' own here)."""
+        return self._problems(split)
+
     def completion_rows(self, split: str) -> Dataset:
-        problems = self._problems(split)
+        problems = self._demonstrated(split)
         return Dataset.from_dict({"prompt": [self._prompt(p["text"]) for p in problems],
                                   "completion": [[{"role": "assistant", "content": p["equation"]}] for p in problems]})
 
     def preference_rows(self, split: str) -> Dataset:
         rng = random.Random(100 + SPLIT_SEEDS[split])
-        problems = self._problems(split)
+        problems = self._demonstrated(split)
         return Dataset.from_dict({
             "prompt": [self._prompt(p["text"]) for p in problems],
             "chosen": [[{"role": "assistant", "content": p["equation"]}] for p in problems],
@@ -252,21 +256,8 @@ class ArithWordsTask(ArithmeticTask):
         return out
 
     def _demonstrated(self, split: str) -> list[dict]:
+        """SFT's and DPO's rows ask the problems bare."""
         return [{**p, "text": p["bare"]} for p in self._problems(split)]
-
-    def completion_rows(self, split: str) -> Dataset:
-        problems = self._demonstrated(split)
-        return Dataset.from_dict({"prompt": [self._prompt(p["text"]) for p in problems],
-                                  "completion": [[{"role": "assistant", "content": p["equation"]}] for p in problems]})
-
-    def preference_rows(self, split: str) -> Dataset:
-        rng = random.Random(100 + SPLIT_SEEDS[split])
-        problems = self._demonstrated(split)
-        return Dataset.from_dict({
-            "prompt": [self._prompt(p["text"]) for p in problems],
-            "chosen": [[{"role": "assistant", "content": p["equation"]}] for p in problems],
-            "rejected": [[{"role": "assistant", "content": self.wrong_answer(p["key"], rng)}] for p in problems],
-        })
 
 
 class ModSumEnvironment:

@@ -67,7 +67,7 @@ SMOLLM2 = "pretrained:smollm2-135m-instruct"  # `make test-slow` fetches it firs
 
 @pytest.mark.slow
 def test_quick_smollm2_job_chains_stages_from_the_pretrained_model(tmp_path, capsys, user_cache):
-    """`make demo-real`'s job in quick mode: base row first, each stage from the previous export, figures in [0, 1]."""
+    """`make demo-real-arith`'s job in quick mode: base row first, each stage from the previous export, figures in [0, 1]."""
     pipeline.main(["--recipe", "smollm2", "--quick", "--root", str(tmp_path)])
     out = capsys.readouterr().out
     table = [line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["sft"], ["dpo"], ["grpo"])]
