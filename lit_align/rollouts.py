@@ -4,7 +4,8 @@
 validation), the reward functions with their weights, and the tools / ``environment_factory`` / ``rollout_func`` a
 rollout may run instead of a plain sample. ``generate(module, batch, num_samples)`` turns a batch of prompts into a
 ``Generation``: per completion its prompt and completion ids and masks, the tool mask, the sampling log-probs (when the
-engine has them), every reward function's value, and TRL's rollout metrics. It knows nothing of advantages, old or
+engine has them) and every reward function's value; ``stats`` gives TRL's rollout metrics of one, and
+``generate_groups`` is DAPO's dynamic sampling over several batches. It knows nothing of advantages, old or
 reference log-probs or losses: those are the recipe's (``lit_align.modules.online``), so GRPO, RLOO and the recipes to
 come share it, and an asynchronous producer can run it elsewhere.
 

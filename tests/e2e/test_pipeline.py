@@ -65,13 +65,20 @@ def test_without_matplotlib_the_curves_are_skipped_with_one_line(tmp_path, capsy
 SMOLLM2 = "pretrained:smollm2-135m-instruct"  # `make test-slow` fetches it first (`make pretrained`)
 
 
-@pytest.mark.slow
-def test_quick_smollm2_job_chains_stages_from_the_pretrained_model(tmp_path, capsys, user_cache):
-    """`make demo-real-arith`'s job in quick mode: base row first, each stage from the previous export, figures in [0, 1]."""
-    pipeline.main(["--recipe", "smollm2", "--quick", "--root", str(tmp_path)])
+def quick_job(recipe: str, root, capsys) -> tuple[str, list[list[str]]]:
+    """``recipe``'s chain in quick mode under ``root``: what it printed, and its table's rows, one per stage."""
+    pipeline.main(["--recipe", recipe, "--quick", "--root", str(root)])
     out = capsys.readouterr().out
     table = [line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["sft"], ["dpo"], ["grpo"])]
     assert [row[0] for row in table] == ["base", "sft", "dpo", "grpo"]
+    return out, table
+
+
+@pytest.mark.slow
+def test_quick_smollm2_job_chains_stages_from_the_pretrained_model(tmp_path, capsys, user_cache):
+    """`make demo-real-arith`'s job in quick mode: base row first, each stage from the previous export, figures in
+    [0, 1]."""
+    out, table = quick_job("smollm2", tmp_path, capsys)
     for row in table:
         assert all(0.0 <= float(x) <= 1.0 for x in row[1:4])
     assert f"model: {SMOLLM2}" in (tmp_path / "sft" / "run" / "config.yaml").read_text()
@@ -85,10 +92,7 @@ def test_quick_smollm2_job_chains_stages_from_the_pretrained_model(tmp_path, cap
 @pytest.mark.slow
 def test_quick_smollm2_words_job_runs_every_stage_and_eval_on_the_word_problems(tmp_path, capsys, user_cache):
     """`--recipe smollm2-words`: the smollm2 chain with builtin:arith-words given to every stage and every eval."""
-    pipeline.main(["--recipe", "smollm2-words", "--quick", "--root", str(tmp_path)])
-    out = capsys.readouterr().out
-    table = [line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["sft"], ["dpo"], ["grpo"])]
-    assert [row[0] for row in table] == ["base", "sft", "dpo", "grpo"]
+    quick_job("smollm2-words", tmp_path, capsys)
     for run in ("sft", "dpo", "grpo", "eval-base", "eval-sft", "eval-dpo", "eval-grpo"):
         assert "path: builtin:arith-words" in (tmp_path / run / "run" / "config.yaml").read_text()
     assert f"model: {tmp_path}/dpo/hf_model" in (tmp_path / "grpo" / "run" / "config.yaml").read_text()
