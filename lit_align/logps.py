@@ -376,7 +376,7 @@ def next_token_logps(
     else:  # the logits of the positions in ``source`` only
         keep = torch.unique(source)
         logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=keep).logits
-        logits = logits[rows, torch.searchsorted(keep, source)]
+        logits = logits[rows, torch.searchsorted(keep, source.contiguous())]
     if temperature != 1.0:
         logits = logits / temperature
     return token_logps(logits, labels), plain_token_stats(logits, stats, entropy_grad)

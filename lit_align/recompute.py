@@ -51,4 +51,13 @@ def enable_checkpointing(model: torch.nn.Module, mode: bool | str) -> None:
     kwargs = {"use_reentrant": False}
     if mode == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_matmuls)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x's name; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_checkpointing(model: torch.nn.Module) -> None:
+    """Turn ``model``'s gradient checkpointing off (under either of transformers' names)."""
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    disable()

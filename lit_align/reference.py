@@ -56,6 +56,7 @@ from torch.utils.data import DataLoader
 from lit_align.capabilities import sharded_strategy
 from lit_align.errors import LitAlignError
 from lit_align.models import cache_dir, resolve
+from lit_align.recompute import disable_checkpointing
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -187,7 +188,7 @@ class FrozenReference(Reference):
         else:
             model = copy.deepcopy(module.policy)
             if module.hparams.gradient_checkpointing:
-                model.gradient_checkpointing_disable()
+                disable_checkpointing(model)
             self.model = frozen(model)
         # what a resume checks: the reference is re-read from its files, which may have been rewritten since
         self.read_identity(self.name or module.model_name, module._trainer)

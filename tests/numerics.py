@@ -65,15 +65,16 @@ def assert_rounding_close(actual, expected, *, scale=None, terms: int = 1, dtype
                           msg: str = "") -> None:
     """``actual`` equals ``expected`` up to the rounding of reductions of ``terms`` values of magnitude ``scale``
     (default: the largest ``|expected|``) computed in another order. Tensors or floats (or lists of them)."""
-    actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    actual, expected = (torch.as_tensor(v, dtype=torch.float64).detach() for v in (actual, expected))
     assert actual.shape == expected.shape, f"{msg}: shapes {tuple(actual.shape)} != {tuple(expected.shape)}"
     if scale is None:
         scale = expected.abs().max().item() if expected.numel() else 0.0
-    tol = rounding_tol(float(scale), terms, dtype)
+    scale = float(scale.detach()) if isinstance(scale, torch.Tensor) else float(scale)
+    tol = rounding_tol(scale, terms, dtype)
     error = (actual - expected).abs().max().item() if expected.numel() else 0.0
     _report(error, tol, msg)
     assert error <= tol, (f"{msg + ': ' if msg else ''}differ by {error:.3e}, more than the rounding of {terms} terms of "
-                          f"magnitude {float(scale):.3g} in {str(dtype).removeprefix('torch.')} ({tol:.3e})")
+                          f"magnitude {scale:.3g} in {str(dtype).removeprefix('torch.')} ({tol:.3e})")
 
 
 def assert_formula(actual, expected, msg: str = "") -> None:

@@ -4,6 +4,7 @@ LoRA (task SEQ_CLS), the export that AutoModelForSequenceClassification and GRPO
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -99,7 +100,7 @@ def test_the_export_loads_as_a_sequence_classifier_and_scores_as_a_grpo_reward_m
     with torch.no_grad():
         chosen, _ = rm.rewards(batch)
     # GRPO's reward model on the same text: prompt + completion, the EOS appended as the rows had it
-    rows = [json.loads(line) for line in open(pairs_file)][:4]
+    rows = [json.loads(line) for line in Path(pairs_file).read_text().splitlines()][:4]
     prompts, completions = [r["prompt"] for r in rows], [r["chosen"] for r in rows]
     scores = RewardModel(str(tmp_path / "rm"))(prompts=prompts, completions=completions)
     assert_rounding_close(scores, chosen, terms=TINY_TERMS, msg="GRPO's reward model vs the trained module")
@@ -132,7 +133,7 @@ def test_the_default_lora_export_an_adapter_scores_as_a_grpo_reward_model(tmp_pa
     assert (tmp_path / "rm" / "adapter_config.json").exists()
     with torch.no_grad():
         chosen, _ = rm.rewards(first_batch(pairs_file))
-    rows = [json.loads(line) for line in open(pairs_file)][:4]
+    rows = [json.loads(line) for line in Path(pairs_file).read_text().splitlines()][:4]
     for seed in (0, 1):  # a head drawn at load would differ from seed to seed
         torch.manual_seed(seed)
         scores = RewardModel(str(tmp_path / "rm"))(prompts=[r["prompt"] for r in rows],
