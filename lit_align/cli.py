@@ -15,6 +15,7 @@ import pickletools
 import re
 import shlex
 import sys
+import warnings
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -190,9 +191,18 @@ def main(args: list[str] | None = None) -> None:
     run(args)
 
 
+# Lightning's notices about what lit_align does on purpose, which a user can do nothing about: the frozen reference
+# (or teacher) stays in eval mode; on resume the callbacks come from the same config, so they are the ones that wrote
+# the checkpoint
+BY_DESIGN = (r"Found \d+ module\(s\) in eval mode at the start of training",
+             r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
+
+
 def run(args: list[str] | None = None) -> LightningCLI:
     """Run the CLI in this process and return it (``cli.trainer``, ``cli.model``); user errors exit with status 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for message in BY_DESIGN:
+        warnings.filterwarnings("ignore", message)
     from lit_align.data import AlignDataModule  # importing the packages registers every subclass by short name
     from lit_align.modules import AlignModule
 

@@ -64,6 +64,7 @@ def test_sync_moves_the_reference_exactly_on_schedule(tmp_path, tiny_path):
         assert not all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+@pytest.mark.filterwarnings("ignore:lit_align. resumed with another length")  # resumed with more steps on purpose
 def test_sync_reference_survives_resume(tmp_path, tiny_path):
     module = DPOModule(model="builtin:tiny", learning_rate=1e-2, sync_ref_model=True, ref_model_sync_steps=2)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="last", every_n_train_steps=3)

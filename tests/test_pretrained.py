@@ -77,6 +77,7 @@ def fit_args(root: Path, rows: str, max_steps: int, *extra: str) -> list[str]:
             "--model.init_args.learning_rate", "1e-3", *extra]
 
 
+@pytest.mark.filterwarnings("ignore:lit_align. resumed with another length")  # resumed with more steps on purpose
 def test_fit_from_a_gguf_file_exports_a_plain_hf_model_and_resumes(source, gguf_file, tmp_path, capfd):
     model, tokenizer = source
     rows = write_sort_rows(tmp_path / "pairs.jsonl", 16, "pairs")

@@ -244,7 +244,8 @@ def test_none_rewards_are_skipped_and_unscorable_completions_get_zero_advantage(
 
     # a function whose every value is None leaves the row unscorable: NaN reward, advantage 0, left out of stats
     module = GRPOModule(reward_funcs=["test_rewards.reward_length_or_none"])
-    r = round_for(module, tokenizer, ["a", "b"], ["1", "123", "12", "1"], {})
+    with pytest.warns(UserWarning, match=r"All reward functions returned None .*\(1 of 4 completions unscored\)"):
+        r = round_for(module, tokenizer, ["a", "b"], ["1", "123", "12", "1"], {})
     assert r.rewards[:1] == [1.0] and math.isnan(r.rewards[1])
     # group A = [1, NaN]: one scored value, no spread -> advantage 0; group B = [2, 1] -> +-1 / (std + 1e-4)
     b = 0.5 / (math.sqrt(0.5) + 1e-4)
@@ -257,7 +258,8 @@ def test_none_rewards_are_skipped_and_unscorable_completions_get_zero_advantage(
 def test_frac_reward_zero_std_ignores_unscorable_rows(tokenizer):
     module = GRPOModule(reward_funcs=["test_rewards.reward_length_or_none"])
     # G=4, one group: [1, NaN, 1, 1] -> the scored rewards are all equal: zero std, all advantages 0
-    r = round_for(module, tokenizer, ["a"], ["1", "123", "1", "1"], {}, num_generations=4)
+    with pytest.warns(UserWarning, match="All reward functions returned None"):
+        r = round_for(module, tokenizer, ["a"], ["1", "123", "1", "1"], {}, num_generations=4)
     assert r.advantages.tolist() == [0.0, 0.0, 0.0, 0.0]
     stats = {k: float(v) for k, v in r.stats.items()}
     assert stats["frac_reward_zero_std"] == 1.0

@@ -210,6 +210,8 @@ class AlignDataModule(L.LightningDataModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
+        if self.val_split is None and not self.val_fraction > 0 and self.trainer is not None:
+            self.trainer.limit_val_batches = 0  # no validation set: Lightning skips its loop (not an empty one)
         need_train = stage == "fit" and self.train_data is None
         need_val = self.val_data is None and (self.val_fraction > 0 or self.val_split is not None)
         if not (need_train or need_val):

@@ -42,8 +42,9 @@ def test_pairs_are_unpaired_in_blocks_desirable_rows_first_as_trl_does():
 
 
 def test_conversational_rows():
-    out = processed([{"prompt": [{"role": "user", "content": "sort 31:"}],
-                      "completion": [{"role": "assistant", "content": "13"}], "label": True}])
+    with pytest.warns(UserWarning, match="every row is desirable, none undesirable"):  # one row, one side
+        out = processed([{"prompt": [{"role": "user", "content": "sort 31:"}],
+                          "completion": [{"role": "assistant", "content": "13"}], "label": True}])
     tokenizer = load_tokenizer("builtin:tiny")
     full = tokenizer.apply_chat_template([{"role": "user", "content": "sort 31:"},
                                           {"role": "assistant", "content": "13"}], tokenize=True)
@@ -68,8 +69,9 @@ def test_collate_rotates_the_completions_for_the_mismatched_pairs():
 
 
 def test_rows_whose_prompt_fills_max_length_are_dropped():
-    out = processed([{"prompt": "sort 123456789:", "completion": " 1", "label": True},
-                     {"prompt": "s:", "completion": " 1", "label": False}], max_length=8)
+    with pytest.warns(UserWarning, match="every row is undesirable, none desirable"):  # the one row kept
+        out = processed([{"prompt": "sort 123456789:", "completion": " 1", "label": True},
+                         {"prompt": "s:", "completion": " 1", "label": False}], max_length=8)
     assert out["label"] == [False]
     with pytest.raises(LitAlignError, match="every row was dropped"):
         processed([{"prompt": "sort 123456789:", "completion": " 1", "label": True}], max_length=8)

@@ -135,6 +135,7 @@ def test_share_prompt_gives_the_plain_batch_numbers(tmp_path, tiny_path):
     assert all(abs(x - math.log(2)) > 1e-3 for x in outs[True]["loss"].tolist())  # policy != reference here
 
 
+@pytest.mark.filterwarnings("ignore:lit_align. resumed with another length")  # resumed with more steps on purpose
 def test_training_reference_frozen_checkpoint_and_resume(tmp_path, original):
     # -- 4 steps, checkpoint at step 4 -------------------------------------------------------------------------------
     record = Record()

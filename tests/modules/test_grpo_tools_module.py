@@ -107,6 +107,7 @@ def test_tool_turns_are_out_of_the_loss_and_the_metrics(run):
     assert metric_at(metrics, "train/tools/failure_frequency", 0) == pytest.approx(1 / 3)
 
 
+@pytest.mark.filterwarnings("ignore:lit_align. resumed with another length")  # resumed with more steps on purpose
 def test_a_round_with_tool_turns_resumes_exactly_mid_round(tmp_path, prompts_file, tiny_path):
     """A round of two steps: stopped after the first and resumed, the second step trains on the checkpointed round
     (its tool mask included) and its loss is the uninterrupted run's."""
