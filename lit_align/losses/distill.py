@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from lit_align.logps import _accumulate, _autocast_dtype, _Head, compute_dtype
 
 DISTILL_REDUCTIONS = ("batchmean", "sum", "none")
-DISTILL_CHUNK_LOGITS = 2**22  # logits per chunk (positions x vocabulary): 16 MB for each fp32 temporary
+DISTILL_CHUNK_LOGITS = 2**24  # logits per chunk (positions x vocabulary): 64 MB per fp32 temporary; 110 rows at 152k
 
 
 class Projection(NamedTuple):
@@ -216,9 +216,10 @@ def chunked_generalized_jsd(
     ``student.hidden`` ``[N, T, H]`` (any ``[..., H]``); ``teacher``: its logits ``[N, T, V]`` or a ``Projection``
     (its own hidden size; the vocabulary must be the student's); ``mask`` ``[N, T]``: only these positions meet the
     heads. Values and gradients (w.r.t. the student's hidden states, weight and bias) are those of
-    ``generalized_jsd(scale * (hidden @ weight.T + bias), teacher logits, ...)`` up to rounding; the largest tensors
-    made are ``[chunk_size, V]`` (default: ``DISTILL_CHUNK_LOGITS // V`` positions). The student's matmul runs in the
-    autocast dtype if autocast is on, else in ``hidden``'s; the divergence in fp32 (fp64 for fp64).
+    ``generalized_jsd(scale * (hidden @ weight.T + bias), teacher logits, ...)`` up to rounding, and no
+    vocabulary-wide tensor it makes holds more than ``chunk_size`` positions (default: ``DISTILL_CHUNK_LOGITS // V``).
+    The student's matmul runs in the autocast dtype if autocast is on, else in ``hidden``'s; the divergence in fp32
+    (fp64 for fp64).
     """
     check_divergence(beta, temperature, reduction)
     shape, vocab = student.hidden.shape[:-1], student.weight.shape[0]

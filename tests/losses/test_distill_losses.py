@@ -283,6 +283,17 @@ def test_chunked_makes_no_tensor_of_all_positions_by_vocabulary(teacher_kind):
     assert 0 < chunked.most_rows_of_vocabulary_width() <= 4
 
 
+def test_default_chunks_hold_distill_chunk_logits(monkeypatch):
+    import lit_align.losses.distill as distill
+
+    monkeypatch.setattr(distill, "DISTILL_CHUNK_LOGITS", 3 * V + 1)  # room for 3 positions of the vocabulary
+    hidden, weight, b = student_head()
+    teacher, _ = teacher_of("logits")
+    with NewTensors() as chunked:
+        chunked_generalized_jsd(Projection(hidden, weight, b), teacher).backward()
+    assert chunked.most_rows_of_vocabulary_width() == 3
+
+
 # -- top-k teacher ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tail", [True, False])
 @pytest.mark.parametrize("beta", BETAS)
