@@ -29,7 +29,7 @@ What both sides get, so that they do the same work:
     printed), as policy and as the reference (a second copy: TRL loads it again, lit_align deep-copies the policy);
   - the same rows (the built-in sort preference pairs), the same batches in the same order (no shuffling), the same
     ``max_length``, tokenization and right padding;
-  - AdamW (``torch.optim.AdamW``, TRL's ``optim="adamw_torch"``; ``--optim adamw_torch_fused``: fused), the same
+  - fused AdamW (TRL's and lit_align's default ``optim="adamw_torch_fused"``; ``--optim adamw_torch``: the loop), the same
     constant learning rate, no weight decay, gradient clipping at 1.0 (TRL's default, set on Lightning), no gradient
     checkpointing (TRL's default is turned off; ``--checkpointing selective`` gives lit_align its selective one,
     ``full`` both sides transformers' own), no mixed precision (TRL's ``bf16`` default is turned off), CPU,
@@ -119,7 +119,8 @@ def run_lit(args, spec: dict, on_step=lambda step: None) -> dict:
                        weight_decay=0.0, optim=args.optim, attn_implementation="sdpa", dtype="float32",
                        gradient_checkpointing=LIT_CHECKPOINTING[args.checkpointing],
                        mmap_activations=args.mmap_activations,
-                       share_prompt=not args.no_share_prompt, padding_free=args.padding_free,
+                       share_prompt=not args.no_share_prompt,
+                       padding_free={"auto": None, "on": True, "off": False}[args.padding_free],
                        logps_chunk_size=args.chunk_size)
     data = PreferenceDataModule(path=spec["rows"], tokenizer=spec["model_dir"], batch_size=args.batch_size,
                                 max_length=args.max_length, val_split=None, shuffle=False)
@@ -209,7 +210,9 @@ def main() -> None:
                              "real: --model (a real chat model, .gguf or HF directory) on chat rows")
     parser.add_argument("--lab-model", choices=["llama-32k", "qwen2-152k"], default="llama-32k",
                         help="the realistic lab's model (default llama-32k)")
-    parser.add_argument("--padding-free", action="store_true", help="lit_align: pack each batch's rows (padding_free)")
+    parser.add_argument("--padding-free", choices=["auto", "on", "off"], default="auto",
+                        help="lit_align: pack each batch's rows (padding_free; default auto, lit_align's default: "
+                             "on where exact and cheaper, lit_align.layouts.packs_by_default)")
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="lit_align: logps_chunk_size (the LM head that many positions at a time; default off)")
     parser.add_argument("--model", default="builtin:small", help="model name/dir (default builtin:small, ~10M params)")
@@ -221,10 +224,10 @@ def main() -> None:
                         help="max tokens per sequence (default 64; realistic 1024, TRL's default)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
-    parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch",
-                        help="both sides' optimizer, by TRL's name (default adamw_torch; adamw_torch_fused is TRL's and "
-                             "lit_align's default: the same update in one kernel, without AdamW's parameter-sized "
-                             "temporaries)")
+    parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch_fused",
+                        help="both sides' optimizer, by TRL's name (default adamw_torch_fused, TRL's and lit_align's "
+                             "default: AdamW in one kernel, without its parameter-sized temporaries; adamw_torch: "
+                             "the per-parameter loop)")
     parser.add_argument("--mmap-activations", action="store_true",
                         help="lit_align's mmap_activations: a step's forward maps the large tensors glibc's free heap "
                              "cannot hold, the free heap's pages go back at backward (same values; TRL has none such)")
@@ -271,7 +274,7 @@ def main() -> None:
         best["peak_rss_mib"] = max(r["peak_rss_mib"] for r in rs)
         results[engine] = best
 
-    print(f"\nDPO, {args.model} ({spec['model_dir']}), {'padding_free, ' if args.padding_free else ''}"
+    print(f"\nDPO, {args.model} ({spec['model_dir']}), padding_free {args.padding_free}, "
           f"{args.batch_size} pairs/step, max_length {args.max_length}, "
           f"{args.steps} steps ({args.warmup} warmup), fp32, CPU, {args.threads} threads, "
           f"{'plain [chosen; rejected] batches' if args.no_share_prompt else 'shared prompt'} on lit_align, "

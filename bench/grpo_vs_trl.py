@@ -33,7 +33,7 @@ What both sides get, so that they do the same work:
   - sampling at temperature 1.0, top-k 0, top-p 1.0 (no min-p, no repetition penalty), ``--max-new-tokens``, EOS
     the tokenizer's, pad the tokenizer's: nothing else stops generation early (the generated tokens are counted on
     both sides and printed, so a difference would show);
-  - AdamW (``--optim``: ``adamw_torch`` or fused), constant learning rate, no weight decay, gradient clipping at 1.0,
+  - AdamW (``--optim``: fused, both sides' default, or ``adamw_torch``), constant learning rate, no weight decay, clipping at 1.0,
     no gradient checkpointing (TRL's default is turned off; ``--checkpointing selective`` gives lit_align its
     selective one, ``full`` both sides transformers' own), no mixed precision (TRL's ``bf16`` default is turned off),
     CPU, ``torch.set_num_threads(--threads)``; ``--mmap-activations`` gives lit_align its ``mmap_activations``
@@ -159,7 +159,8 @@ def run_lit(args, spec: dict) -> dict:
     module = GRPOModule(
         model=spec["model_dir"], reward_funcs=[REWARD], loss_type="dapo", beta=0.0, epsilon=0.2,
         scale_rewards="group", max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        engine=args.engine_name.removesuffix("+padfree"), padding_free=args.engine_name.endswith("+padfree"),
+        engine=args.engine_name.split("+")[0],
+        padding_free={"padfree": True, "padded": False}.get(args.engine_name.partition("+")[2]),
         learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0, optim=args.optim,
         dtype="float32", attn_implementation="sdpa", gradient_checkpointing=LIT_CHECKPOINTING[args.checkpointing],
         mmap_activations=args.mmap_activations, disable_dropout=True,
@@ -283,10 +284,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32, help="max completion tokens (default 32)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides (default 2)")
     parser.add_argument("--lr", type=float, default=1e-5, help="learning rate (default 1e-5)")
-    parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch",
-                        help="both sides' optimizer, by TRL's name (default adamw_torch; adamw_torch_fused is TRL's and "
-                             "lit_align's default: the same update in one kernel, without AdamW's parameter-sized "
-                             "temporaries)")
+    parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch_fused",
+                        help="both sides' optimizer, by TRL's name (default adamw_torch_fused, TRL's and lit_align's "
+                             "default: AdamW in one kernel, without its parameter-sized temporaries; adamw_torch: "
+                             "the per-parameter loop)")
     parser.add_argument("--checkpointing", choices=list(LIT_CHECKPOINTING), default="none",
                         help="activation checkpointing: none (default, both sides), selective (lit_align's "
                              "gradient_checkpointing: selective, same values; TRL has none such and runs without), "
@@ -294,12 +295,13 @@ def main() -> None:
     parser.add_argument("--mmap-activations", action="store_true",
                         help="lit_align's mmap_activations: a step's forward maps the large tensors glibc's free heap "
                              "cannot hold, the free heap's pages go back at backward (same values; TRL has none such)")
-    parser.add_argument("--lit-engine", default="hf",
-                        help="lit_align engine(s), comma-separated: hf, native; +padfree: padding_free training "
-                             "(default hf)")
+    parser.add_argument("--lit-engine", default="auto",
+                        help="lit_align engine(s), comma-separated: auto, hf, native; +padfree / +padded: "
+                             "padding_free training on / off (default auto: lit_align's defaults, engine auto and "
+                             "padding_free where exact and cheaper)")
     parser.add_argument("--engines", default="lit,trl", help="which to run, in order (default lit,trl)")
     parser.add_argument("--engine", choices=["lit", "trl", "prepare"], help=argparse.SUPPRESS)
-    parser.add_argument("--engine-name", default="hf", help=argparse.SUPPRESS)
+    parser.add_argument("--engine-name", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.lab in ("realistic", "real"):  # the realistic defaults, where not given

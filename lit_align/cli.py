@@ -216,6 +216,10 @@ def run(args: list[str] | None = None) -> LightningCLI:
         sys.exit(2)
 
 
+VAL_CHECK_HINT = (" (a small dataset: set trainer.val_check_interval to at most that, or trainer.check_val_every_n_epoch:"
+                  " null to count batches across epochs)")
+
+
 def _user_error(exc: BaseException) -> str | None:
     """The message for the user behind ``exc``, or None for a bug (which keeps its traceback):
 
@@ -231,7 +235,8 @@ def _user_error(exc: BaseException) -> str | None:
         if isinstance(exc, LitAlignError):
             return str(exc)
         if isinstance(exc, MisconfigurationException) or (isinstance(exc, ValueError) and _raised_in_lightning(exc)):
-            return " ".join(str(exc).split())
+            message = " ".join(str(exc).split())
+            return message + VAL_CHECK_HINT if message.startswith("`val_check_interval`") else message
         if isinstance(exc, OSError) and exc.filename is not None:
             return f"{exc.filename}: {exc.strerror or exc}"
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):

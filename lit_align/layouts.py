@@ -301,6 +301,22 @@ def packed_bins(lengths: list[int], width: int | None = None) -> list[list[int]]
     return best
 
 
+def packs_by_default(model: torch.nn.Module, device: torch.device | str) -> bool:
+    """``padding_free``'s default (None): on where packing is exact and cheaper than padding, for a model that takes
+    a custom mask (``supports_shared_prompt``), has no sliding window, and whose attention computes only what the
+    mask lets through (``skips_hidden``: sdpa on CPU). Elsewhere (flash or a GPU's sdpa) a packed row's 4D mask costs
+    the square of its width, so padded rows stay the default there."""
+    return (supports_shared_prompt(model) and not getattr(model.config, "sliding_window", None)
+            and skips_hidden(model, device))
+
+
+def resolve_padding_free(padding_free: bool | None, model: torch.nn.Module | None, device) -> bool:
+    """``padding_free`` as given, or its default for ``model`` on ``device`` (``packs_by_default``) when None."""
+    if padding_free is None:
+        return model is not None and packs_by_default(model, device)
+    return padding_free
+
+
 def packing_width(model: torch.nn.Module, device: torch.device | str) -> int | None:
     """How wide ``packed_rows`` makes rows for ``model`` on ``device``: up to ``PACKED_WIDTH`` where its attention
     computes only what the mask lets through (``lit_align.attention.skips_hidden``), else as wide as the longest row
@@ -364,10 +380,11 @@ def packed_rows(layout: Layout, width: int | None = None) -> Layout:
 
 
 def pairs(batch: dict[str, torch.Tensor], model: torch.nn.Module, share_prompt: bool = True,
-          padding_free: bool = False) -> Layout:
+          padding_free: bool | None = None) -> Layout:
     """The layout ``model`` runs a batch of pairs in: ``shared_prompt_pairs`` where it can, else ``padded``; with
-    ``padding_free``, that layout packed (``packed_rows``)."""
+    ``padding_free`` (None: ``packs_by_default``), that layout packed (``packed_rows``)."""
     layout = None
+    padding_free = resolve_padding_free(padding_free, model, batch["input_ids"].device)
     custom_mask = supports_shared_prompt(model)
     if padding_free and not custom_mask:
         raise LitAlignError(f"padding_free needs a model that takes a custom attention mask and position ids (sdpa "
@@ -387,13 +404,14 @@ def pairs(batch: dict[str, torch.Tensor], model: torch.nn.Module, share_prompt: 
 
 
 def completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                completion_mask: torch.Tensor, padding_free: bool = False,
+                completion_mask: torch.Tensor, padding_free: bool | None = False,
                 model: torch.nn.Module | None = None) -> Layout:
     """The layout GRPO's completions run in: after their left-padded prompts (``prompt_completion``), or with
     ``padding_free`` packed without padding (``packed_rows``, as wide as ``packing_width`` lets ``model``; None: rows
     as wide as the longest): one row per prompt, its completions after it, where a prompt repeats
-    (``shared_prompt_completions``), else ``[prompt, completion]`` rows (``right_aligned``)."""
-    if padding_free:
+    (``shared_prompt_completions``), else ``[prompt, completion]`` rows (``right_aligned``). ``padding_free`` None:
+    ``packs_by_default``."""
+    if resolve_padding_free(padding_free, model, prompt_ids.device):
         layout = shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, completion_mask)
         if layout is None:
             layout = right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask)

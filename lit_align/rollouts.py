@@ -148,7 +148,7 @@ class Rollouts:
     options build it)."""
 
     def __init__(self, reward_funcs: list | None, reward_weights: list[float] | None, sampling: SamplingConfig,
-                 engine: str = "hf", vllm: VLLMOptions | None = None, weights_version=None,
+                 engine: str = "auto", vllm: VLLMOptions | None = None, weights_version=None,
                  tools: list | None = None, max_tool_calling_iterations: int | None = None,
                  environment_factory: str | dict | None = None, rollout_func: str | None = None):
         if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:

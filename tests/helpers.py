@@ -130,6 +130,18 @@ class DiskFullOnSave(L.Callback):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+class RecordValidation(L.Callback):
+    """Appends the global step of every validation run to ``path``, one per line."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            with open(self.path, "a") as file:
+                file.write(f"{trainer.global_step}\n")
+
+
 class FillsUp:
     """A file that takes ``room`` more bytes, then fails each write as a full disk does (``OSError`` ENOSPC)."""
 

@@ -270,15 +270,29 @@ def test_setting_mistakes_are_one_error_line(args, message, capfd):
     assert assert_one_line_error(code, err) == message
 
 
-def test_lightning_and_file_system_refusals_are_one_error_line(tmp_path, capfd):
-    """A 6-row file under the shipped dpo.yaml (val_check_interval 50 > 1 batch), and a logger whose save_dir is a
-    file: what Lightning and the file system refuse is a user's mistake too."""
+def test_a_validation_interval_longer_than_a_small_datasets_epoch_is_one_line_with_its_fixes(tmp_path, capfd):
+    """A 6-row file (one batch an epoch) under the shipped dpo.yaml (val_check_interval 50): Lightning's refusal, one
+    line saying the two ways out; the second (counting batches across epochs) then trains and validates at 50."""
     rows = tmp_path / "six.jsonl"
     rows.write_text("".join('{"prompt": "sort %d:", "chosen": " 1", "rejected": " 2"}\n' % i for i in range(6)))
-    code, _, err = run_main(["fit", "-c", DPO, "--data.init_args.path", str(rows), "--data.init_args.val_split",
-                             "null", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)], capfd)
+    common = ["fit", "-c", DPO, "--data.init_args.path", str(rows), "--data.init_args.val_path", str(rows),
+              "--data.init_args.val_split", "train", "--trainer.logger", "false", "--export.enabled", "false",
+              "--trainer.default_root_dir", str(tmp_path)]
+    code, _, err = run_main(common, capfd)
     assert_one_line_error(code, err, "`val_check_interval` (50) must be less than or equal to the number of the "
                                      "training batches (1)")
+    assert err.rstrip().endswith("or trainer.check_val_every_n_epoch: null to count batches across epochs)")
+    seen = tmp_path / "validated_at.txt"
+    code, _, err = run_main([*common, "--trainer.max_steps", "50", "--trainer.check_val_every_n_epoch", "null",
+                             "--trainer.callbacks+=helpers.RecordValidation", "--trainer.callbacks.path", str(seen)],
+                            capfd)
+    assert code == 0, err
+    assert seen.read_text().split() == ["50"]
+
+
+def test_lightning_and_file_system_refusals_are_one_error_line(tmp_path, capfd):
+    """A logger whose save_dir is a file, a disk that fills while saving: what Lightning and the file system refuse
+    is a user's mistake too."""
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     code, _, err = run_main(["fit", "-c", DPO, "--trainer.max_steps", "1", "--data.init_args.val_split", "null",

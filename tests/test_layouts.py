@@ -12,8 +12,8 @@ from torch.overrides import TorchFunctionMode
 from lit_align.capabilities import supports_shared_prompt
 from lit_align.data.preference import collate_pairs
 from lit_align.layouts import (
-    completions, packed_bins, packed_rows, padded, pairs, right_aligned, shared_prompt_completions,
-    shared_prompt_pairs,
+    completions, packed_bins, packed_rows, packs_by_default, padded, pairs, right_aligned,
+    shared_prompt_completions, shared_prompt_pairs,
 )
 from lit_align.logps import layout_logps
 from lit_align.models import load_model
@@ -265,6 +265,23 @@ def test_padding_free_pairs_go_in_one_row_where_attention_skips_the_hidden_part(
         assert layout.input_ids.shape == (1, int(lengths.sum()))
     else:
         assert layout.input_ids.shape[1] == int(lengths.max()) < int(lengths.sum())
+
+
+def test_padding_free_is_on_by_default_only_where_packing_is_exact_and_cheaper():
+    """``padding_free`` None: packed for a Llama-like model under sdpa on CPU (one row), padded under eager (its
+    attention pays a packed row's square) or with a sliding window; an explicit value always wins."""
+    torch.manual_seed(0)
+    batch = collate_pairs(random_pairs(4, pairs=5), pad_token_id=0, max_length=None)
+    expected = {("sdpa", None): True, ("eager", None): False, ("sdpa", 64): False}
+    for (attn, window), packs in expected.items():
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY), attn_implementation=attn)
+        model.config.sliding_window = window
+        assert packs_by_default(model, "cpu") is packs, (attn, window)
+        assert pairs(batch, model).name.endswith("+padding_free") is packs, (attn, window)
+        assert not pairs(batch, model, padding_free=False).name.endswith("+padding_free")
+        assert not packs_by_default(model, "cuda")
+        rows = [torch.ones(2, 3, dtype=torch.long)] * 4  # GRPO's: prompts, their mask, completions, their mask
+        assert completions(*rows, padding_free=None, model=model).name.endswith("+padding_free") is packs
 
 
 def test_packed_bins_split_the_total_evenly_within_the_width():

@@ -7,6 +7,7 @@ of real completion tokens (EOS included), which rows ran out of tokens before EO
 per-token log-probs of the sampled tokens under the temperature-scaled distribution (what GRPO's old-policy
 log-probs are, so the trainer can skip a forward pass). Rows are ``num_samples`` consecutive samples per prompt.
 
+``AutoEngine`` (``auto``, the default) runs ``native`` wherever it decodes the model on CPU, else ``hf``.
 ``HFEngine`` (``hf``) wraps transformers' ``generate`` and is the reference engine. ``NativeEngine`` (``native``)
 runs its own decode loop (one prefill per prompt shared by its samples, a preallocated KV cache, sampling on
 tensors) and returns the same thing. ``VLLMEngine`` (``vllm``) runs a vLLM engine colocated in the training process
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, Engine, SamplingConfig, completion_mask_from_eos
+from lit_align.generation.auto import AutoEngine
 from lit_align.generation.hf import HFEngine
 from lit_align.generation.native import NativeEngine, filter_logits, sample_next
 from lit_align.generation.vllm import VLLMOptions, VLLMEngine
 
-ENGINES: dict[str, type[Engine]] = {"hf": HFEngine, "native": NativeEngine, "vllm": VLLMEngine}
+ENGINES: dict[str, type[Engine]] = {"auto": AutoEngine, "hf": HFEngine, "native": NativeEngine, "vllm": VLLMEngine}
 
 
 def make_engine(engine: str, **settings) -> Engine:
@@ -32,6 +34,6 @@ def make_engine(engine: str, **settings) -> Engine:
 
 
 __all__ = [
-    "ENGINES", "HFEngine", "NativeEngine", "Rollout", "Engine", "SamplingConfig", "completion_mask_from_eos",
+    "AutoEngine", "ENGINES", "HFEngine", "NativeEngine", "Rollout", "Engine", "SamplingConfig", "completion_mask_from_eos",
     "VLLMOptions", "VLLMEngine", "filter_logits", "make_engine", "sample_next",
 ]

@@ -120,6 +120,11 @@ def _first_above(cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.minimum(torch.searchsorted(cum, target, right=True), last)
 
 
+def native_decodes(model) -> bool:
+    """Whether ``NativeEngine`` decodes ``model``: full-attention layers only, ``sdpa`` or ``eager`` attention."""
+    return full_attention_only(model) is None and takes_custom_mask(model)
+
+
 def _check_native_model(model) -> None:
     layer_types = full_attention_only(model)
     if layer_types is not None:

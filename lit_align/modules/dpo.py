@@ -70,7 +70,7 @@ class DPOModule(PairModule):
                  loss_type: str | list[str] = "sigmoid", loss_weights: list[float] | None = None,
                  label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
                  f_alpha_divergence_coef: float = 0.5, ld_alpha: float | None = None, use_weighting: bool = False,
-                 discopop_tau: float = 0.05, share_prompt: bool = True, padding_free: bool = False,
+                 discopop_tau: float = 0.05, share_prompt: bool = True, padding_free: bool | None = None,
                  precompute_ref_log_probs: bool = False,
                  precompute_ref_batch_size: int | None = None, sync_ref_model: bool = False,
                  ref_model_mixup_alpha: float = 0.6, ref_model_sync_steps: int = 512, **kwargs):

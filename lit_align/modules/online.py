@@ -36,7 +36,7 @@ CHECKPOINT_KEY = "lit_align_grpo"  # the round's entry in checkpoints (GRPO's na
 
 
 def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                           with_entropy: bool = False, chunk_size: int | None = None, padding_free: bool = False,
+                           with_entropy: bool = False, chunk_size: int | None = None, padding_free: bool | None = False,
                            entropy_grad: bool = False):
     """Per-token log-probs ``[N, C]`` of completions after left-padded prompts, logits divided by ``temperature``
     (and, ``with_entropy``, the tempered distribution's entropy, without gradient unless ``entropy_grad``); 0 at
@@ -108,15 +108,16 @@ class OnlineModule(AlignModule):
             estimator, ``lit_align.rewards.pass_at_k``, for k = 1, 2, 4, ... and ``num_generations_eval``) and
             ``val/mean@k`` (the mean reward over the k = ``num_generations_eval`` samples) are logged too.
         pass_threshold: the summed reward at which a sampled completion counts as solved for ``val/pass@k``.
-        engine: the generation engine: ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode
-            loop, faster) or ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with
+        engine: the generation engine: ``auto`` (the default: ``native`` where it decodes the model on CPU, else ``hf``),
+            ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with
             ``vllm_mode: colocate``; its own environment, see ``docs/grpo.md``).
         padding_free: compute each step's training log-probs with its rows packed without padding, several per row,
             one row on CPU under sdpa, else rows as wide as the longest (``lit_align.layouts.packed_rows``,
             ``packing_width``), each prompt once for the step's completions of it (``shared_prompt_completions``),
             the LM head on completion tokens only: the same values, without the cost of completions that ended
             early, of prompt padding and of repeated prompts. sdpa or eager attention. The round-level no-grad passes
-            (old and reference log-probs) stay padded.
+            (old and reference log-probs) stay padded. None (the default): on where it is exact and cheaper
+            (``lit_align.layouts.packs_by_default``: a Llama-like model under sdpa on CPU), off elsewhere.
         vllm_mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported). The ``vllm_*`` options are
             TRL's flat names for the vLLM engine's options, routed to it (``lit_align.generation.vllm.VLLMOptions``,
             which checks them) when ``engine`` is ``vllm``.
@@ -177,8 +178,8 @@ class OnlineModule(AlignModule):
         generation_kwargs: dict | None = None,
         num_generations_eval: int | None = None,
         pass_threshold: float = 1.0,
-        engine: str = "hf",
-        padding_free: bool = False,
+        engine: str = "auto",
+        padding_free: bool | None = None,
         vllm_mode: str = "colocate",
         vllm_gpu_memory_utilization: float = 0.3,
         vllm_tensor_parallel_size: int = 1,
@@ -254,7 +255,7 @@ class OnlineModule(AlignModule):
         return self.global_step
 
     def completion_logps(self, network, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                         with_entropy: bool = False, padding_free: bool = False, entropy_grad: bool = False):
+                         with_entropy: bool = False, padding_free: bool | None = False, entropy_grad: bool = False):
         """``completion_token_logps`` at this module's temperature and chunk size."""
         return completion_token_logps(network, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                       self.temperature, with_entropy, self.logps_chunk_size, padding_free,

@@ -54,13 +54,15 @@ class PairModule(AlignModule):
         padding_free: pack each batch's rows (``share_prompt``'s, or the plain ones) without padding, several per
             row, each attending only to itself; the LM head runs on completion tokens only. Same log-probs up to
             float rounding (TRL's ``padding_free``, which TRL 1.16 turns off with a warning). Needs what
-            ``share_prompt`` needs, else an error.
+            ``share_prompt`` needs, else an error. None (the default): on where it is exact and cheaper
+            (``lit_align.layouts.packs_by_default``: such a model under sdpa on CPU), off elsewhere.
     """
 
     # what ``pair_outputs`` returns and each step logs, in TRL's names: a recipe extends ``METRICS`` with its own
     metrics: tuple[str, ...] = METRICS
 
-    def __init__(self, model: str = "builtin:tiny", share_prompt: bool = True, padding_free: bool = False, **kwargs):
+    def __init__(self, model: str = "builtin:tiny", share_prompt: bool = True, padding_free: bool | None = None,
+                 **kwargs):
         super().__init__(model=model, **kwargs)
         self.share_prompt, self.padding_free = share_prompt, padding_free
         self.val_metrics = torch.nn.ModuleDict({name.replace("/", "_"): MeanMetric() for name in self.metrics})

@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric
 
 from lit_align import layouts
 from lit_align.errors import LitAlignError
-from lit_align.generation import HFEngine
+from lit_align.generation import AutoEngine
 from lit_align.logps import layout_logps
 from lit_align.modules.base import AlignModule
 from lit_align.rewards import sort_exact
@@ -36,16 +36,18 @@ def loss_mask(batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
 
 
 def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
-                    chunk_size: int | None = None, assistant_only_loss: bool = False, padding_free: bool = False):
+                    chunk_size: int | None = None, assistant_only_loss: bool = False,
+                    padding_free: bool | None = None):
     """``(loss, correct, count)`` for one batch: the mean NLL over loss tokens (with gradient), how many of them the
     argmax predicts, and how many there are.
 
     Loss tokens are those of ``loss_mask``; the first token of a sequence is never one (nothing predicts it). The
-    batch runs in ``lit_align.layouts.sft``'s layout (with ``padding_free``: one row, no padding). ``chunk_size``:
+    batch runs in ``lit_align.layouts.sft``'s layout (with ``padding_free``: one row, no padding; None:
+    ``lit_align.layouts.packs_by_default``). ``chunk_size``:
     chunked log-probs (``lit_align.logps``).
     """
     scored = loss_mask(batch, completion_only_loss, assistant_only_loss)
-    out = layout_logps(model, layouts.sft(batch, scored, padding_free), ("argmax",), chunk_size)
+    out = layout_logps(model, layouts.sft(batch, scored, layouts.resolve_padding_free(padding_free, model, scored.device)), ("argmax",), chunk_size)
     count = out.mask.sum()
     loss = -out.tokens.sum() / count.clamp(min=1)
     correct = ((out.stats["argmax"] == out.labels) & out.mask).sum()
@@ -72,18 +74,19 @@ class SFTModule(AlignModule):
         val_max_new_tokens: generation cap for ``val_exact_match``.
         padding_free: run each batch's sequences as one row, back to back, no padding (TRL's ``padding_free``;
             ``lit_align.layouts.one_row``), rows packed by ``data.packing`` too. sdpa or eager attention (a
-            block-causal mask), or flash attention (the restarting positions mark the sequences).
+            block-causal mask), or flash attention (the restarting positions mark the sequences). None (the
+            default): on where it is exact and cheaper (``lit_align.layouts.packs_by_default``: sdpa on CPU).
         learning_rate: AdamW learning rate (TRL's SFT default: 2e-5, for pretrained models).
     """
 
     def __init__(self, model: str = "builtin:tiny", completion_only_loss: bool = True,
                  assistant_only_loss: bool = False, val_exact_match: bool = False, val_max_new_tokens: int = 64,
-                 padding_free: bool = False, learning_rate: float = 2e-5, **kwargs):
+                 padding_free: bool | None = None, learning_rate: float = 2e-5, **kwargs):
         super().__init__(model=model, learning_rate=learning_rate, **kwargs)
         self.completion_only_loss, self.assistant_only_loss = completion_only_loss, assistant_only_loss
         self.padding_free = padding_free
         self.val_exact_match = val_exact_match
-        self.greedy_engine = HFEngine(max_new_tokens=val_max_new_tokens, temperature=0.0)
+        self.greedy_engine = AutoEngine(max_new_tokens=val_max_new_tokens, temperature=0.0)
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric() for name in ("loss", "mean_token_accuracy", "exact_match")})
 

@@ -10,8 +10,8 @@ import torch
 
 from lit_align.errors import LitAlignError
 from lit_align.generation import (
-    ENGINES, HFEngine, NativeEngine, Engine, SamplingConfig, VLLMEngine, completion_mask_from_eos, filter_logits,
-    make_engine, sample_next,
+    AutoEngine, ENGINES, HFEngine, NativeEngine, Engine, SamplingConfig, VLLMEngine, completion_mask_from_eos,
+    filter_logits, make_engine, sample_next,
 )
 from lit_align.generation.native import penalize_repetition
 from numerics import assert_rounding_close
@@ -230,11 +230,11 @@ def test_generation_kwargs_go_to_the_engines_that_have_them_and_native_refuses_t
 
 
 def test_engines_are_built_by_name():
-    assert ENGINES == {"hf": HFEngine, "native": NativeEngine, "vllm": VLLMEngine}
+    assert ENGINES == {"auto": AutoEngine, "hf": HFEngine, "native": NativeEngine, "vllm": VLLMEngine}
     engine = make_engine("native", max_new_tokens=5, temperature=0.7, top_k=3, eos_check_every=2)
     assert isinstance(engine, NativeEngine) and isinstance(engine, Engine)
     assert engine.config == SamplingConfig(max_new_tokens=5, temperature=0.7, top_k=3)
     assert engine.eos_check_every == 2
     assert isinstance(make_engine("hf"), HFEngine) and make_engine("hf").config == SamplingConfig()
-    with pytest.raises(LitAlignError, match=r"model.engine 'vllm-nope': expected one of \['hf', 'native', 'vllm'\]"):
+    with pytest.raises(LitAlignError, match=r"model.engine 'vllm-nope': expected one of \['auto', 'hf', 'native', 'vllm'\]"):
         make_engine("vllm-nope")

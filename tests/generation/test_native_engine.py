@@ -253,3 +253,26 @@ def test_grpo_trains_and_validates_with_the_native_engine(tmp_path, tiny_path):
     metrics = trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and "val/reward" in metrics
     assert metrics["train/completions/mean_length"] <= 4
+
+
+def test_auto_runs_native_where_it_decodes_the_model_else_hf(tokenizer):
+    """The default engine: native for a full-attention model under sdpa on CPU (the very samples native draws),
+    hf for a model with sliding-window layers and whenever generate's own keywords are given."""
+    from lit_align.generation import AutoEngine
+
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    model = ARCHITECTURES["llama"](tokenizer, "sdpa")
+    auto = AutoEngine(max_new_tokens=6)
+    torch.manual_seed(3)
+    ours = auto.generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    torch.manual_seed(3)
+    native = NativeEngine(max_new_tokens=6).generate(model, prompt_ids, prompt_mask, 2, **kwargs)
+    assert auto.chosen == "native" and torch.equal(ours.completion_ids, native.completion_ids)
+    windowed = tiny_random("qwen2", len(tokenizer), num_key_value_heads=2, use_sliding_window=True, sliding_window=64,
+                           max_window_layers=1)
+    auto.generate(windowed, prompt_ids, prompt_mask, 1, **kwargs)
+    assert auto.chosen == "hf"
+    with_kwargs = AutoEngine(max_new_tokens=6, generation_kwargs={"no_repeat_ngram_size": 2})
+    with_kwargs.generate(model, prompt_ids, prompt_mask, 1, **kwargs)
+    assert with_kwargs.chosen == "hf" and with_kwargs.native is None

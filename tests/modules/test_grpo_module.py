@@ -396,7 +396,7 @@ def test_each_step_drops_the_columns_that_are_padding_in_all_its_rows(tmp_path, 
     with torch.no_grad():
         biased.weight.copy_(head.weight)
         biased.bias.zero_()
-        biased.bias[tokenizer.eos_token_id] = 1.5
+        biased.bias[tokenizer.eos_token_id] = 2.5
     module.policy.lm_head = biased
     dm = PromptDataModule(path=prompts_file, val_split=None, batch_size=4)
     seen = []  # (forward's prompt and completion widths, its rows' longest prompt and completion, round widths)
@@ -460,8 +460,9 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     listed = {"gradient_checkpointing": (False, True)}
     round_defaults = {"disable_dropout": (True, False)}
     listed |= {"grpo": round_defaults, "rloo": round_defaults,
-               "sft": {"completion_only_loss": (True, None)},  # None: on for prompt-completion rows
-               "dpo": {}, "kto": {}, "cpo": {}, "orpo": {}, "reward": {}}[recipe]
+               "sft": {"completion_only_loss": (True, None),  # None: on for prompt-completion rows
+                       "padding_free": (None, False)},  # None: on where exact and cheaper (packs_by_default)
+               "dpo": {"padding_free": (None, False)}, "kto": {}, "cpo": {}, "orpo": {}, "reward": {}}[recipe]
     assert differ == listed
     if recipe == "reward":  # the reward model's data options are TRL's too
         data = recipe_defaults(RewardDataModule)
