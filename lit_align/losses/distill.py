@@ -26,24 +26,15 @@ chunked).
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from lit_align.logps import _accumulate, _autocast_dtype, _Head, compute_dtype
+from lit_align.logps import Projection, _accumulate, _autocast_dtype, _Head, compute_dtype
 
 DISTILL_REDUCTIONS = ("batchmean", "sum", "none")
 DISTILL_CHUNK_LOGITS = 2**24  # logits per chunk (positions x vocabulary): 64 MB per fp32 temporary; 110 rows at 152k
-
-
-class Projection(NamedTuple):
-    """Logits given as the hidden states that make them: ``scale * (hidden @ weight.T + bias)``."""
-
-    hidden: torch.Tensor  # [..., H]: the model's final hidden states at the positions that predict the tokens
-    weight: torch.Tensor  # [V, H]: the LM head's weight
-    bias: torch.Tensor | None = None  # [V]
-    scale: float = 1.0  # the model's own logit scale (the third value of ``lit_align.logps.chunkable_head``)
 
 
 def check_divergence(beta: float, temperature: float, reduction: str) -> None:
