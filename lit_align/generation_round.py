@@ -10,7 +10,7 @@ Its shape (``num_generations`` completions per prompt, ``steps_per_generation`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -33,6 +33,8 @@ class RoundShape:
             device, ``batch_size * world_size * steps_per_generation``.
         prompt_batches: batches of the round's prompts the data serves per round, of which the module samples as
             many as it needs (dynamic sampling: more prompts when groups score all alike; 1: exactly the round's).
+        grouped: the recipe compares each prompt's completions with each other (GRPO's and RLOO's advantages), so a
+            prompt needs two at least; False (distillation): one will do.
     """
 
     num_generations: int = 8
@@ -40,6 +42,7 @@ class RoundShape:
     num_iterations: int = 1
     generation_batch_size: int | None = None
     prompt_batches: int = 1
+    grouped: bool = True
 
     def __post_init__(self):
         if self.generation_batch_size is not None and self.steps_per_generation is not None:
@@ -47,9 +50,9 @@ class RoundShape:
                                 "rule: one derives the other); set one of them")
         if self.generation_batch_size is None and self.steps_per_generation is None:
             object.__setattr__(self, "steps_per_generation", 1)
-        if self.num_generations < 2:
-            raise LitAlignError(f"model.num_generations must be >= 2 (group statistics need a group), "
-                                f"got {self.num_generations}")
+        if self.num_generations < 1 + self.grouped:
+            why = " (group statistics need a group)" if self.grouped else ""
+            raise LitAlignError(f"model.num_generations must be >= {1 + self.grouped}{why}, got {self.num_generations}")
         if (self.steps_per_generation is not None and self.steps_per_generation < 1) or self.num_iterations < 1:
             raise LitAlignError("model.steps_per_generation and model.num_iterations must be >= 1")
         if self.prompt_batches < 1:
@@ -70,8 +73,8 @@ class RoundShape:
                 raise LitAlignError(f"model.generation_batch_size {self.generation_batch_size} must be a positive "
                                     f"multiple of the global batch size (data.batch_size {batch_size} x {world_size} "
                                     f"devices = {per_step})")
-            shape = RoundShape(self.num_generations, self.generation_batch_size // per_step, self.num_iterations,
-                               prompt_batches=self.prompt_batches)
+            shape = replace(self, steps_per_generation=self.generation_batch_size // per_step,
+                            generation_batch_size=None)
         shape.prompts_per_round(batch_size)
         return shape
 

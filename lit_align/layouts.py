@@ -63,8 +63,9 @@ class Layout:
         return self.input_ids[:, self.start:] if self.targets is None else self.input_ids.reshape(-1)[self.targets][None]
 
     def to_grid(self, values: torch.Tensor) -> torch.Tensor:
-        """The forward's per-label values (``labels``' shape) on the caller's ``[N, C]`` grid."""
-        return values if self.index is None else values.reshape(-1)[self.index]
+        """The forward's per-label values (``labels``' shape, and any trailing dimensions: hidden states) on the
+        caller's ``[N, C]`` grid."""
+        return values if self.index is None else values.flatten(0, 1)[self.index]
 
 
 def padded(input_ids: torch.Tensor, attention_mask: torch.Tensor, scored: torch.Tensor) -> Layout:

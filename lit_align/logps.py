@@ -320,6 +320,43 @@ def attention_mask_4d(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Te
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
+class _Scored(NamedTuple):
+    """The tokens a forward scores (``labels``: ``[N, L - start]``, or ``[1, S]`` with ``targets``) and where the
+    outputs that predict them are (``source``: None, the position before each)."""
+
+    labels: torch.Tensor
+    rows: torch.Tensor
+    source: torch.Tensor | None
+    start: int
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, start: int, source: torch.Tensor | None,
+           targets: torch.Tensor | None) -> _Scored:
+        """``next_token_logps``' arguments as the tokens they score."""
+        start = max(int(start), 1)
+        if targets is None:
+            labels = input_ids[:, start:]
+            return cls(labels, torch.arange(labels.shape[0], device=labels.device)[:, None], source, start)
+        width = input_ids.shape[1]
+        return cls(input_ids.reshape(-1)[targets][None], (source // width)[None], (source % width)[None].contiguous(),
+                   start)
+
+    def predicting(self, outputs: torch.Tensor) -> torch.Tensor:
+        """Of a forward's per-position outputs ``[R, L, ...]``: those of the positions that predict the labels."""
+        return outputs[:, self.start - 1 : -1] if self.source is None else outputs[self.rows, self.source]
+
+    def logits(self, model: torch.nn.Module, input_ids: torch.Tensor, forward_kwargs: dict) -> torch.Tensor:
+        """``model``'s logits at the predicting positions, its LM head on those positions only where the model takes
+        ``logits_to_keep``."""
+        if not takes_logits_to_keep(model):
+            return self.predicting(model(input_ids=input_ids, **forward_kwargs).logits)
+        if self.source is None:  # the logits of the last L - start + 1 positions
+            return model(input_ids=input_ids, **forward_kwargs, logits_to_keep=self.labels.shape[1] + 1).logits[:, :-1]
+        keep = torch.unique(self.source)  # the logits of the positions in ``source`` only
+        logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=keep).logits
+        return logits[self.rows, torch.searchsorted(keep, self.source.contiguous())]
+
+
 def next_token_logps(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -343,18 +380,8 @@ def next_token_logps(
     ``entropy`` stat keeps its gradient (GRPO's entropy bonus trains on it). ``forward_kwargs``
     (``attention_mask``, ``position_ids``, ...) go to the model.
     """
-    start = max(int(start), 1)
-    if targets is None:
-        labels = input_ids[:, start:]
-        rows = torch.arange(labels.shape[0], device=labels.device)[:, None]
-    else:
-        width = input_ids.shape[1]
-        labels = input_ids.reshape(-1)[targets][None]
-        rows, source = (source // width)[None], (source % width)[None].contiguous()
-
-    def predicting(outputs: torch.Tensor) -> torch.Tensor:  # of every position: those that predict the labels
-        return outputs[:, start - 1 : -1] if source is None else outputs[rows, source]
-
+    scored = _Scored.of(input_ids, start, source, targets)
+    labels = scored.labels
     forward_kwargs = {"use_cache": False, **forward_kwargs}
     # chunked, or rows laid out by lit_align (``source``): the head on the predicting positions only, through
     # ``chunked_token_logps``, at a 152k vocabulary several times faster than autograd through the model's full
@@ -363,20 +390,13 @@ def next_token_logps(
     parts = chunkable_head(model) if chunk_size or source is not None else None
     if parts is not None:
         decoder, head, scale = parts
-        hidden = predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
+        hidden = scored.predicting(decoder(input_ids=input_ids, **forward_kwargs)[0])
         fp32 = getattr(head, "fp32_matmul", False)  # ``lit_align.models.cast_lm_head_to_fp32``
         with torch.autocast(hidden.device.type, enabled=False) if fp32 else nullcontext():
             return chunked_token_logps(hidden.float() if fp32 else hidden, head.weight, labels, head.bias,
                                        chunk_size or DEFAULT_CHUNK_ROWS, scale / temperature, stats,
                                        keep_logits=chunk_size is None, entropy_grad=entropy_grad)
-    if not takes_logits_to_keep(model):
-        logits = predicting(model(input_ids=input_ids, **forward_kwargs).logits)
-    elif source is None:  # the logits of the last L - start + 1 positions
-        logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=labels.shape[1] + 1).logits[:, :-1]
-    else:  # the logits of the positions in ``source`` only
-        keep = torch.unique(source)
-        logits = model(input_ids=input_ids, **forward_kwargs, logits_to_keep=keep).logits
-        logits = logits[rows, torch.searchsorted(keep, source.contiguous())]
+    logits = scored.logits(model, input_ids, forward_kwargs)
     if temperature != 1.0:
         logits = logits / temperature
     return token_logps(logits, labels), plain_token_stats(logits, stats, entropy_grad)
@@ -398,6 +418,17 @@ def layout_logps(model: torch.nn.Module, layout, stats: tuple[str, ...] = (), ch
     Every recipe's log-probs come from here: SFT's rows, DPO's pairs (plain or shared-prompt), GRPO's completions
     (padded or packed); the layout says how the rows are laid out and where each token lands in the caller's grid.
     """
+    tokens, values = next_token_logps(model, layout.input_ids, layout.start, chunk_size, temperature, stats=stats,
+                                      source=layout.source, targets=layout.targets, entropy_grad=entropy_grad,
+                                      **layout_forward_kwargs(model, layout))
+    labels = layout.to_grid(layout.labels())
+    return TokenLogps(layout.to_grid(tokens).masked_fill(~layout.mask, 0), layout.mask, labels,
+                      {name: layout.to_grid(v) for name, v in values.items()})
+
+
+def layout_forward_kwargs(model: torch.nn.Module, layout) -> dict:
+    """What a forward of ``model`` over ``layout`` takes besides the ids: its attention mask (2D, or the 4D mask as
+    the model's attention takes it) and its position ids."""
     kwargs = {}
     if (layout.varlen and len(layout.input_ids) == 1
             and (attention_implementation(model) or "").startswith("flash_attention")):
@@ -411,9 +442,34 @@ def layout_logps(model: torch.nn.Module, layout, stats: tuple[str, ...] = (), ch
         kwargs["attention_mask"] = layout.attention_mask
     if layout.position_ids is not None:
         kwargs["position_ids"] = layout.position_ids
-    tokens, values = next_token_logps(model, layout.input_ids, layout.start, chunk_size, temperature, stats=stats,
-                                      source=layout.source, targets=layout.targets, entropy_grad=entropy_grad,
-                                      **kwargs)
-    labels = layout.to_grid(layout.labels())
-    return TokenLogps(layout.to_grid(tokens).masked_fill(~layout.mask, 0), layout.mask, labels,
-                      {name: layout.to_grid(v) for name, v in values.items()})
+    return kwargs
+
+
+class Projection(NamedTuple):
+    """Logits given as the hidden states that make them: ``scale * (hidden @ weight.T + bias)``."""
+
+    hidden: torch.Tensor  # [..., H]: the model's final hidden states at the positions that predict the tokens
+    weight: torch.Tensor  # [V, H]: the LM head's weight
+    bias: torch.Tensor | None = None  # [V]
+    scale: float = 1.0  # the model's own logit scale (the third value of ``chunkable_head``)
+
+    def logits(self) -> torch.Tensor:
+        """The logits themselves, ``[..., V]`` (what a loss that cannot take the projection reads)."""
+        return F.linear(self.hidden, self.weight, self.bias) * self.scale
+
+
+def layout_outputs(model: torch.nn.Module, layout) -> Projection | torch.Tensor:
+    """``model``'s outputs at a ``lit_align.layouts.Layout``'s scored tokens, ``[S, ...]`` in its grid's order (row by
+    row over ``layout.mask``): a ``Projection`` (the final hidden states ``[S, H]`` and the LM head that makes their
+    logits) where the head is chunkable (``chunkable_head``), else the logits ``[S, V]``. One forward, no logits where
+    it can: what a loss over whole next-token distributions reads (distillation's divergence, chunked through the
+    head: ``lit_align.losses.distill.chunked_generalized_jsd``)."""
+    scored = _Scored.of(layout.input_ids, layout.start, layout.source, layout.targets)
+    kwargs = {"use_cache": False, **layout_forward_kwargs(model, layout)}
+    parts = chunkable_head(model)
+    if parts is None:
+        return layout.to_grid(scored.logits(model, layout.input_ids, kwargs))[layout.mask]
+    decoder, head, scale = parts
+    hidden = layout.to_grid(scored.predicting(decoder(input_ids=layout.input_ids, **kwargs)[0]))[layout.mask]
+    fp32 = getattr(head, "fp32_matmul", False)  # ``lit_align.models.cast_lm_head_to_fp32``
+    return Projection(hidden.float() if fp32 else hidden, head.weight, head.bias, scale)

@@ -160,14 +160,15 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
     return tokenizer
 
 
-def from_pretrained_kwargs(model_init_kwargs: dict | None) -> dict:
+def from_pretrained_kwargs(model_init_kwargs: dict | None, option: str = "model.model_init_kwargs") -> dict:
     """``model_init_kwargs`` as ``from_pretrained`` takes them: a ``quantization_config`` mapping becomes a
-    ``BitsAndBytesConfig``; the settings lit_align has its own option for are refused (one place for each)."""
+    ``BitsAndBytesConfig``; the settings lit_align has its own option for are refused (one place for each).
+    ``option``: the setting they came from, in errors."""
     kwargs = dict(model_init_kwargs or {})
     kwargs.pop("gguf_file", None)  # folded into the model's path (gguf_path)
     clash = sorted({"dtype", "torch_dtype", "attn_implementation", "trust_remote_code"} & set(kwargs))
     if clash:
-        raise LitAlignError(f"model.model_init_kwargs: {clash} have their own options (model.dtype, "
+        raise LitAlignError(f"{option}: {clash} have their own options (model.dtype, "
                             "model.attn_implementation, model.trust_remote_code)")
     if isinstance(kwargs.get("quantization_config"), dict):
         from transformers import BitsAndBytesConfig
@@ -175,7 +176,7 @@ def from_pretrained_kwargs(model_init_kwargs: dict | None) -> dict:
         try:
             kwargs["quantization_config"] = BitsAndBytesConfig(**kwargs["quantization_config"])
         except (TypeError, ValueError) as exc:
-            raise LitAlignError(f"model.model_init_kwargs.quantization_config: {one_line(exc)}") from exc
+            raise LitAlignError(f"{option}.quantization_config: {one_line(exc)}") from exc
     return kwargs
 
 

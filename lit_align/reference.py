@@ -8,6 +8,8 @@
   decides when the policy is mixed into it (``mix_in``); once mixed it is saved with the checkpoint (``save_mixed`` /
   ``load_mixed``).
 - ``AdapterReference``: under LoRA, the policy itself with its adapters switched off: no second copy.
+- ``Teacher``: distillation's teacher (``module.teacher``, beside any reference): a ``FrozenReference`` of its own
+  files, loaded with its own ``from_pretrained`` arguments, its identity under its own checkpoint entry.
 - ``PrecomputedReference``: no model while training: one no-grad pass before training gives every row its
   reference log-probs (``annotate``), cached on disk. The module starts it from its ``setup`` (Lightning sets the
   DataModule up first) and hands the function to the data (``PreferenceDataModule.add_reference_logps``): the data
@@ -55,7 +57,8 @@ from torch.utils.data import DataLoader
 
 from lit_align.capabilities import sharded_strategy
 from lit_align.errors import LitAlignError
-from lit_align.models import cache_dir, resolve
+from lit_align.models import cache_dir, check_loadable, from_pretrained_kwargs, load_model, resolve
+from lit_align.pretrained import gguf_path
 from lit_align.recompute import disable_checkpointing
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -120,6 +123,8 @@ class Reference(torch.nn.Module):
 
     identity: str | None = None
     source: str | None = None  # the model the identity was read from
+    role = "reference"  # what the model is to the recipe, in messages
+    identity_key = IDENTITY_KEY  # the checkpoint entry holding its identity
 
     def __init__(self):
         super().__init__()
@@ -152,15 +157,15 @@ class Reference(torch.nn.Module):
 
     # -- identity on resume -------------------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint[IDENTITY_KEY] = self.identity
+        checkpoint[self.identity_key] = self.identity
 
     def check_resume(self, checkpoint: dict, where: str) -> None:
         """Refuse to resume ``checkpoint`` (``where`` names it) against a reference whose files changed since."""
-        saved = checkpoint.get(IDENTITY_KEY)
+        saved = checkpoint.get(self.identity_key)
         if self.identity is not None and saved is not None and self.identity != saved:
-            raise LitAlignError(f"{where}: the reference model's files ({self.source}) changed since the checkpoint "
-                                "was written (their digest differs), so the resumed run would train against another "
-                                "reference; restore those files or start a new run")
+            raise LitAlignError(f"{where}: the {self.role} model's files ({self.source}) changed since the checkpoint "
+                                f"was written (their digest differs), so the resumed run would train against another "
+                                f"{self.role}; restore those files or start a new run")
 
     def read_identity(self, name: str, trainer) -> None:
         """``name``'s files' digest as this reference's ``identity``, read by one rank and broadcast (every rank
@@ -219,6 +224,31 @@ class FrozenReference(Reference):
         """The mixed weights ``save_mixed`` wrote, if the checkpoint has them."""
         if MIXED_KEY in checkpoint:
             self.model.load_state_dict(checkpoint[MIXED_KEY])
+
+
+class Teacher(FrozenReference):
+    """Distillation's teacher (``lit_align.modules.distill``): a frozen model of its own, ``name``, loaded as the
+    policy is (``model.dtype``, ``attn_implementation``, ``trust_remote_code``) with ``init_kwargs`` as its own
+    ``from_pretrained`` arguments (TRL's ``teacher_model_init_kwargs``; the policy's ``model_init_kwargs`` are not
+    its). A frozen reference in all else: never in checkpoints, in eval mode without gradients, one FSDP unit, its
+    files' identity checked on resume, under its own checkpoint entry."""
+
+    role = "teacher"
+    identity_key = "lit_align_teacher"
+
+    def __init__(self, name: str, init_kwargs: dict | None = None):
+        super().__init__(name)
+        from_pretrained_kwargs(init_kwargs, "model.teacher_model_init_kwargs")  # refuse a bad mapping now
+        self.init_kwargs = init_kwargs
+
+    def setup(self, module) -> None:
+        if self.model is not None:
+            return
+        hp = module.hparams
+        check_loadable(gguf_path(self.name, self.init_kwargs), "model.teacher_model")
+        self.model = frozen(load_model(self.name, hp.dtype, hp.attn_implementation, hp.trust_remote_code,
+                                       self.init_kwargs))
+        self.read_identity(self.name, module._trainer)
 
 
 class AdapterReference(Reference):

@@ -6,8 +6,8 @@ rollout may run instead of a plain sample. ``generate(module, batch, num_samples
 ``Generation``: per completion its prompt and completion ids and masks, the tool mask, the sampling log-probs (when the
 engine has them) and every reward function's value; ``stats`` gives TRL's rollout metrics of one, and
 ``generate_groups`` is DAPO's dynamic sampling over several batches. It knows nothing of advantages, old or
-reference log-probs or losses: those are the recipe's (``lit_align.modules.online``), so GRPO, RLOO and the recipes to
-come share it, and an asynchronous producer can run it elsewhere.
+reference log-probs or losses: those are the recipe's (``lit_align.modules.online``), so GRPO, RLOO, distillation and
+the recipes to come share it, and an asynchronous producer can run it elsewhere.
 
 ``module`` is the LightningModule whose policy samples: it gives the policy, its tokenizer and device, the trainer's
 state for reward functions (TRL's ``trainer_state``), the strategy that gathers metrics over ranks, and is what a
@@ -41,11 +41,12 @@ def repeat_each(values: list, times: int) -> list:
 
 
 def load_rewards(specs: list[str | dict] | None, weights: list[float] | None,
-                 owned: list | None = None) -> tuple[list, list[str], list[float]]:
+                 owned: list | None = None, required: bool = True) -> tuple[list, list[str], list[float]]:
     """``(reward functions, their names, their weights)`` from ``model.reward_funcs`` / ``model.reward_weights``, and
-    the rewards environments own (``owned``: weight 1, after them, as TRL)."""
+    the rewards environments own (``owned``: weight 1, after them, as TRL). ``required``: none at all is an error (a
+    recipe that trains on rewards); else none is an empty list (distillation: rewards only watch the task)."""
     owned = owned or []
-    if not specs and owned:
+    if not specs and (owned or not required):
         return owned, [callable_name(fn) for fn in owned], [1.0] * len(owned)
     if not specs:  # TRL requires them: a default reward would fit one dataset and silently score others
         raise LitAlignError("model.reward_funcs: none given; GRPO scores completions only with the reward functions "
@@ -150,14 +151,16 @@ class Rollouts:
     def __init__(self, reward_funcs: list | None, reward_weights: list[float] | None, sampling: SamplingConfig,
                  engine: str = "auto", vllm: VLLMOptions | None = None, weights_version=None,
                  tools: list | None = None, max_tool_calling_iterations: int | None = None,
-                 environment_factory: str | dict | None = None, rollout_func: str | None = None):
+                 environment_factory: str | dict | None = None, rollout_func: str | None = None,
+                 rewards_required: bool = True):
         if max_tool_calling_iterations is not None and max_tool_calling_iterations < 0:
             raise LitAlignError(f"model.max_tool_calling_iterations must be >= 0 or null, got "
                                 f"{max_tool_calling_iterations}")
         self.sampling, self.engine_name = sampling, engine
         self.environments = None if environment_factory is None else Environments(environment_factory)
         owned = [] if self.environments is None else self.environments.reward_functions()
-        self.reward_funcs, self.reward_names, weights = load_rewards(reward_funcs, reward_weights, owned)
+        self.reward_funcs, self.reward_names, weights = load_rewards(reward_funcs, reward_weights, owned,
+                                                                   rewards_required)
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         settings = {} if vllm is None else {**vllm.engine_settings(), "weights_version": weights_version}
         greedy = {**sampling.__dict__, "temperature": 0.0}
@@ -186,20 +189,22 @@ class Rollouts:
                                       getattr(network.config, "max_position_embeddings", None))
 
     # -- sampling and scoring ------------------------------------------------------------------------------------------
-    def sample(self, module, batch: dict[str, Any], num_samples: int, greedy: bool = False):
+    def sample(self, module, batch: dict[str, Any], num_samples: int, greedy: bool = False, model=None):
         """``num_samples`` completions per prompt: the engine's ``Rollout``, the prompts (repeated) and the
-        completions (text, or an assistant message for conversational prompts)."""
+        completions (text, or an assistant message for conversational prompts). ``model``: who samples (None: the
+        module's policy; distillation's teacher under ``seq_kd``)."""
         tok, engine = module.tokenizer, self.greedy_engine if greedy else self.engine
+        model = module.policy if model is None else model
         eos_pad = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id}
         if self.rollout_func is not None:  # the user's rollouts (TRL's rollout_func), in training and validation
             output = self.rollout_func(repeat_each(batch["prompts"], num_samples), module)
             rollout = rollout_from_output(output, self.rollout_func_name, len(batch["prompts"]) * num_samples,
                                           device=module.device, vocab_size=len(tok), **eos_pad)
         elif self.environments is not None:  # a fresh environment per rollout, its prompt rendered after its reset
-            rollout = self.environments.rollout(self.tool_loop, engine, module.policy, batch, num_samples, **eos_pad)
+            rollout = self.environments.rollout(self.tool_loop, engine, model, batch, num_samples, **eos_pad)
         else:
             generate = engine.generate if self.tool_loop is None else partial(self.tool_loop.generate, engine)
-            rollout = generate(module.policy, batch["prompt_ids"], batch["prompt_mask"], num_samples, **eos_pad)
+            rollout = generate(model, batch["prompt_ids"], batch["prompt_mask"], num_samples, **eos_pad)
         prompts = repeat_each(batch["prompts"], num_samples)
         if getattr(rollout, "messages", None) is not None:  # the turns: assistant (with tool_calls), tool, ...
             return rollout, prompts, rollout.messages
@@ -212,6 +217,8 @@ class Rollouts:
               metrics: dict[str, list], columns: dict[str, list]) -> torch.Tensor:
         """``[N, F]`` rewards, one column per reward function (NaN where a function returned None); what the
         functions log goes into ``metrics`` (``log_metric``) and ``columns`` (``log_extra``)."""
+        if not self.reward_funcs:  # a recipe that needs none (distillation): nothing to score
+            return torch.zeros(len(prompts), 0, device=module.device)
         data_columns = {k: repeat_each(v, num_samples) for k, v in batch["columns"].items()}
         ids = [row[mask.bool()].tolist() for row, mask in zip(rollout.completion_ids, rollout.completion_mask)]
         trainer = module._trainer
@@ -234,14 +241,21 @@ class Rollouts:
         return torch.where(per_func.isnan().all(1), torch.nan, weighted.nansum(1))
 
     @torch.no_grad()
-    def generate(self, module, batch: dict[str, Any], num_samples: int, seed: int | None = None) -> Generation:
-        """The batch's prompts sampled ``num_samples`` times each and scored. ``seed``: sample from an RNG seeded with
-        it, not from the global stream (which it leaves as it was)."""
+    def generate(self, module, batch: dict[str, Any], num_samples: int, seed: int | None = None,
+                 greedy: bool = False, model=None) -> Generation:
+        """The batch's prompts sampled ``num_samples`` times each (``sample``: ``greedy``, by ``model``) and scored.
+        ``seed``: sample from an RNG seeded with it, not from the global stream (which it leaves as it was)."""
         devices = [module.device] if module.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            rollout, prompts, completions = self.sample(module, batch, num_samples)
+            rollout, prompts, completions = self.sample(module, batch, num_samples, greedy, model)
+        return self.scored(module, batch, rollout, prompts, completions, num_samples)
+
+    def scored(self, module, batch: dict[str, Any], rollout, prompts: list, completions: list,
+               num_samples: int) -> Generation:
+        """A rollout of the batch's prompts, ``num_samples`` rows each, scored by the reward functions, as a
+        ``Generation``: what ``generate`` samples, or completions made elsewhere (distillation's dataset ones)."""
         metrics, columns = {}, {}
         per_func = self.score(module, batch, rollout, prompts, completions, num_samples, metrics, columns)
         prompt_ids = batch["prompt_ids"].repeat_interleave(num_samples, 0)
@@ -287,11 +301,12 @@ class Rollouts:
         device = rewards.device
         lengths = generation.sampled_mask.sum(1).float()
         all_lengths = strategy.all_gather(lengths).reshape(-1)
-        all_rewards = strategy.all_gather(rewards).reshape(1, -1)
-        stats = {
-            "reward": rewards.nanmean(),
-            "reward_std": nanstd(all_rewards, dim=1).view(()),
-            "frac_reward_zero_std": (nanstd(rewards.view(-1, group), dim=1) < ZERO_STD).float().mean(),
+        stats = {}
+        if self.reward_funcs:  # none: a recipe that trains without rewards (distillation) logs none
+            all_rewards = strategy.all_gather(rewards).reshape(1, -1)
+            stats |= {"reward": rewards.nanmean(), "reward_std": nanstd(all_rewards, dim=1).view(()),
+                      "frac_reward_zero_std": (nanstd(rewards.view(-1, group), dim=1) < ZERO_STD).float().mean()}
+        stats |= {
             "completions/mean_length": lengths.mean(),
             "completions/min_length": all_lengths.min(),
             "completions/max_length": all_lengths.max(),

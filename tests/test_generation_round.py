@@ -93,3 +93,12 @@ def test_generation_batch_size_is_resolved_against_the_batch_and_the_world():
         shape.resolve(batch_size=4, world_size=3)
     with pytest.raises(LitAlignError, match="must be a multiple of model.num_generations = 4"):
         RoundShape(4, generation_batch_size=12).resolve(batch_size=3, world_size=2)  # 3 x 1 step: no whole group
+
+
+def test_a_shape_without_groups_takes_one_completion_per_prompt_and_keeps_it_when_resolved():
+    """Distillation compares no completions with each other (``grouped=False``): one per prompt will do, and the
+    resolved shape is still one without groups."""
+    shape = RoundShape(num_generations=1, generation_batch_size=8, grouped=False)
+    assert shape.resolve(batch_size=4, world_size=1) == RoundShape(1, 2, grouped=False)
+    with pytest.raises(LitAlignError, match="model.num_generations must be >= 1, got 0"):
+        RoundShape(0, grouped=False)

@@ -173,6 +173,34 @@ def test_soft_capped_models_fall_back_to_the_plain_path(tiny_path):
     assert_rounding_close(logps, plain, terms=model.config.vocab_size)
 
 
+@pytest.mark.parametrize("padding_free", [False, True])
+@pytest.mark.parametrize("soft_capped", [False, True])
+def test_layout_outputs_are_the_logits_at_the_scored_tokens_in_grid_order(tiny_path, padding_free, soft_capped):
+    """Completions after left-padded prompts, padded or packed (``layouts.completions``): the hidden states and head
+    (a chunkable model) make, and the logits (one that is not) are, the plain forward's logits at the positions that
+    predict each completion token, row by row."""
+    from lit_align import layouts
+    from lit_align.logps import Projection, layout_outputs
+    from lit_align.models import load_model
+
+    model = load_model("builtin:tiny")
+    model.config.final_logit_softcapping = 30.0 if soft_capped else None  # Llama ignores it: the same logits
+    g = torch.Generator().manual_seed(2)
+    prompt_ids, completion_ids = torch.randint(3, 90, (3, 5), generator=g), torch.randint(3, 90, (3, 4), generator=g)
+    prompt_mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]])
+    layout = layouts.completions(prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, model)
+    with torch.no_grad():
+        outputs = layout_outputs(model, layout)
+        attention = torch.cat([prompt_mask, completion_mask], 1)
+        plain = model(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=attention,
+                      position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits[:, 4:-1][completion_mask.bool()]
+    assert isinstance(outputs, Projection) != soft_capped
+    logits = outputs.logits() if isinstance(outputs, Projection) else outputs
+    assert logits.shape == plain.shape == (7, model.config.vocab_size)
+    assert_rounding_close(logits, plain, terms=model.config.hidden_size * model.config.num_hidden_layers)
+
+
 def test_entropy_with_its_gradient_plain_and_chunked(tiny_path):
     """``entropy_grad`` (GRPO's entropy bonus trains on it): the same entropy, with the gradient of
     ``-sum p log p`` of the tempered logits, from the plain path and the chunked one (float64: a formula)."""

@@ -1,4 +1,4 @@
-"""Prompt-only rows for the online recipes (GRPO, RLOO), served one *generation round* at a time.
+"""Prompt-only rows for the online recipes (GRPO, RLOO, distillation), served one *generation round* at a time.
 
 Generation is autoregressive and costly, so one round of completions must feed several optimizer steps. The
 training DataLoader therefore yields every prompt of a round in one batch (``batch_size * steps_per_generation / G``
@@ -29,7 +29,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lit_align.data.base import AlignDataModule, ResumableLoader, SkippingSampler
-from lit_align.data.rows import check_max_length, check_prompt, encode_prompt, keep_end, naming_row, template_kwargs
+from lit_align.data.rows import (
+    check_max_length, check_prompt, encode_prompt, encode_prompt_completion, keep_end, naming_row,
+    normalize_completion, template_kwargs,
+)
 from lit_align.errors import LitAlignError
 from lit_align.generation_round import RoundShape
 
@@ -73,7 +76,9 @@ class _RoundItems(Dataset):
 
 
 class PromptDataModule(AlignDataModule):
-    """Prompts for the online recipes; extra columns (e.g. ``answer``) reach the reward functions.
+    """Prompts for the online recipes; extra columns (e.g. ``answer``) reach the reward functions. A ``completion``
+    column is tokenized too when the module trains on the dataset's completions (distillation's supervised rounds:
+    ``connect(dataset_completions=True)``), as SFT tokenizes it (EOS appended to a text completion).
 
     ``batch_size`` counts *completions* per device per optimizer step, as TRL's ``per_device_train_batch_size``
     does. One generation round per device covers ``batch_size * steps_per_generation`` completions, that is
@@ -96,16 +101,18 @@ class PromptDataModule(AlignDataModule):
         self.max_length = check_max_length(max_length)
         self.round_shape: RoundShape | None = None
         self.tools: list[dict] | None = None  # the module's tool schemas, rendered into every prompt
+        self.dataset_completions = False  # whether the module trains on the rows' ``completion`` column too
 
     def connect(self, tokenizer: str | None = None, round_shape: RoundShape | None = None,
-                tools: list[dict] | None = None) -> RoundShape | None:
-        """The model's tokenizer, the round's shape (the module owns it) and the schemas of the tools its
-        completions may call (rendered into every prompt, as TRL does, unless a row has its own ``tools``). Answers
-        with the round's shape resolved against ``batch_size`` and the world size (``RoundShape.resolve``)."""
+                tools: list[dict] | None = None, dataset_completions: bool = False) -> RoundShape | None:
+        """The model's tokenizer, the round's shape (the module owns it), the schemas of the tools its
+        completions may call (rendered into every prompt, as TRL does, unless a row has its own ``tools``) and
+        whether it trains on the rows' own completions (``completion_ids`` then in each batch). Answers with the
+        round's shape resolved against ``batch_size`` and the world size (``RoundShape.resolve``)."""
         super().connect(tokenizer)
-        if tools != self.tools:  # rows tokenized without these tools are tokenized again
+        if (tools, dataset_completions) != (self.tools, self.dataset_completions):  # rows are tokenized again
             self.train_data = self.val_data = None
-        self.tools = tools
+        self.tools, self.dataset_completions = tools, dataset_completions
         if round_shape is not None:
             self.round_shape = round_shape.resolve(self.batch_size, self.world_size())
         return self.round_shape
@@ -125,6 +132,7 @@ class PromptDataModule(AlignDataModule):
         tokenizer, max_length = self.tokenizer, self.max_length
 
         chat_template_kwargs, tools = self.chat_template_kwargs, self.tools
+        completions = self.dataset_completions and "completion" in rows.column_names
 
         def tokenize(row, index):
             where = f"{source} row {index}"
@@ -137,19 +145,23 @@ class PromptDataModule(AlignDataModule):
                 template.setdefault("tools", tools)
             with naming_row(where):
                 ids = encode_prompt(tokenizer, row["prompt"], conversational, template)
-            return {"prompt_ids": keep_end(ids, max_length)}
+                out = {"prompt_ids": keep_end(ids, max_length)}
+                if completions:  # SFT's split: where the tokenized prompt and prompt + completion diverge
+                    out["completion_ids"] = encode_prompt_completion(
+                        tokenizer, *normalize_completion(row, where), template)[1]
+            return out
 
         return rows.map(tokenize, with_indices=True, desc=f"Tokenizing {source}")
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Left-padded ``prompt_ids``/``prompt_mask``, the raw ``prompts``, extra ``columns``, the ``round_pos`` and the
-        prompts' dataset ``rows`` (training only)."""
+        """Left-padded ``prompt_ids``/``prompt_mask``, the raw ``prompts``, extra ``columns``, the ``round_pos``, the
+        prompts' dataset ``rows`` (training only) and, where the rows have them, their ``completion_ids`` (lists)."""
         width = max(len(r["prompt_ids"]) for r in rows)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in rows])
         mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in rows])
-        skip = {"prompt", "prompt_ids", "round_pos", "row"}
-        return {
+        skip = {"prompt", "prompt_ids", "completion_ids", "round_pos", "row"}
+        batch = {
             "prompt_ids": ids,
             "prompt_mask": mask,
             "prompts": [r["prompt"] for r in rows],
@@ -157,6 +169,9 @@ class PromptDataModule(AlignDataModule):
             "round_pos": rows[0].get("round_pos", 0),
             "dataset_rows": [r["row"] for r in rows] if "row" in rows[0] else None,  # dataset indices (numeric guard)
         }
+        if "completion_ids" in rows[0]:
+            batch["completion_ids"] = [r["completion_ids"] for r in rows]
+        return batch
 
     def train_dataloader(self) -> DataLoader:
         trainer = self.trainer

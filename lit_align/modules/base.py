@@ -197,8 +197,13 @@ class AlignModule(L.LightningModule):
             self.policy = get_peft_model(self.policy, copy.deepcopy(self.lora_config))  # freezes the base weights
             if self.hparams.disable_dropout:
                 disable_dropout(self.policy)  # lora_dropout too
-        if self.reference is not None:
-            self.reference.setup(self)
+        for frozen in self.frozen_models():
+            frozen.setup(self)
+
+    def frozen_models(self) -> list[Reference]:
+        """The frozen models the recipe compares its policy with (a reference; distillation's teacher): each set up
+        once the policy is loaded, its files' identity recorded in checkpoints and checked on resume."""
+        return [] if self.reference is None else [self.reference]
 
     def configure_callbacks(self) -> list:
         """TR-DPO's ``RefModelSync`` where the recipe's ``build_reference`` made one: the setting that asks for it
@@ -295,8 +300,8 @@ class AlignModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_align_recipe"] = type(self).__name__
-        if self.reference is not None:
-            self.reference.on_save_checkpoint(checkpoint)
+        for frozen in self.frozen_models():
+            frozen.on_save_checkpoint(checkpoint)
         checkpoint["lit_align_total_steps"] = self.total_steps
         checkpoint["lit_align_skipped_batches"] = self.skipped_batches
         checkpoint["lit_align_num_tokens"] = self.num_tokens
@@ -326,8 +331,8 @@ class AlignModule(L.LightningModule):
         if recipe is not None and recipe != type(self).__name__:
             raise LitAlignError(f"{where} is a {recipe} checkpoint; this run is {type(self).__name__} (resume a "
                                 "checkpoint with the recipe that wrote it)")
-        if self.reference is not None:
-            self.reference.check_resume(checkpoint, where)
+        for frozen in self.frozen_models():
+            frozen.check_resume(checkpoint, where)
         saved, may_change = checkpoint["hyper_parameters"], self.may_change_on_resume()
         for key, value in self.hparams.items():
             if key.startswith("_") or key in may_change or key not in saved or saved[key] == value:

@@ -10,7 +10,8 @@ is in checkpoints, so a resume mid-round trains on what the interrupted run samp
 
 A recipe (``GRPOModule``, ``RLOOModule``) adds its loss settings in ``__init__``, ``advantages`` (a round's advantages
 from its rewards) and ``training_step`` (a step's loss on ``next_step(batch)``); ``old_logps`` when it reads the
-sampling policy's log-probs differently.
+sampling policy's log-probs differently. ``DistillationModule`` trains on no rewards (``rewards_required``) and one
+completion per prompt (``grouped``), and makes some rounds from other completions (``assemble_round``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class OnlineModule(AlignModule):
         reward_funcs: reward functions: dotted paths (``lit_align.rewards.sort_accuracy``, ``my_pkg.mod.fn``; from
             Python, the functions themselves), ``{class_path, init_args}`` objects, plain or ``async``, with TRL's
             calling convention (``lit_align.rewards``); or reward models by hub name or directory
-            (``lit_align.rewards.RewardModel``). Required, as in TRL: none is an error (no reward fits every dataset).
+            (``lit_align.rewards.RewardModel``). Required, as in TRL: none is an error (no reward fits every dataset);
+            distillation's are optional (they only watch the task).
         reward_weights: one weight per reward function (default: all 1.0); rewards are summed with these weights.
         num_generations: completions sampled per prompt (G). The module owns the round's shape
             (``lit_align.generation_round.RoundShape``) and hands it to the data (``PromptDataModule.connect``).
@@ -150,6 +152,8 @@ class OnlineModule(AlignModule):
 
     resume_may_change = ("engine", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_enable_sleep_mode",
                          "num_generations_eval", "pass_threshold")
+    rewards_required = True  # the recipe trains on rewards: no reward function is an error (distillation: optional)
+    grouped = True  # the recipe compares a prompt's completions with each other (``RoundShape.grouped``)
 
     def __init__(
         self,
@@ -195,7 +199,7 @@ class OnlineModule(AlignModule):
         super().__init__(model=model, **kwargs)
         check_online_settings(temperature, max_completion_length, num_generations_eval)
         self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, generation_batch_size,
-                                      max_num_gen_batches if dynamic_sampling else 1)
+                                      max_num_gen_batches if dynamic_sampling else 1, grouped=self.grouped)
         self.beta, self.temperature, self.padding_free = beta, temperature, padding_free
         self.mask_truncated_completions, self.max_completion_length = mask_truncated_completions, max_completion_length
         self.num_generations_eval, self.pass_threshold = num_generations_eval, pass_threshold
@@ -207,7 +211,8 @@ class OnlineModule(AlignModule):
         vllm = VLLMOptions.from_flat(self.hparams) if engine == "vllm" else None
         self.importance_sampling = None if vllm is None else self.sampling_correction(vllm)
         self.rollouts = Rollouts(reward_funcs, reward_weights, self.sampling, engine, vllm, self.weights_version,
-                                 tools, max_tool_calling_iterations, environment_factory, rollout_func)
+                                 tools, max_tool_calling_iterations, environment_factory, rollout_func,
+                                 rewards_required=self.rewards_required)
         self.register_buffer("reward_weights", self.rollouts.reward_weights, persistent=False)
         self.round, self.generation_rounds, self.generation_seed = None, 0, torch.initial_seed()  # (see make_round)
         self.val_metrics = self.validation_metrics()
@@ -276,14 +281,20 @@ class OnlineModule(AlignModule):
 
     @torch.no_grad()
     def make_round(self, batch: dict[str, Any]) -> GenerationRound:
-        """Sample and score the round's prompts (``Rollouts.generate``), then what the recipe trains on: the old and
-        reference log-probs it needs and its advantages."""
+        """Sample and score the round's prompts (``Rollouts.generate``), then what the recipe trains on
+        (``assemble_round``)."""
         shape, rollouts = self.round_shape, self.rollouts
         if shape.prompt_batches > 1:  # dynamic sampling
             groups = len(batch["prompts"]) // shape.prompt_batches
             gen, sampled = rollouts.generate_groups(self, batch, shape.num_generations, groups, self.round_seed())
         else:
             gen = sampled = rollouts.generate(self, batch, shape.num_generations, seed=self.round_seed())
+        return self.assemble_round(batch, gen, sampled)
+
+    def assemble_round(self, batch: dict[str, Any], gen: Generation, sampled: Generation) -> GenerationRound:
+        """The round of the completions ``gen`` (``sampled``: everything sampled for them, for the metrics): the old
+        and reference log-probs the recipe needs, its advantages, the loss tokens and the order its steps take them."""
+        shape, rollouts = self.round_shape, self.rollouts
         stats = {**rollouts.stats(self.trainer, sampled, shape.num_generations), **self.dynamic_stats(gen, sampled)}
         loss_mask = gen.sampled_mask
         if self.mask_truncated_completions:
@@ -407,24 +418,30 @@ class OnlineModule(AlignModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """Held-out reward: one greedy completion per prompt, or with ``num_generations_eval`` that many sampled
         ones (the training engine's settings), averaged."""
+        self.log_val_rewards(self.val_generation(batch))
+
+    def val_generation(self, batch: dict[str, Any]) -> Generation:
+        """A validation batch's completions, scored: one greedy per prompt, or ``num_generations_eval`` sampled."""
         num = self.num_generations_eval or 1
-        rollouts = self.rollouts
-        rollout, prompts, completions = rollouts.sample(self, batch, num, greedy=self.num_generations_eval is None)
-        per_func = rollouts.score(self, batch, rollout, prompts, completions, num, {}, {})
-        self.val_metrics["reward"].update(rollouts.total(per_func).nan_to_num(0.0))
+        return self.rollouts.generate(self, batch, num, greedy=self.num_generations_eval is None)
+
+    def log_val_rewards(self, gen: Generation) -> None:
+        """``val/reward``, each function's mean, with tools the calls per completion, with samples pass@k."""
+        rewards = gen.rewards.nan_to_num(0.0)
+        self.val_metrics["reward"].update(rewards)
         self.log("val/reward", self.val_metrics["reward"], prog_bar=True)
-        for i, name in enumerate(rollouts.reward_names):
+        for i, name in enumerate(self.rollouts.reward_names):
             metric = self.val_metrics[f"rewards_{name}_mean"]
-            values = per_func[:, i]
+            values = gen.per_func[:, i]
             if not values.isnan().all():
                 metric.update(values[~values.isnan()])
                 self.log(f"val/rewards/{name}/mean", metric)
         if "tool_calls" in self.val_metrics:  # tool calls per completion (TRL's tools/call_frequency)
-            calls = self.val_metrics["tool_calls"]
-            calls.update(torch.tensor(rollout.tool_calls / len(prompts), device=self.device), weight=len(prompts))
+            calls, rows = self.val_metrics["tool_calls"], len(gen.prompts)
+            calls.update(torch.tensor(gen.tool_calls / rows, device=self.device), weight=rows)
             self.log("val/tools/call_frequency", calls)
         if self.num_generations_eval is not None:
-            self.log_pass_at_k(rollouts.total(per_func).nan_to_num(0.0).view(-1, num))
+            self.log_pass_at_k(rewards.view(-1, self.num_generations_eval))
 
     def log_pass_at_k(self, rewards: torch.Tensor) -> None:
         """``val/pass@k`` over each prompt's ``[P, n]`` sampled rewards (solved: at least ``pass_threshold``), and

@@ -1,4 +1,4 @@
-"""Prompt-only data for GRPO: ``RoundSampler``'s round pattern, ``PromptDataModule``'s checks, batches and errors."""
+"""Prompt-only data for the online recipes: ``RoundSampler``'s round pattern, ``PromptDataModule``'s checks, batches and errors."""
 
 from __future__ import annotations
 
@@ -166,6 +166,24 @@ def test_extra_columns_reach_the_batch(write_jsonl, tiny_path, tokenizer):
     for prompt, answer, level in zip(batch["prompts"], batch["columns"]["answer"], batch["columns"]["level"]):
         i = int(prompt[5:9])
         assert answer == f"ans{i}" and level == i % 3  # aligned row for row with the prompts
+
+
+def test_the_rows_completions_are_tokenized_as_sfts_when_the_module_asks(write_jsonl, tiny_path, tokenizer):
+    """Distillation's supervised rounds: with ``dataset_completions`` each batch carries each row's ``completion``
+    as SFT tokenizes it (a text completion's characters, then EOS; a conversation's assistant turn by the chat
+    template), beside the raw column the reward functions read; without, no row is tokenized for it."""
+    chat = [{"role": "user", "content": "sort 31:"}]
+    for rows, completion in (([{"prompt": "sort 21:", "completion": "12"}] * 2, "12"),
+                             ([{"prompt": chat, "completion": [{"role": "assistant", "content": "13"}]}] * 2, "13")):
+        dm = PromptDataModule(path=write_jsonl(rows), val_split=None, tokenizer="builtin:tiny", batch_size=2)
+        dm.connect(round_shape=RoundShape(1, grouped=False), dataset_completions=True)
+        dm.setup("fit")
+        batch = next(iter(dm.train_dataloader()))
+        assert batch["completion_ids"] == [tokenizer(completion)["input_ids"] + [tokenizer.eos_token_id]] * 2
+        assert batch["columns"] == {"completion": [rows[0]["completion"]] * 2}  # raw, for the reward functions
+    dm.connect(round_shape=RoundShape(1, grouped=False))  # the rows are tokenized again, without
+    dm.setup("fit")
+    assert "completion_ids" not in next(iter(dm.train_dataloader()))
 
 
 def test_prompts_are_left_padded_and_truncated_from_the_start(write_jsonl, tiny_path, tokenizer):

@@ -1,8 +1,8 @@
 """Exact resume and determinism: a run interrupted at step k and resumed with ``ckpt_path`` logs the same per-step
 losses and ends with the same weights as the uninterrupted run (CPU, fp32, seeded), for DPO (mid-epoch, across an
 epoch boundary), KTO, CPO and ORPO (mid-epoch), the reward model (mid-epoch, its random score head restored from
-the checkpoint) and GRPO (mid-round: the round's buffer comes from the checkpoint; later rounds regenerate the same
-completions). Two runs of one seeded config give one loss trajectory.
+the checkpoint), GRPO and distillation (mid-round: the round's buffer comes from the checkpoint; later rounds
+regenerate the same completions, from the same source). Two runs of one seeded config give one loss trajectory.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from helpers import cli_env, read_metrics, write_sort_rows
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_align.data import PreferenceDataModule, PromptDataModule, RewardDataModule, UnpairedPreferenceDataModule
-from lit_align.modules import CPOModule, DPOModule, GRPOModule, KTOModule, ORPOModule, RewardModule
+from lit_align.modules import (
+    CPOModule, DistillationModule, DPOModule, GRPOModule, KTOModule, ORPOModule, RewardModule,
+)
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/
 REPO = TESTS.parent
@@ -156,6 +158,25 @@ def test_grpo_resume_mid_round_is_exact(settings, tmp_path, prompts_file, tiny_p
     resumed, resumed_weights = fit(GRPOModule, model, PromptDataModule, data, tmp_path / "resumed", 9,
                                    ckpt_path=str(tmp_path / "full" / "ckpt" / "step=4.ckpt"))
     assert sorted(resumed.by_step) == [4, 5, 6, 7, 8]
+    assert resumed.firsts == {s: full.firsts[s] for s in resumed.firsts}
+    assert resumed.by_step == {s: full.by_step[s] for s in resumed.by_step}
+    assert_same_weights(resumed_weights, full_weights)
+
+
+def test_distill_resume_mid_round_is_exact(tmp_path, prompts_file, tiny_path):
+    """Rounds of 2 steps, each the student's samples or the teacher's (lmbda 0.5, seq_kd): the step-3 checkpoint is
+    mid-round; the resumed run trains on the saved round, then draws the coins and samples the completions the
+    uninterrupted run did."""
+    from lit_align.models import build_builtin
+
+    teacher = str(build_builtin("tiny", tmp_path / "teacher", seed=1))
+    model = {"teacher_model": teacher, "lmbda": 0.5, "seq_kd": True, "max_completion_length": 4,
+             "steps_per_generation": 2}
+    data = {"path": prompts_file, **GRPO_DATA}
+    full, full_weights = fit(DistillationModule, model, PromptDataModule, data, tmp_path / "full", 9, ckpt_every=3)
+    resumed, resumed_weights = fit(DistillationModule, model, PromptDataModule, data, tmp_path / "resumed", 9,
+                                   ckpt_path=str(tmp_path / "full" / "ckpt" / "step=3.ckpt"))
+    assert sorted(resumed.by_step) == [3, 4, 5, 6, 7, 8]
     assert resumed.firsts == {s: full.firsts[s] for s in resumed.firsts}
     assert resumed.by_step == {s: full.by_step[s] for s in resumed.by_step}
     assert_same_weights(resumed_weights, full_weights)

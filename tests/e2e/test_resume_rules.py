@@ -20,7 +20,9 @@ def args(recipe: str, root: Path, rows: str, max_steps: int, *extra: str) -> lis
     online = ["--model.init_args.model", "builtin:tiny", "--model.init_args.max_completion_length", "4",
               "--model.init_args.num_generations", "2", "--model.init_args.steps_per_generation", "1"]
     data = {"sft": [], "dpo": ["--data.init_args.max_length", "32"], "kto": ["--data.init_args.max_length", "32"],
-            "grpo": online, "rloo": online}[recipe]
+            "grpo": online, "rloo": online,
+            "distill": [*online, "--model.init_args.teacher_model", "builtin:tiny",
+                        "--trainer.check_val_every_n_epoch", "1"]}[recipe]  # its config counts steps across epochs
     return ["fit", "-c", str(CONFIGS / f"{recipe}.yaml"), "--data.init_args.path", rows,
             "--data.init_args.val_split", "null", "--data.init_args.batch_size", "4", "--trainer.max_steps",
             str(max_steps), "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
@@ -78,6 +80,7 @@ def test_a_resume_keeps_the_users_settings_and_refuses_a_model_setting_it_cannot
 @pytest.mark.parametrize("recipe,setting,value,saved", [
     ("kto", "loss_type", "apo_zero_unpaired", "'kto'"), ("kto", "desirable_weight", "2.0", "1.0"),
     ("rloo", "beta", "0.5", "0.05"), ("rloo", "normalize_advantages", "true", "False"),
+    ("distill", "lmbda", "1.0", "0.5"), ("distill", "beta", "0.5", "1.0"),
 ])
 def test_a_changed_loss_setting_of_kto_or_rloo_is_refused_as_dpos_is(tmp_path, pairs, recipe, setting, value, saved,
                                                                       capfd):

@@ -435,7 +435,7 @@ def test_padding_free_training_matches_padded_training(tmp_path, prompts_file, t
                                torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), padding_free=True)
 
 
-@pytest.mark.parametrize("recipe", ["grpo", "rloo", "dpo", "sft", "kto", "cpo", "orpo", "reward"])
+@pytest.mark.parametrize("recipe", ["grpo", "rloo", "distill", "dpo", "sft", "kto", "cpo", "orpo", "reward"])
 def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     """Every option named as in TRL defaults as in TRL, but the differences docs/grpo.md gives reasons for
     ("Defaults")."""
@@ -448,9 +448,12 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
 
     from lit_align.hub import recipe_defaults
     from lit_align.data import RewardDataModule
-    from lit_align.modules import CPOModule, DPOModule, KTOModule, ORPOModule, RewardModule, RLOOModule, SFTModule
+    from lit_align.modules import (
+        CPOModule, DistillationModule, DPOModule, KTOModule, ORPOModule, RewardModule, RLOOModule, SFTModule,
+    )
 
     module, config = {"grpo": (GRPOModule, trl.GRPOConfig), "rloo": (RLOOModule, trl.RLOOConfig),
+                      "distill": (DistillationModule, trl.DistillationConfig),
                       "dpo": (DPOModule, trl.DPOConfig), "sft": (SFTModule, trl.SFTConfig),
                       "kto": (KTOModule, trl.KTOConfig), "cpo": (CPOModule, CPOConfig),
                       "orpo": (ORPOModule, ORPOConfig), "reward": (RewardModule, trl.RewardConfig)}[recipe]
@@ -459,7 +462,7 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     differ = {k: (v, theirs[k]) for k, v in ours.items() if k in theirs and v != theirs[k]}
     listed = {"gradient_checkpointing": (False, True)}
     round_defaults = {"disable_dropout": (True, False)}
-    listed |= {"grpo": round_defaults, "rloo": round_defaults,
+    listed |= {"grpo": round_defaults, "rloo": round_defaults, "distill": {},
                "sft": {"completion_only_loss": (True, None),  # None: on for prompt-completion rows
                        "padding_free": (None, False)},  # None: on where exact and cheaper (packs_by_default)
                "dpo": {"padding_free": (None, False)}, "kto": {}, "cpo": {}, "orpo": {}, "reward": {}}[recipe]

@@ -1,0 +1,265 @@
+"""On-policy distillation's pure tensor math: TRL 1.16's generalized Jensen-Shannon divergence between the student's
+and the teacher's next-token distributions, from full logits, chunked through the student's LM head, or against a
+teacher's top-k log-probs.
+
+``beta`` picks the divergence (TRL's ``DistillationConfig.beta``): 0 the forward KL(teacher || student), 1 the reverse
+KL(student || teacher), in between the generalized JSD ``beta KL(p_t || m) + (1 - beta) KL(p_s || m)`` with the
+mixture ``m = (1 - beta) p_s + beta p_t`` (0 and 1 are the KLs themselves, not the JSD's limits). Both models' logits
+are divided by ``temperature`` first. The teacher is a constant: no gradient reaches it.
+
+Three ways in, one formula (``divergence_terms``), one set of reductions (``reduce_divergence``):
+
+- ``generalized_jsd``: both models' full logits (TRL's ``GKDTrainer.generalized_jsd_loss``, ``mask`` in place of its
+  ``labels != -100``).
+- ``chunked_generalized_jsd``: the student as final hidden states and LM head (``Projection``), the teacher as logits
+  or as a ``Projection`` too. The heads run ``chunk_size`` positions at a time, and backward makes each chunk's logits
+  again, so the student's ``[positions, V]`` logits and their softmax never exist whole (TRL's ``DistillationTrainer``
+  computes the loss this way, always).
+- ``topk_generalized_jsd``: the teacher as its top-k log-probs and their ids (a cached or served teacher).
+
+Left out, and why: TRL's ``mean`` reduction (a mean over vocabulary entries too, which no trainer uses); tiling the
+vocabulary inside a chunk (TRL tiles 32k entries at a time; here a chunk meets the whole vocabulary, so chunks are
+sized by ``DISTILL_CHUNK_LOGITS``); final-logit soft-capping (as in ``lit_align.logps``, soft-capped heads are not
+chunked).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lit_align.logps import Projection, _accumulate, _autocast_dtype, _Head, compute_dtype
+
+DISTILL_REDUCTIONS = ("batchmean", "sum", "none")
+DISTILL_CHUNK_LOGITS = 2**24  # logits per chunk (positions x vocabulary): 64 MB per fp32 temporary; 110 rows at 152k
+
+
+def check_divergence(beta: float, temperature: float, reduction: str) -> None:
+    """Refuse a ``beta`` outside [0, 1], a ``temperature`` that is not > 0, or an unknown ``reduction``."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta {beta}: expected a value in [0, 1] (0 forward KL, 1 reverse KL, between them the JSD)")
+    if not temperature > 0:
+        raise ValueError(f"temperature {temperature}: expected a value > 0")
+    if reduction not in DISTILL_REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}: expected one of {DISTILL_REDUCTIONS}")
+
+
+def divergence_terms(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float) -> torch.Tensor:
+    """Each vocabulary entry's share of the divergence: ``[..., V], [..., V] -> [..., V]``; its sum over the last
+    dimension is the per-token divergence. Log-probs must be finite (``0 * -inf`` is NaN, as in TRL's ``F.kl_div``)."""
+    if beta == 0.0:
+        return _kl_terms(teacher_logps, student_logps)
+    if beta == 1.0:
+        return _kl_terms(student_logps, teacher_logps)
+    mixture = _mixture_logps(student_logps, teacher_logps, beta)
+    return beta * _kl_terms(teacher_logps, mixture) + (1 - beta) * _kl_terms(student_logps, mixture)
+
+
+def _kl_terms(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """``p (log p - log q)``, entry by entry: KL(p || q) once summed."""
+    return log_p.exp() * (log_p - log_q)
+
+
+def _mixture_logps(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float) -> torch.Tensor:
+    """``log((1 - beta) p_s + beta p_t)``."""
+    return torch.logaddexp(student_logps + math.log1p(-beta), teacher_logps + math.log(beta))
+
+
+def divergence_grad(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float) -> torch.Tensor:
+    """The per-token divergence's gradient w.r.t. the student's (tempered) logits, the teacher fixed: ``[..., V]``.
+
+    The softmax turns ``g = d D / d log p_s`` into ``p_s (g - sum p_s g)``: ``p_s - p_t`` for the forward KL,
+    ``p_s (log p_s - log p_t - KL)`` for the reverse KL, ``(1 - beta) p_s (log p_s - log m - KL(p_s || m))`` for the
+    JSD (the terms through the mixture ``m`` cancel).
+    """
+    probs = student_logps.exp()
+    if beta == 0.0:
+        return probs - teacher_logps.exp()
+    if beta == 1.0:
+        gap, weight = student_logps - teacher_logps, 1.0
+    else:
+        gap, weight = student_logps - _mixture_logps(student_logps, teacher_logps, beta), 1 - beta
+    return probs.mul_(gap - (probs * gap).sum(-1, keepdim=True)).mul_(weight)
+
+
+def reduce_divergence(per_token: torch.Tensor, mask: torch.Tensor | None = None,
+                      reduction: str = "batchmean") -> torch.Tensor:
+    """TRL's reductions of per-token divergences ``[N, T]`` (any ``[N, ...]``), positions where ``mask`` is 0 left out.
+
+    ``batchmean``: with a mask, the sum over its positions divided by their number (at least 1): a per-token mean, the
+    normalisation of every TRL trainer; without one, the sum divided by ``N`` (per row: ``F.kl_div``'s batchmean, what
+    TRL's ``generalized_jsd_loss`` does without ``labels``). ``sum``: the sum (TRL's ``num_items_in_batch``
+    normalisation is this sum divided by that count). ``none``: the per-token values, 0 where masked out.
+    """
+    if mask is not None:
+        per_token = per_token.masked_fill(~mask.bool(), 0.0)
+    if reduction == "none":
+        return per_token
+    total = per_token.sum()
+    if reduction == "sum":
+        return total
+    return total / (mask.sum().clamp(min=1) if mask is not None else max(per_token.shape[0], 1))
+
+
+def token_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float = 0.5,
+              temperature: float = 1.0) -> torch.Tensor:
+    """Per-token divergence ``[..., V], [..., V] -> [...]``, in fp32 (fp64 for fp64 student logits)."""
+    dtype = compute_dtype(student_logits.dtype)
+    student = F.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    teacher = F.log_softmax(teacher_logits.detach().to(dtype) / temperature, dim=-1)
+    return divergence_terms(student, teacher, beta).sum(-1)
+
+
+def generalized_jsd(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+) -> torch.Tensor:
+    """TRL's generalized JSD loss from both models' logits ``[N, T, V]``: the value of
+    ``GKDTrainer.generalized_jsd_loss(student, teacher, labels, beta, temperature)`` with ``mask = labels != -100``,
+    and its gradient w.r.t. ``student_logits`` (none reaches the teacher). ``mask`` ``[N, T]``: the scored positions;
+    ``reduction``: see ``reduce_divergence``."""
+    check_divergence(beta, temperature, reduction)
+    return reduce_divergence(token_jsd(student_logits, teacher_logits, beta, temperature), mask, reduction)
+
+
+def _teacher_logits(teacher: Projection | torch.Tensor, rows: torch.Tensor, temperature: float,
+                    dtype: torch.dtype) -> Callable[[slice], torch.Tensor]:
+    """``logits(s)``: the teacher's tempered logits ``[len(rows[s]), V]`` (in ``dtype``) at the flat positions
+    ``rows[s]``, from its logits or through its head, one chunk at a time."""
+    if isinstance(teacher, Projection):
+        hidden = teacher.hidden.detach().reshape(-1, teacher.hidden.shape[-1])
+        matmul = _autocast_dtype(hidden.device) or hidden.dtype
+        bias = None if teacher.bias is None else teacher.bias.detach()
+        head = _Head(teacher.weight.detach(), bias, teacher.scale / temperature, matmul, teacher.weight.shape[0])
+        return lambda s: next(head.tiles(hidden[rows[s]].to(matmul)))[2].to(dtype)
+    logits = teacher.detach().reshape(-1, teacher.shape[-1])
+    return lambda s: logits[rows[s]].to(dtype) / temperature
+
+
+def _chunk_logps(head: _Head, hidden: torch.Tensor, teacher: Callable, rows: slice):
+    """The student's and the teacher's log-probs ``[rows, V]`` at one chunk of positions."""
+    student = next(head.tiles(hidden))[2]  # one tile: the head's block is the whole vocabulary
+    return student.log_softmax(-1), teacher(rows).log_softmax(-1)
+
+
+class _ChunkedJSD(torch.autograd.Function):
+    """``[M, H], [V, H], [V] | None -> [M]``: per-position divergence, the student's logits made ``chunk`` positions
+    at a time (``teacher(rows)`` gives the teacher's); backward makes them again and applies ``divergence_grad``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, teacher, scale: float, beta: float, chunk: int, dtype: torch.dtype):
+        head = _Head(weight, bias, scale, dtype, weight.shape[0])
+        out = hidden.new_empty(hidden.shape[0], dtype=head.acc)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, len(hidden), chunk):
+                rows = slice(s, s + chunk)
+                student, teacher_logps = _chunk_logps(head, hidden[rows].to(dtype), teacher, rows)
+                out[rows] = divergence_terms(student, teacher_logps, beta).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.teacher, ctx.scale, ctx.beta, ctx.chunk, ctx.dtype = teacher, scale, beta, chunk, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        head = _Head(weight, bias, ctx.scale, ctx.dtype, weight.shape[0])
+        acc = head.acc
+        grad_h = torch.empty_like(hidden, dtype=acc) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, len(hidden), ctx.chunk):
+                rows = slice(s, s + ctx.chunk)
+                h = hidden[rows].to(ctx.dtype)
+                student, teacher_logps = _chunk_logps(head, h, ctx.teacher, rows)
+                # d loss / d (h @ W.T + b): the tempered logits' gradient times the upstream gradient and the scale
+                coef = divergence_grad(student, teacher_logps, ctx.beta).mul_(grad_out[rows, None].to(acc) * ctx.scale)
+                if need_b:
+                    grad_b += coef.sum(0)
+                coef = coef.to(ctx.dtype)
+                if need_h:
+                    grad_h[rows] = coef @ head.weight
+                if need_w:
+                    _accumulate(grad_w, coef.T, h)
+        grads = [None if g is None else g.to(t.dtype) for g, t in ((grad_h, hidden), (grad_w, weight), (grad_b, bias))]
+        return (*grads, None, None, None, None, None)
+
+
+def chunked_generalized_jsd(
+    student: Projection,
+    teacher: Projection | torch.Tensor,
+    mask: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``generalized_jsd`` with the student given as hidden states and LM head, ``chunk_size`` positions at a time.
+
+    ``student.hidden`` ``[N, T, H]`` (any ``[..., H]``); ``teacher``: its logits ``[N, T, V]`` or a ``Projection``
+    (its own hidden size; the vocabulary must be the student's); ``mask`` ``[N, T]``: only these positions meet the
+    heads. Values and gradients (w.r.t. the student's hidden states, weight and bias) are those of
+    ``generalized_jsd(scale * (hidden @ weight.T + bias), teacher logits, ...)`` up to rounding, and no
+    vocabulary-wide tensor it makes holds more than ``chunk_size`` positions (default: ``DISTILL_CHUNK_LOGITS // V``).
+    The student's matmul runs in the autocast dtype if autocast is on, else in ``hidden``'s; the divergence in fp32
+    (fp64 for fp64).
+    """
+    check_divergence(beta, temperature, reduction)
+    shape, vocab = student.hidden.shape[:-1], student.weight.shape[0]
+    scored = torch.ones(shape, dtype=torch.bool, device=student.hidden.device) if mask is None else mask.bool()
+    rows = scored.reshape(-1).nonzero().squeeze(1)  # flat indices of the scored positions
+    matmul = _autocast_dtype(student.hidden.device) or student.hidden.dtype
+    dtype = compute_dtype(matmul)
+    hidden = student.hidden.reshape(-1, student.hidden.shape[-1])[rows]
+    teacher_logits = _teacher_logits(teacher, rows, temperature, dtype)
+    chunk = int(chunk_size or max(1, DISTILL_CHUNK_LOGITS // vocab))
+    values = _ChunkedJSD.apply(hidden, student.weight, student.bias, teacher_logits, student.scale / temperature,
+                               float(beta), chunk, matmul)
+    per_token = values.new_zeros(scored.numel()).index_put((rows,), values).view(shape)
+    return reduce_divergence(per_token, mask, reduction)
+
+
+def topk_generalized_jsd(
+    student_logits: torch.Tensor,
+    teacher_topk_logps: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    tail: bool = True,
+    reduction: str = "batchmean",
+) -> torch.Tensor:
+    """The divergence against a teacher known by its top-k log-probs ``[N, T, K]`` and their ids ``[N, T, K]`` (valid
+    ids everywhere, masked positions included), the student by its logits ``[N, T, V]``.
+
+    The teacher's log-probs are used as given: those of its distribution at ``temperature`` (what a server returns when
+    asked at that temperature); the student's logits are divided by ``temperature`` here. Both distributions are cut
+    to the teacher's top-k ids, the approximation of TRL's ``ServerDistillationTrainer`` (which allows it for
+    ``beta > 0`` only with k = 1; here any k):
+    ``tail`` (TRL's ``loss_add_tail``): a (k+1)-th entry holds each distribution's rest, the student's exact mass on
+    the other ids and the teacher's ``1 - sum(top-k probs)`` (at least the dtype's eps, the resolution of that
+    difference); at k = V there is no rest and no tail entry. Else both are renormalised over the k ids.
+    Either way, k = V gives ``generalized_jsd``'s value.
+    """
+    check_divergence(beta, temperature, reduction)
+    dtype = compute_dtype(student_logits.dtype)
+    student = F.log_softmax(student_logits.to(dtype) / temperature, dim=-1)
+    teacher = teacher_topk_logps.detach().to(dtype)
+    on_top = student.gather(-1, teacher_topk_ids)
+    if tail and teacher_topk_ids.shape[-1] < student.shape[-1]:
+        student_rest = torch.logsumexp(student.scatter(-1, teacher_topk_ids, -math.inf), -1, keepdim=True)
+        teacher_mass = -torch.expm1(torch.logsumexp(teacher, -1, keepdim=True))  # 1 - sum of the top-k probs
+        teacher_rest = teacher_mass.clamp(min=torch.finfo(dtype).eps).log()
+        student, teacher = torch.cat([on_top, student_rest], -1), torch.cat([teacher, teacher_rest], -1)
+    else:
+        student = on_top - torch.logsumexp(on_top, -1, keepdim=True)
+        teacher = teacher - torch.logsumexp(teacher, -1, keepdim=True)
+    return reduce_divergence(divergence_terms(student, teacher, beta).sum(-1), mask, reduction)

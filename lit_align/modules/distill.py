@@ -1,0 +1,264 @@
+"""On-policy distillation as a LightningModule: an online recipe (``lit_align.modules.online``) with TRL 1.16's
+``DistillationTrainer`` semantics, and the ``lmbda`` / ``seq_kd`` rounds of its experimental ``GKDTrainer``.
+
+``DistillationModule`` is a sibling of GRPO and RLOO on ``OnlineModule``: the same rollouts, rounds, data, engines,
+tools and checkpoints, but no rewards to train on, no advantages, no old-policy or reference log-probs. Each round's
+completions come from the student (a coin with probability ``lmbda``, drawn once per round), else from the teacher
+(``seq_kd``) or from the dataset's ``completion`` column; each training step's loss is the generalized
+Jensen-Shannon divergence (``lit_align.losses.distill``; ``beta`` 0 forward KL, 1 reverse KL) between the student's
+and the teacher's tempered next-token distributions at every completion token, summed, divided by the round's loss
+tokens per step on all ranks (``OnlineModule``'s dapo normaliser): the per-token mean over an optimizer step's
+tokens that TRL's trainer computes (exactly so with ``steps_per_generation`` equal to the gradient accumulation,
+TRL's generation batch).
+
+Where things are computed: the student's final hidden states and LM head at the completion-predicting positions
+(``lit_align.logps.layout_outputs``, over ``lit_align.layouts.completions``: packed where ``padding_free``), the
+teacher's the same way in each step under ``no_grad``; the divergence is chunked through both heads
+(``chunked_generalized_jsd``), so no ``[tokens, V]`` logits of either model are held, and falls back to full logits
+(``generalized_jsd``) for a head that is not chunkable. Left out, and why: a top-k teacher cache and several
+teachers (not in TRL's trainers), TRL's ``ServerDistillationTrainer`` (a teacher behind a vLLM server).
+``docs/distill.md`` lists every ``DistillationConfig`` and ``GKDConfig`` field and what became of it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torchmetrics import MeanMetric
+
+from lit_align import layouts
+from lit_align.errors import LitAlignError
+from lit_align.generation import Rollout
+from lit_align.generation_round import GenerationRound
+from lit_align.logps import Projection, chunked_token_logps, layout_outputs, plain_token_stats
+from lit_align.losses.distill import chunked_generalized_jsd, generalized_jsd
+from lit_align.modules.online import OnlineModule
+from lit_align.reference import Reference, Teacher
+from lit_align.rollouts import Generation, repeat_each
+
+COIN_SALT = 0x5EED_C014  # the round's coin draws from its own seed, not from the sampling stream's
+NOT_DISTILLATION = ("ref_model", "sync_ref_model", "dynamic_sampling")  # OnlineModule options of rewards recipes
+
+
+def check_distillation(teacher_model: str | None, beta: float, lmbda: float, seq_kd: bool, options: dict) -> None:
+    """Refuse distillation settings that cannot work, each in one line naming the option."""
+    if teacher_model is None:
+        raise LitAlignError("model.teacher_model is required: the model whose next-token distributions the student "
+                            "learns (a hub name, a directory, a .gguf file, pretrained:<name> or builtin:<name>)")
+    for name, value in (("beta", beta), ("lmbda", lmbda)):
+        if not 0.0 <= value <= 1.0:
+            raise LitAlignError(f"model.{name} must be in [0, 1], got {value}")
+    for name in NOT_DISTILLATION:
+        if options.get(name):
+            raise LitAlignError(f"model.{name}: distillation has no reference and no advantages (it compares the "
+                                "student with model.teacher_model); leave it unset")
+    if seq_kd and options.get("engine") == "vllm":
+        raise LitAlignError("model.seq_kd samples rounds from the teacher, but engine vllm holds the student's "
+                            "weights: use engine auto, hf or native")
+    if seq_kd and options.get("rollout_func"):
+        raise LitAlignError("model.seq_kd samples rounds from the teacher, but model.rollout_func makes completions "
+                            "itself: drop one of them")
+
+
+def check_vocabularies(student, teacher, student_name: str, teacher_name: str) -> None:
+    """TRL's check: the two models score one vocabulary (the divergence compares their distributions entry by
+    entry)."""
+    sizes = [model.config.get_text_config().vocab_size for model in (student, teacher)]
+    if sizes[0] != sizes[1]:
+        raise LitAlignError(f"model.teacher_model {teacher_name!r} has vocab_size {sizes[1]} but the student "
+                            f"{student_name!r} has {sizes[0]}: distillation compares the teacher's full next-token "
+                            "distribution with the student's, entry by entry; use a teacher with the student's "
+                            "vocabulary")
+
+
+class DistillationModule(OnlineModule):
+    """On-policy distillation with TRL 1.16's ``DistillationConfig`` names and defaults, and ``GKDConfig``'s
+    ``lmbda`` and ``seq_kd``. The sampling, engine, tools and round options are ``OnlineModule``'s; ``temperature``
+    is the sampling temperature and the loss's (both models' logits are divided by it), as in TRL.
+
+    Args:
+        teacher_model: the teacher (required): anything ``model`` takes (a hub name, a directory, a ``.gguf`` file,
+            ``pretrained:<name>``, ``builtin:<name>``), with the student's vocabulary. Loaded with the student's
+            ``dtype``, ``attn_implementation`` and ``trust_remote_code``, frozen, never in checkpoints; a resume
+            refuses a teacher whose files changed.
+        teacher_model_init_kwargs: more ``from_pretrained`` arguments for the teacher (TRL's); the student's
+            ``model_init_kwargs`` are not its. ``dtype`` and ``attn_implementation`` are the model's options.
+        beta: the divergence: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher) (TRL's
+            default), in between the generalized JSD with the mixture ``(1 - beta) p_student + beta p_teacher``.
+            Not ``OnlineModule``'s KL-to-reference coefficient: distillation has no reference.
+        lmbda: the probability that a round's completions are the student's own samples (GKD's; 1.0, the default,
+            is TRL's ``DistillationTrainer``: always on-policy). Drawn once per generation round, the same on every
+            rank, from a seed a resume reproduces. Otherwise the round trains on the teacher's samples
+            (``seq_kd``) or on the dataset's ``completion`` column (tokenized as SFT's, EOS appended, cut to
+            ``max_completion_length``).
+        seq_kd: the rounds that are not on-policy sample their completions from the teacher, with the student's
+            engine and sampling settings (GKD's sequence-level KD).
+        num_generations: completions per prompt (TRL's ``DistillationTrainer``: 1).
+        disable_dropout: zero the student's dropout (TRL's ``DistillationConfig`` default: off).
+        reward_funcs: optional here: with them, rounds and validation are scored and logged (``train/reward``,
+            ``val/reward``) to watch the task; they never enter the loss.
+    """
+
+    rewards_required = False
+    grouped = False
+
+    def __init__(self, model: str = "builtin:tiny", teacher_model: str | None = None,
+                 teacher_model_init_kwargs: dict | None = None, beta: float = 1.0, lmbda: float = 1.0,
+                 seq_kd: bool = False, num_generations: int = 1, disable_dropout: bool = False, **kwargs):
+        check_distillation(teacher_model, beta, lmbda, seq_kd, kwargs)
+        super().__init__(model=model, num_generations=num_generations, beta=0.0, disable_dropout=disable_dropout,
+                         **kwargs)
+        self.beta, self.lmbda, self.seq_kd = beta, lmbda, seq_kd
+        self.teacher = Teacher(teacher_model, teacher_model_init_kwargs)
+
+    def validation_metrics(self) -> torch.nn.ModuleDict:
+        """``OnlineModule``'s, and ``val/loss``: the held-out divergence."""
+        metrics = super().validation_metrics()
+        metrics["loss"] = MeanMetric()
+        return metrics
+
+    def data_settings(self) -> dict:
+        """The data tokenizes the rows' ``completion`` column when some rounds train on it."""
+        return {**super().data_settings(), "dataset_completions": self.lmbda < 1 and not self.seq_kd}
+
+    def frozen_models(self) -> list[Reference]:
+        return [*super().frozen_models(), self.teacher]
+
+    def configure_model(self) -> None:
+        super().configure_model()  # the teacher is loaded with the policy (``frozen_models``)
+        check_vocabularies(self.network, self.teacher.model, self.model_name, self.teacher.name)
+
+    # -- the round: whose completions, and nothing else to compute --------------------------------------------------
+    def round_source(self) -> str:
+        """Where this round's completions come from: the student with probability ``lmbda``, else the teacher
+        (``seq_kd``) or the dataset. One draw per round from a generator seeded by the run's seed and the round's
+        number (both in checkpoints: a resume draws what the uninterrupted run drew), rank 0's on every rank."""
+        seed = (self.generation_seed + 1_000_003 * self.generation_rounds + COIN_SALT) % 2**63
+        draw = float(torch.rand((), generator=torch.Generator().manual_seed(seed)))
+        if self.trainer.strategy.broadcast(draw) < self.lmbda:
+            return "student"
+        return "teacher" if self.seq_kd else "dataset"
+
+    @torch.no_grad()
+    def make_round(self, batch: dict[str, Any]) -> GenerationRound:
+        """The round's completions from its source (``round_source``), scored by the reward functions if any, with
+        TRL's rollout metrics, ``on_policy`` (1: the student's samples), under ``seq_kd`` ``teacher_sampled``, and
+        ``num_tokens`` (prompt and completion tokens trained on so far, all ranks)."""
+        source, num = self.round_source(), self.round_shape.num_generations
+        if source == "dataset":
+            gen = self.dataset_generation(batch)
+        else:
+            model = self.teacher.model if source == "teacher" else None
+            gen = self.rollouts.generate(self, batch, num, seed=self.round_seed(), model=model)
+        round = self.assemble_round(batch, gen, gen)
+        tokens = gen.prompt_mask.sum() + gen.completion_mask.sum()
+        self.num_tokens += float(self.trainer.strategy.reduce(tokens.float(), reduce_op="sum"))
+        round.stats["on_policy"] = torch.tensor(float(source == "student"), device=self.device)
+        if self.seq_kd:
+            round.stats["teacher_sampled"] = torch.tensor(float(source == "teacher"), device=self.device)
+        round.stats["num_tokens"] = torch.tensor(self.num_tokens, device=self.device)
+        return round
+
+    def dataset_generation(self, batch: dict[str, Any]) -> Generation:
+        """The round of the dataset's completions (the data's ``completion_ids``), each prompt's ``num_generations``
+        times, cut to ``max_completion_length`` (a cut one counts as truncated)."""
+        if "completion_ids" not in batch:
+            raise LitAlignError("model.lmbda < 1: this round trains on the dataset's completions (its coin came up "
+                                "off-policy and model.seq_kd is false), but the prompt rows have no 'completion' "
+                                "column; give each row its 'completion' (as SFT rows have), or set model.seq_kd: true "
+                                "(the teacher samples them) or model.lmbda: 1.0 (every round on-policy)")
+        num, limit, pad = self.round_shape.num_generations, self.max_completion_length, self.tokenizer.pad_token_id
+        rows = repeat_each(batch["completion_ids"], num)
+        ids = [torch.tensor(row[:limit], dtype=torch.long) for row in rows]
+        rollout = Rollout(pad_sequence(ids, batch_first=True, padding_value=pad).to(self.device),
+                          pad_sequence([torch.ones_like(i) for i in ids], batch_first=True).to(self.device),
+                          torch.tensor([len(row) > limit for row in rows], device=self.device))
+        completions = repeat_each(batch["columns"]["completion"], num)
+        return self.rollouts.scored(self, batch, rollout, repeat_each(batch["prompts"], num), completions, num)
+
+    def old_logps(self, generation: Generation, sequences: tuple) -> tuple[None, None, dict]:
+        """None: the divergence reads no sampling-time log-probs."""
+        return None, None, {}
+
+    def advantages(self, generation: Generation, old_logps, ref_logps, loss_mask) -> torch.Tensor:
+        """Zeros: distillation has none (the round keeps the field)."""
+        return torch.zeros(len(generation.rewards), device=self.device)
+
+    # -- what is computed ----------------------------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
+        step = self.next_step(batch)
+        sequences = (step.prompt_ids, step.prompt_mask, step.completion_ids, step.completion_mask)
+        divergence, entropy = self.divergence(sequences, step.loss_mask, with_entropy=True)
+        # the sum over the step's loss tokens, divided by the round's loss tokens per step on every rank (dapo's)
+        loss = divergence.sum() / max(self.round.num_tokens, 1.0)
+        loss = self.guard_loss(loss, divergence.sum(1), batch_idx, step.dataset_rows)
+        if loss is None:  # skipped (on_nonfinite_loss: skip)
+            return None
+        self.log_step(loss, entropy, {}, step.loss_mask)
+        return {"loss": loss, "step": step}  # callbacks see the step's batch (outputs)
+
+    def divergence(self, sequences: tuple, loss_mask: torch.Tensor,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[n, C]``: the per-token divergence of the completions ``sequences`` (prompt ids and mask, completion ids
+        and mask) at every loss token, 0 elsewhere (the student's gradient with it); with ``with_entropy`` the
+        student's tempered entropy there too (no gradient)."""
+        scored = sequences[3].bool()  # the completion tokens: the outputs come in their order
+        trained = loss_mask.bool()[scored]
+        student = self.outputs(self.network, sequences)
+        with torch.no_grad():
+            teacher = self.outputs(self.teacher.model, sequences)
+        values = on_grid(self.token_divergence(student, teacher, trained), scored)
+        if not with_entropy:
+            return values, None
+        return values, on_grid(student_entropy(student, sequences[2][scored], self.temperature) * trained, scored)
+
+    def outputs(self, network, sequences: tuple) -> Projection | torch.Tensor:
+        """``network``'s hidden states and head (or logits) at the completion tokens, laid out as the student's
+        log-probs are (``padding_free``)."""
+        return layout_outputs(network, layouts.completions(*sequences, self.padding_free, network))
+
+    def token_divergence(self, student: Projection | torch.Tensor, teacher: Projection | torch.Tensor,
+                         mask: torch.Tensor) -> torch.Tensor:
+        """``[S]`` per-token divergence at the ``mask`` tokens (0 elsewhere): chunked through the student's head, or
+        from full logits where its head is not chunkable."""
+        settings = {"mask": mask, "beta": self.beta, "temperature": self.temperature, "reduction": "none"}
+        if not isinstance(student, Projection):
+            teacher = teacher.logits() if isinstance(teacher, Projection) else teacher
+            return generalized_jsd(student, teacher, **settings)
+        fp32 = getattr(self.network.get_output_embeddings(), "fp32_matmul", False)  # cast_lm_head_to_fp32
+        with torch.autocast(self.device.type, enabled=False) if fp32 else nullcontext():
+            return chunked_generalized_jsd(student, teacher, **settings)
+
+    # -- held-out divergence (and reward) -----------------------------------------------------------------------------
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """``val/loss``: the divergence over the held-out prompts' completions (one greedy each, or
+        ``num_generations_eval`` sampled), per token; with reward functions ``OnlineModule``'s ``val/reward``."""
+        gen = self.val_generation(batch)
+        if self.rollouts.reward_funcs:
+            self.log_val_rewards(gen)
+        sequences = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+        divergence, _ = self.divergence(sequences, gen.sampled_mask)
+        tokens = gen.sampled_mask.sum()
+        self.val_metrics["loss"].update(divergence.sum() / tokens.clamp(min=1), weight=tokens)
+        self.log("val/loss", self.val_metrics["loss"], prog_bar=True)
+
+    test_step = validation_step
+
+
+def on_grid(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """``[S]`` values of the ``scored`` positions (row by row) on their ``[n, C]`` grid, 0 elsewhere (differentiable
+    in ``values``)."""
+    return torch.zeros(scored.shape, dtype=values.dtype, device=values.device).masked_scatter(scored, values)
+
+
+@torch.no_grad()
+def student_entropy(student: Projection | torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[S]`` the entropy of the student's tempered next-token distribution at each position (TRL's ``entropy``
+    metric), through its head chunk by chunk, or from its logits."""
+    if isinstance(student, Projection):
+        return chunked_token_logps(student.hidden.detach(), student.weight.detach(), labels, student.bias,
+                                   scale=student.scale / temperature, stats=("entropy",))[1]["entropy"]
+    return plain_token_stats(student.detach() / temperature, ("entropy",))["entropy"]

@@ -1,0 +1,331 @@
+"""DistillationModule: a step's loss is TRL's generalized JSD computed by hand from both models' full logits, every
+beta trains the student towards the teacher, a round's completions come from the student, the teacher (``seq_kd``)
+or the dataset (``lmbda``, one seeded coin per round), the CLI runs ``configs/distill.yaml`` and refuses a teacher it
+cannot use in one line, and docs/distill.md names every DistillationConfig and GKDConfig field.
+
+The teachers are built-in tiny models: one drawn from another seed (close to uniform, as the student, but another
+function), and one edited to put nearly all its mass on EOS at every position (its samples are EOS alone).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from helpers import LoggedSteps, assert_one_line_error, fit, read_metrics, run_main
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_align.data import PromptDataModule
+from lit_align.errors import LitAlignError
+from lit_align.losses.distill import generalized_jsd
+from lit_align.models import build_builtin, build_tokenizer, load_model
+from lit_align.modules import DistillationModule, GRPOModule
+from lit_align.pretrained import save_hf
+from numerics import TINY_TERMS, assert_rounding_close
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "configs" / "distill.yaml")
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory, tiny_path) -> str:
+    """The built-in tiny architecture with weights from another seed."""
+    return str(build_builtin("tiny", tmp_path_factory.mktemp("teacher") / "seed1", seed=1))
+
+
+@pytest.fixture(scope="module")
+def eos_teacher(tmp_path_factory, tiny_path) -> str:
+    """A tiny model whose next token is EOS with probability ~1 everywhere: its layers add nothing to the residual
+    stream (o_proj, down_proj zero), so the final hidden state is the normed input embedding, of which the norm keeps
+    one coordinate, 1 for every token's embedding and 100 for EOS's (the tied head): EOS's logit is 100 times any
+    other's, about 1100 against 11."""
+    model, tokenizer = load_model("builtin:tiny"), build_tokenizer()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.model.embed_tokens.weight[tokenizer.eos_token_id, 0] = 100.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+    path = tmp_path_factory.mktemp("eos_teacher") / "model"
+    save_hf(model, tokenizer, path)
+    return str(path)
+
+
+def sort_rows(path: Path, n: int, offset: int = 0) -> str:
+    """``n`` sort prompts with their ``answer`` and, as SFT rows have it, the same text as ``completion``."""
+    digits = [f"{((i + offset) * 7919) % 100000:05d}"[: 3 + i % 3] for i in range(n)]
+    rows = [{"prompt": f"sort {d}:", "answer": "".join(sorted(d)), "completion": "".join(sorted(d))} for d in digits]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory) -> str:
+    return sort_rows(tmp_path_factory.mktemp("distill_rows") / "rows.jsonl", 32)
+
+
+class Rounds(L.Callback):
+    """The initial policy, and per step its round, the step's batch and loss (the outputs)."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.initial = copy.deepcopy(pl_module.policy)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append({"round": pl_module.round, "step": outputs["step"], "loss": float(outputs["loss"]),
+                           "on_policy": float(pl_module.round.stats["on_policy"])})
+
+
+def distill(teacher_model: str, rows: str, max_steps: int = 1, callbacks=(), data: dict | None = None, **settings):
+    """A short fit on ``rows`` (4 completions a step, 6 tokens at most); returns the module."""
+    module = DistillationModule(model="builtin:tiny", teacher_model=teacher_model,
+                                **{"max_completion_length": 6, "learning_rate": 1e-3, **settings})
+    fit(module, PromptDataModule(path=rows, val_split=None, **{"batch_size": 4, **(data or {})}),
+        max_steps=max_steps, callbacks=callbacks)
+    return module
+
+
+def full_logits(model, step) -> torch.Tensor:
+    """``[n, C, V]``: ``model``'s logits at the positions that predict each completion token, from one plain padded
+    forward of ``[prompt; completion]``."""
+    ids = torch.cat([step.prompt_ids, step.completion_ids], 1)
+    attention = torch.cat([step.prompt_mask, step.completion_mask], 1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention,
+                       position_ids=(attention.cumsum(1) - 1).clamp(min=0)).logits
+    start = step.prompt_ids.shape[1]
+    return logits[:, start - 1 : -1]
+
+
+# -- the loss ---------------------------------------------------------------------------------------------------------
+class PlainHead(L.Callback):
+    """Soft-capping declared on the student's config: its head is no longer chunkable (``chunkable_head``), so the
+    module takes the full-logits path; Llama ignores the setting, so the values must not change."""
+
+    def on_fit_start(self, trainer, pl_module):
+        pl_module.network.config.final_logit_softcapping = 30.0
+
+
+@pytest.mark.parametrize("beta,temperature,padding_free,head", [
+    (0.5, 0.8, None, "chunked"),  # packed rows (padding_free's CPU default), the chunked divergence
+    (1.0, 1.0, False, "chunked"),  # padded rows, TRL's defaults
+    (0.0, 1.3, None, "plain"),  # full logits and generalized_jsd
+])
+def test_a_steps_loss_is_the_generalized_jsd_of_both_models_full_logits(beta, temperature, padding_free, head,
+                                                                       teacher, rows):
+    """One step's loss (the round's only step) equals TRL's ``generalized_jsd_loss`` with labels: the per-token
+    mean over the completion tokens of the divergence between both models' tempered distributions."""
+    record = Rounds()
+    module = distill(teacher, rows, callbacks=[record, *([PlainHead()] if head == "plain" else [])], beta=beta,
+                     temperature=temperature, padding_free=padding_free)
+    (first,) = record.steps
+    step = first["step"]
+    student = full_logits(record.initial, step)
+    teacher_logits = full_logits(module.teacher.model, step)
+    assert step.loss_mask.sum() > 4 and torch.equal(step.loss_mask, step.completion_mask)
+    expected = generalized_jsd(student, teacher_logits, step.loss_mask, beta=beta, temperature=temperature)
+    logps = torch.cat([student, teacher_logits]).div(temperature).log_softmax(-1)
+    assert_rounding_close(first["loss"], expected, scale=logps.abs().max(), terms=TINY_TERMS, msg="loss")
+    assert expected > 1e-3  # the two models differ: the comparison is not of zeros
+
+
+def held_out_divergence(student, teacher, rows: str, beta: float) -> float:
+    """The per-token divergence over held-out prompts followed by their answers (and EOS): fixed sequences neither
+    model sampled."""
+    tokenizer = build_tokenizer()
+    texts = [json.loads(line) for line in Path(rows).read_text().splitlines()]
+    total, tokens = 0.0, 0
+    for row in texts:
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        completion = tokenizer(row["answer"])["input_ids"] + [tokenizer.eos_token_id]
+        step = SimpleNamespace(prompt_ids=torch.tensor([prompt]), prompt_mask=torch.ones(1, len(prompt)).long(),
+                               completion_ids=torch.tensor([completion]),
+                               completion_mask=torch.ones(1, len(completion)).long())
+        value = generalized_jsd(full_logits(student, step), full_logits(teacher, step), beta=beta, reduction="sum")
+        total, tokens = total + float(value), tokens + len(completion)
+    return total / tokens
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_every_beta_brings_the_student_closer_to_the_teacher(beta, teacher, rows, tmp_path):
+    """20 on-policy steps: the divergence on held-out sequences (prompts the run never saw, with their answers)
+    falls for the forward KL, the JSD and the reverse KL alike."""
+    held_out = sort_rows(tmp_path / "held_out.jsonl", 16, offset=1000)
+    record = Rounds()
+    module = distill(teacher, rows, max_steps=20, callbacks=[record], beta=beta, learning_rate=3e-3)
+    before = held_out_divergence(record.initial, module.teacher.model, held_out, beta)
+    after = held_out_divergence(module.policy, module.teacher.model, held_out, beta)
+    assert after < 0.5 * before, (before, after)
+    losses = [s["loss"] for s in record.steps]
+    assert sum(losses[-5:]) < 0.7 * sum(losses[:5])
+
+
+# -- where a round's completions come from -----------------------------------------------------------------------------
+def test_lmbda_zero_trains_on_the_datasets_completions_cut_to_max_completion_length(teacher, rows):
+    """Each row's ``completion`` tokenized as SFT's (characters, then EOS), cut to max_completion_length (a cut one
+    counts as clipped), is the round's completion of its prompt; the loss reads all of its tokens."""
+    record = Rounds()
+    module = distill(teacher, rows, max_steps=2, callbacks=[record], lmbda=0.0, max_completion_length=5)
+    tokenizer = module.tokenizer
+    texts = [json.loads(line)["completion"] for line in Path(rows).read_text().splitlines()]
+    for seen in record.steps:
+        round = seen["round"]
+        assert seen["on_policy"] == 0.0
+        expected = [tokenizer(texts[i])["input_ids"] + [tokenizer.eos_token_id] for i in round.dataset_rows]
+        got = [ids[mask.bool()].tolist() for ids, mask in zip(round.completion_ids, round.completion_mask)]
+        assert got == [ids[:5] for ids in expected]
+        assert torch.equal(round.loss_mask, round.completion_mask)
+        clipped = sum(len(ids) > 5 for ids in expected) / len(expected)
+        assert float(round.stats["completions/clipped_ratio"]) == clipped
+    assert 0 < clipped < 1  # rows of both kinds
+    assert round.completions == [texts[i] for i in round.dataset_rows]  # the text the reward functions see
+
+
+def test_lmbda_below_one_without_a_completion_column_is_one_error(teacher, tmp_path):
+    from helpers import write_sort_rows
+
+    prompts = write_sort_rows(tmp_path / "prompts.jsonl", 8, "prompts")  # prompt and answer only
+    with pytest.raises(LitAlignError) as error:
+        distill(teacher, prompts, lmbda=0.0)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("model.lmbda < 1: this round trains on the dataset's completions")
+    assert "give each row its 'completion'" in message and "model.seq_kd: true" in message
+
+
+def test_seq_kd_samples_the_rounds_from_the_teacher(eos_teacher, rows):
+    """With the EOS teacher, a teacher-sampled round is EOS alone for every prompt; the random student's own samples
+    (lmbda 1) run to the cap instead."""
+    record = Rounds()
+    logged = LoggedSteps()
+    module = distill(eos_teacher, rows, max_steps=2, callbacks=[record, logged], lmbda=0.0, seq_kd=True)
+    eos = module.tokenizer.eos_token_id
+    for seen in record.steps:
+        round = seen["round"]
+        assert round.completion_mask.sum(1).tolist() == [1] * len(round.completion_ids)
+        assert (round.completion_ids[:, 0] == eos).all()
+    assert [s["train/teacher_sampled"] for s in logged.steps] == [1.0, 1.0]
+    assert [s["train/on_policy"] for s in logged.steps] == [0.0, 0.0]
+    record = Rounds()
+    L.seed_everything(0, verbose=False)
+    distill(eos_teacher, rows, max_steps=1, callbacks=[record], lmbda=1.0, seq_kd=True)
+    assert (record.steps[0]["round"].completion_mask.sum(1) > 1).any()
+
+
+def test_lmbda_half_draws_one_seeded_coin_per_round(teacher, rows):
+    """lmbda 0.5: rounds of both kinds, each on-policy round the student's samples and each other one the dataset's
+    completions; a second run with the same seed draws the same coins. One round feeds two steps."""
+    def coins():
+        L.seed_everything(0, verbose=False)
+        record = Rounds()
+        distill(teacher, rows, max_steps=16, callbacks=[record], lmbda=0.5, steps_per_generation=2,
+                data={"batch_size": 2})
+        return record
+
+    first, second = coins(), coins()
+    drawn = [s["on_policy"] for s in first.steps]
+    assert drawn == [s["on_policy"] for s in second.steps]
+    assert drawn[::2] == drawn[1::2]  # once per round, not per step
+    assert 0 < sum(drawn) < len(drawn)
+    texts = [json.loads(line)["completion"] for line in Path(rows).read_text().splitlines()]
+    for seen in first.steps[::2]:
+        round = seen["round"]
+        assert (round.completions == [texts[i] for i in round.dataset_rows]) == (seen["on_policy"] == 0.0)
+
+
+# -- settings ----------------------------------------------------------------------------------------------------------
+def test_reward_funcs_are_optional_here_only_and_the_distillation_settings_are_checked(teacher):
+    module = DistillationModule(model="builtin:tiny", teacher_model=teacher)
+    assert module.rollouts.reward_funcs == [] and module.round_shape.num_generations == 1
+    assert module.hparams.beta == 1.0 and module.reference is None  # the divergence's beta, no reference loaded
+    with pytest.raises(LitAlignError, match="model.reward_funcs: none given; GRPO scores completions only with"):
+        GRPOModule(model="builtin:tiny")
+    with pytest.raises(LitAlignError, match=r"model.num_generations must be >= 2 \(group statistics need a group\)"):
+        GRPOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], num_generations=1)
+    refused = {"teacher_model": None, "beta": 1.5, "lmbda": -0.1, "ref_model": "builtin:tiny", "sync_ref_model": True,
+               "dynamic_sampling": True, "num_generations": 0, "teacher_model_init_kwargs": {"dtype": "bfloat16"}}
+    messages = {"teacher_model": "model.teacher_model is required", "beta": r"model.beta must be in \[0, 1\], got 1.5",
+                "lmbda": r"model.lmbda must be in \[0, 1\], got -0.1", "ref_model": "model.ref_model: distillation has "
+                "no reference", "sync_ref_model": "model.sync_ref_model: distillation", "dynamic_sampling":
+                "model.dynamic_sampling: distillation", "num_generations": "model.num_generations must be >= 1, got 0",
+                "teacher_model_init_kwargs": r"model.teacher_model_init_kwargs: \['dtype'\] have their own options"}
+    for name, value in refused.items():
+        with pytest.raises(LitAlignError, match=messages[name]):
+            DistillationModule(model="builtin:tiny", **{"teacher_model": teacher, name: value})
+    with pytest.raises(LitAlignError, match="model.seq_kd samples rounds from the teacher, but engine vllm"):
+        DistillationModule(model="builtin:tiny", teacher_model=teacher, seq_kd=True, engine="vllm")
+
+
+def test_the_teacher_is_frozen_out_of_checkpoints_and_its_files_are_checked_on_resume(teacher, rows):
+    module = distill(teacher, rows, lmbda=1.0)
+    assert not module.teacher.model.training
+    assert not any(p.requires_grad for p in module.teacher.model.parameters())
+    assert not any(key.startswith("teacher.") for key in module.state_dict())
+    checkpoint = {}
+    module.on_save_checkpoint(checkpoint)
+    assert checkpoint["lit_align_teacher"] == module.teacher.identity and module.teacher.identity is not None
+    checkpoint = {**checkpoint, "hyper_parameters": dict(module.hparams), "lit_align_teacher": "0" * 64}
+    with pytest.raises(LitAlignError, match=rf"the teacher model's files \({teacher}\) changed since the checkpoint"):
+        module.check_resume(checkpoint)
+
+
+# -- through the CLI ---------------------------------------------------------------------------------------------------
+def cli_args(root: Path, teacher_model: str, *extra: str) -> list[str]:
+    return ["fit", "-c", CONFIG, "--model.init_args.teacher_model", teacher_model, "--data.init_args.batch_size", "4",
+            "--data.init_args.val_batch_size", "8", "--trainer.limit_val_batches", "1", "--trainer.max_steps", "2",
+            "--trainer.val_check_interval", "2", "--trainer.log_every_n_steps", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+            "--trainer.logger.save_dir", str(root), "--export.path", str(root / "hf_model"), *extra]
+
+
+def test_configs_distill_yaml_trains_and_exports_through_the_cli(teacher, tmp_path, capfd):
+    code, _, err = run_main(cli_args(tmp_path, teacher, "--model.init_args.lmbda", "0.5"), capfd)
+    assert code == 0, err
+    (run,) = tmp_path.glob("*/version_*")
+    logged = {name for row in read_metrics(run / "metrics.csv") for name in row}
+    expected = {"train/loss", "train/entropy", "train/num_tokens", "train/on_policy", "train/teacher_sampled",
+                "train/completions/mean_length", "train/completions/clipped_ratio", "train/reward",
+                "train/rewards/sort_accuracy/mean", "val/loss", "val/reward"}
+    assert expected <= logged, expected - logged
+    exported = load_model(str(tmp_path / "hf_model")).state_dict()
+    start = load_model("builtin:tiny").state_dict()
+    assert any(not torch.equal(exported[k], start[k]) for k in start)
+
+
+def test_a_teacher_the_student_cannot_learn_from_is_one_error_line(tmp_path, capfd):
+    tokenizer = build_tokenizer()
+    other = load_model("builtin:tiny")
+    other.resize_token_embeddings(len(tokenizer) + 16)
+    save_hf(other, tokenizer, tmp_path / "wide")
+    code, _, err = run_main(cli_args(tmp_path, str(tmp_path / "wide")), capfd)
+    assert_one_line_error(code, err, f"model.teacher_model '{tmp_path / 'wide'}' has vocab_size {len(tokenizer) + 16}",
+                          f"the student 'builtin:tiny' has {len(tokenizer)}")
+    code, _, err = run_main(cli_args(tmp_path, str(tmp_path / "missing")), capfd)
+    assert_one_line_error(code, err, f"model.teacher_model '{tmp_path / 'missing'}': no such directory")
+    code, _, err = run_main(cli_args(tmp_path, str(tmp_path / "wide"), "--model.init_args.lmbdaa", "0.5"), capfd)
+    assert_one_line_error(code, err, "model.lmbdaa: DistillationModule has no such option")
+
+
+# -- the docs ---------------------------------------------------------------------------------------------------------
+def test_distill_page_names_every_distillation_and_gkd_config_field():
+    import transformers
+    import trl
+    from trl.experimental.gkd import GKDConfig
+
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    sft = {f.name for f in dataclasses.fields(trl.SFTConfig)}
+    own = [f.name for f in dataclasses.fields(trl.DistillationConfig) if f.name not in base]
+    own += [f.name for f in dataclasses.fields(GKDConfig) if f.name not in sft and f.name not in own]
+    page = (REPO / "docs" / "distill.md").read_text()
+    missing = [name for name in own if f"| `{name}` |" not in page]
+    assert not missing, f"fields missing from the tables in docs/distill.md: {missing}"
