@@ -191,11 +191,13 @@ def main(args: list[str] | None = None) -> None:
     run(args)
 
 
-# Lightning's notices about what lit_align does on purpose, which a user can do nothing about: the frozen reference
-# (or teacher) stays in eval mode; on resume the callbacks come from the same config, so they are the ones that wrote
-# the checkpoint
+# Lightning's notices that a user can do nothing about: the frozen reference (or teacher) stays in eval mode; on
+# resume the callbacks come from the same config, so they are the ones that wrote the checkpoint; ``run(args)`` is
+# how lit_align.pipeline chains stages in one process; Lightning's own use of a torch API torch deprecated
 BY_DESIGN = (r"Found \d+ module\(s\) in eval mode at the start of training",
-             r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint")
+             r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint",
+             r"LightningCLI's args parameter is intended to run from within Python",
+             r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 def run(args: list[str] | None = None) -> LightningCLI:
