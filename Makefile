@@ -68,6 +68,7 @@ bench: setup  ## side-by-side benchmarks against TRL and HF generate (figures ar
 	$(PY) bench/dpo_ref_strategies.py
 	$(PY) bench/grpo_vs_trl.py --lit-engine hf,native,native+padfree
 	$(PY) bench/grpo_vs_trl.py --lit-engine native,native+padfree --max-new-tokens 256 --lr 0
+	$(PY) bench/distill_vs_trl.py
 	$(PY) bench/generate_vs_hf.py
 	$(PY) bench/generate_vs_hf.py --eos --max-new-tokens 256
 	$(PY) bench/sft_packing.py

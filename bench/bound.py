@@ -10,7 +10,8 @@ FLOPs of one forward over real (unpadded) tokens, for a decoder of ``L`` layers 
 ``tokens``: the positions that must go through the layers (a DPO pair's prompt once, then chosen and rejected);
 ``attended``: the sum over those tokens of how many keys each attends to (causal: its position + 1); ``scored``:
 the tokens whose log-prob is needed (the LM head runs there only). Backward costs twice the forward, so a DPO step is
-``3 * forward`` (policy) ``+ forward`` (reference), a GRPO step ``3 * forward`` (no reference at ``beta=0``) and a
+``3 * forward`` (policy) ``+ forward`` (reference), a GRPO step ``3 * forward`` (no reference at ``beta=0``), a
+distillation step ``3 * forward`` (student) ``+ forward`` (teacher) and a
 decode step ``2 * L * P + 4 * L * A * context + 2 * V * H`` per sampled token. Norms, rotary, softmax, the
 optimizer and sampling are left out: the bound is a ceiling no engine reaches.
 
@@ -78,6 +79,14 @@ def grpo_round_flops(config, rows: list[tuple[int, int]], steps_per_row: int = 1
                  for p, c in rows)
     train = sum(3 * forward_flops(config, p + c, causal(0, p + c), c) for p, c in rows) * steps_per_row
     return sample + train
+
+
+def distill_round_flops(student, teacher, rows: list[tuple[int, int]]) -> float:
+    """One on-policy distillation round on ``(prompt, completion)`` token counts: the student's sampling and training
+    forward + backward (``grpo_round_flops``) and the teacher's forward over the same tokens (``student`` and
+    ``teacher``: the two configs; the divergence projects both heads at the completion tokens)."""
+    teacher_forward = sum(forward_flops(teacher, p + c, causal(0, p + c), c) for p, c in rows)
+    return grpo_round_flops(student, rows) + teacher_forward
 
 
 def generation_flops(config, prompt_lengths: list[int], num_samples: int, new_tokens: int) -> float:

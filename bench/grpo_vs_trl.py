@@ -74,27 +74,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from child import child_role, launch
+from child import GenTimer, check_trl_sampling, child_role, launch, print_rates, round_rates
 
 LIT_CHECKPOINTING = {"none": False, "selective": "selective", "full": True}  # --checkpointing -> lit_align's setting
 
 REWARD = "lit_align.rewards.sort_accuracy"
-
-
-def peak_rss_mib() -> tuple[float, float]:
-    """This process's peak resident set in MiB: ``(getrusage ru_maxrss, /proc VmHWM)``."""
-    import resource
-
-    rusage = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    hwm = float("nan")
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    hwm = int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return rusage, hwm
 
 
 def prepare(args, workdir: Path) -> dict:
@@ -117,24 +101,6 @@ def prepare(args, workdir: Path) -> dict:
     path = workdir / "prompts.jsonl"
     rows.to_json(path)
     return {"model_dir": model_dir, "prompts": str(path)}
-
-
-class GenTimer:
-    """Wraps a engine call: wall time and generated tokens per call."""
-
-    def __init__(self, fn, count_tokens):
-        self.fn, self.count_tokens = fn, count_tokens
-        self.seconds: list[float] = []
-        self.cpu_seconds: list[float] = []
-        self.tokens: list[int] = []
-
-    def __call__(self, *args, **kwargs):
-        start, cpu_start = time.perf_counter(), time.process_time()
-        out = self.fn(*args, **kwargs)
-        self.seconds.append(time.perf_counter() - start)
-        self.cpu_seconds.append(time.process_time() - cpu_start)
-        self.tokens.append(self.count_tokens(out))
-        return out
 
 
 def run_lit(args, spec: dict) -> dict:
@@ -229,14 +195,7 @@ def run_trl(args, spec: dict) -> dict:
     trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=[load_reward(REWARD)], args=config,
                           train_dataset=prompts, processing_class=AutoTokenizer.from_pretrained(spec["model_dir"]),
                           callbacks=[clock])
-    generation = trainer.generation_config
-    for name, expected in [("do_sample", True), ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0),
-                           ("max_new_tokens", args.max_new_tokens)]:
-        if getattr(generation, name) != expected:
-            raise SystemExit(f"TRL generation config {name}={getattr(generation, name)!r}, expected {expected!r}")
-    for name in ("min_new_tokens", "min_p", "stop_strings"):
-        if getattr(generation, name, None):
-            raise SystemExit(f"TRL generation config sets {name}={getattr(generation, name)!r}")
+    check_trl_sampling(trainer.generation_config, args.max_new_tokens)
     timer = GenTimer(trainer._generate_single_turn, lambda out: sum(len(ids) for ids in out[0]))
     trainer._generate_single_turn = timer
     trainer.train()
@@ -255,18 +214,8 @@ def child(args) -> None:
     if len(ends) != steps or len(result["gen_s"]) != args.rounds:
         raise SystemExit(f"{args.engine}: {len(ends)} steps and {len(result['gen_s'])} generation rounds recorded, "
                          f"expected {steps} and {args.rounds}")
-    per_round = args.batch_size * spg
-    seconds = ends[-1][0] - ends[spg - 1][0]  # rounds 2.. (the first is the warm-up)
-    cpu_seconds = ends[-1][1] - ends[spg - 1][1]
-    timed = args.rounds - 1
-    gen_s, gen_tokens = sum(result["gen_s"][1:]), sum(result["gen_tokens"][1:])
-    gen_cpu_s = sum(result.pop("gen_cpu_s")[1:])
-    rusage, hwm = peak_rss_mib()
-    result.update(completions_per_s=timed * per_round / seconds, s_per_round=seconds / timed,
-                  completions_per_cpu_s=timed * per_round / cpu_seconds,
-                  gen_s_per_round=gen_s / timed, gen_cpu_s_per_round=gen_cpu_s / timed,
-                  gen_tokens_per_s=gen_tokens / gen_s, tokens_per_s=gen_tokens / seconds,
-                  tokens_per_completion=gen_tokens / (timed * per_round), peak_rss_mib=rusage, vm_hwm_mib=hwm)
+    result.update(round_rates(ends[spg - 1 :: spg], result["gen_s"], result.pop("gen_cpu_s"), result["gen_tokens"],
+                              args.batch_size * spg))
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -344,35 +293,12 @@ def main() -> None:
           f"{args.threads} threads, checkpointing {args.checkpointing}, {args.optim}"
           f"{', mmap_activations' if args.mmap_activations else ''}; "
           f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
-    header = (f"{'engine':<12}{'compl/s':>9}{'tok/s':>8}{'compl/CPU-s':>13}{'gen s/round':>13}{'gen CPU-s/round':>17}"
-              f"{'tok/compl':>11}{'peak RSS MiB':>14}{'threads':>9}{'wall s':>8}")
-    print(header)
-    print("-" * len(header))
-    for engine, r in results.items():
-        print(f"{engine:<12}{r['completions_per_s']:>9.2f}{r['tokens_per_s']:>8.0f}{r['completions_per_cpu_s']:>13.2f}"
-              f"{r['gen_s_per_round']:>13.2f}{r['gen_cpu_s_per_round']:>17.2f}{r['tokens_per_completion']:>11.1f}"
-              f"{r['peak_rss_mib']:>14.0f}{r['threads']:>9}{r['wall_s']:>8.1f}")
-    if "trl" in results:
-        ref = results["trl"]
-        print("-" * len(header))
-        for engine, r in results.items():
-            if engine != "trl":  # throughput ratios lit/TRL; engine ratios TRL time / lit time; RSS lit/TRL
-                print(f"{engine + '/TRL':<12}{r['completions_per_s'] / ref['completions_per_s']:>8.2f}x"
-                      f"{r['tokens_per_s'] / ref['tokens_per_s']:>7.2f}x"
-                      f"{r['completions_per_cpu_s'] / ref['completions_per_cpu_s']:>12.2f}x"
-                      f"{ref['gen_s_per_round'] / r['gen_s_per_round']:>12.2f}x"
-                      f"{ref['gen_cpu_s_per_round'] / r['gen_cpu_s_per_round']:>16.2f}x{'':>11}"
-                      f"{r['peak_rss_mib'] / ref['peak_rss_mib']:>13.2f}x")
+    print_rates(results)
     from bound import report
 
     for engine, r in results.items():
         if "flops_per_round" in r:
             print(report(f"{engine}, one round (matmul bound)", r["flops_per_round"], r["s_per_round"], r["matmul_peak"]))
-    for engine, r in results.items():
-        if r["attn"] != "sdpa" or r["dtype"] != "torch.float32":
-            print(f"warning: {engine} ran {r['attn']} attention in {r['dtype']}")
-        if abs(r["vm_hwm_mib"] - r["peak_rss_mib"]) > 0.05 * r["peak_rss_mib"]:
-            print(f"note: {engine} VmHWM {r['vm_hwm_mib']:.0f} MiB differs from ru_maxrss {r['peak_rss_mib']:.0f} MiB")
 
 
 if __name__ == "__main__":
