@@ -40,6 +40,7 @@ import math
 import os
 import sys
 
+import pytest
 import torch
 
 FORMULA_RTOL = 1e-9
@@ -110,3 +111,26 @@ def _summarise(path: str) -> None:
 
 if __name__ == "__main__":
     _summarise(sys.argv[1])
+
+
+def torch_bf16_attention_runs() -> bool:
+    """Whether torch's own CPU attention runs a masked bf16 backward here: under an ``ATEN_CPU_CAPABILITY`` below
+    AVX-512 (``default``, ``avx2``: what ``make test-numerics`` sets) on an AVX-512 CPU its flash kernel still takes
+    the AVX-512 packing path and raises ``pack_vnni2 is only supported when avx512 is supported`` (torch 2.13), with
+    or without lit_align. A machine that really lacks AVX-512 takes the other path; bf16 tests run at the CPU's own
+    capability (``make test``) and skip under a forced lower one (``needs_torch_bf16``)."""
+    import torch.nn.functional as F
+
+    query = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16, requires_grad=True)
+    try:
+        F.scaled_dot_product_attention(query, query, query, attn_mask=torch.ones(64, 64, dtype=torch.bool).tril()
+                                       ).sum().backward()
+    except RuntimeError as exc:
+        if "pack_vnni2" in str(exc):
+            return False
+        raise
+    return True
+
+
+needs_torch_bf16 = pytest.mark.skipif(not torch_bf16_attention_runs(), reason="torch's own bf16 CPU attention fails "
+                                      "under a forced ATEN_CPU_CAPABILITY on this AVX-512 CPU (pack_vnni2)")

@@ -11,7 +11,7 @@ from lit_align.attention import SparseAttention, SparseMask, plan, sparse_mask
 from lit_align.layouts import packed_rows, shared_prompt_completions, shared_prompt_pairs
 from lit_align.logps import attention_mask_4d, layout_logps
 from lit_align.models import load_model
-from numerics import assert_rounding_close
+from numerics import assert_rounding_close, needs_torch_bf16
 
 pytestmark = pytest.mark.numerics
 
@@ -99,27 +99,6 @@ def test_packed_logps_take_the_sparse_path():
     assert isinstance(attention_mask_4d(model, allowed), SparseMask)
     model.config._attn_implementation = "eager"
     assert type(attention_mask_4d(model, allowed)) is torch.Tensor  # additive for eager
-
-
-def torch_bf16_attention_runs() -> bool:
-    """Whether torch's own CPU attention runs bf16 backward here: under an ``ATEN_CPU_CAPABILITY`` below AVX-512
-    (``default``, ``avx2``: what ``make test-numerics`` sets) on an AVX-512 CPU its flash kernel still takes the
-    AVX-512 packing path and raises ``pack_vnni2 is only supported when avx512 is supported`` (torch 2.13), with or
-    without lit_align; the comparisons below then have no reference to meet. They run at the CPU's own capability."""
-    allowed = MASKS["pairs"]()
-    rows, _, length, _ = allowed.shape
-    try:
-        attend(*(torch.randn(rows, heads, length, 16, dtype=torch.bfloat16, requires_grad=True) for heads in (6, 2, 2)),
-               allowed)
-    except RuntimeError as exc:
-        if "pack_vnni2" in str(exc):
-            return False
-        raise
-    return True
-
-
-needs_torch_bf16 = pytest.mark.skipif(not torch_bf16_attention_runs(), reason="torch's own bf16 CPU attention fails "
-                                      "under a forced ATEN_CPU_CAPABILITY on this AVX-512 CPU (pack_vnni2)")
 
 
 @needs_torch_bf16

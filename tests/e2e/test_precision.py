@@ -12,7 +12,7 @@ import torch
 from helpers import metric_at, read_metrics, run_single
 
 from lit_align.logps import next_token_logps
-from numerics import TINY_TERMS, assert_rounding_close
+from numerics import TINY_TERMS, assert_rounding_close, needs_torch_bf16
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
 
@@ -37,6 +37,7 @@ def fit(out: Path, recipe: str, *extra: str) -> list[dict]:
     return read_metrics(out / recipe / "version_0")
 
 
+@needs_torch_bf16  # packed rows (the CPU default) run torch's masked bf16 attention
 @pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 @pytest.mark.parametrize("recipe", ["sft", "dpo", "grpo"])
 def test_recipes_train_in_bf16(tmp_path, recipe, precision):
