@@ -6,13 +6,15 @@ are compared with that teacher's distributions (and, under ``seq_kd``, sampled b
 ``ModuleDict`` of ``lit_align.reference.Teacher``, each loaded once with the policy, frozen, checked against the
 student's vocabulary, its files' identity under its own checkpoint entry (``lit_align_teacher/<teacher_id>``; one
 teacher keeps ``lit_align_teacher``). It answers which teacher each prompt of a batch has (``row_ids``, checked
-there, once per round); ``rows_by_teacher`` turns those ids into each teacher's rows.
+there, once per round) and which rows each teacher has (``rows_by_teacher``, in the mapping's order).
 
 With a mapping, ``teacher_model_init_kwargs`` is keyed by teacher id too, ``{teacher_id: {from_pretrained
 arguments}}`` (an id left out gets none): teachers differ (a revision, a quantization of one of them), and one
 mapping meant for all could not be told apart from one keyed by ids. Left out, and why: sharing one loaded model
-between two ids of the same source (name it once), and a default teacher for rows without an id (an unlabelled row
-is more likely a data mistake than a wish).
+between two ids of the same source (name it once), a default teacher for rows without an id (an unlabelled row
+is more likely a data mistake than a wish), and sharded teachers (FSDP, DeepSpeed ZeRO-3: each teacher runs on its
+own rows, and which teachers a step needs differs between ranks, while a sharded forward needs every rank; refused
+by ``DistillationModule``).
 """
 
 from __future__ import annotations
@@ -26,14 +28,6 @@ from lit_align.reference import Teacher
 
 SINGLE = "teacher"  # the one teacher's key when ``teacher_model`` is one source
 ROUND_COLUMN = "teacher_id"  # the round's column (``GenerationRound.extra``) holding each completion's teacher
-
-
-def rows_by_teacher(ids: list[str]) -> dict[str, list[int]]:
-    """``{teacher_id: the rows with it}``, teachers in the order they first appear, rows ascending."""
-    rows: dict[str, list[int]] = {}
-    for row, teacher_id in enumerate(ids):
-        rows.setdefault(teacher_id, []).append(row)
-    return rows
 
 
 def check_teacher_ids(teacher_model: dict, init_kwargs: dict | None) -> None:
@@ -97,3 +91,8 @@ class Teachers(torch.nn.ModuleDict):
                 raise LitAlignError(f"{place}: field {self.column!r} is {teacher_id!r}, expected one of {known} "
                                     "(the ids of model.teacher_model)")
         return list(ids)
+
+    def rows_by_teacher(self, ids: list[str]) -> dict[str, list[int]]:
+        """``{teacher_id: its rows}`` for the teachers ``ids`` (one per row) name, in ``teacher_model``'s order (the
+        same whatever the rows' order), rows ascending."""
+        return {teacher_id: rows for teacher_id in self if (rows := [r for r, i in enumerate(ids) if i == teacher_id])}

@@ -32,6 +32,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torchmetrics import MeanMetric
 
 from lit_align import layouts
+from lit_align.capabilities import sharded_strategy
 from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
 from lit_align.generation_round import GenerationRound
@@ -40,7 +41,7 @@ from lit_align.losses.distill import chunked_generalized_jsd, generalized_jsd
 from lit_align.modules.online import OnlineModule
 from lit_align.reference import Reference, Teacher
 from lit_align.rollouts import Generation, batch_rows, repeat_each
-from lit_align.teachers import ROUND_COLUMN, Teachers, rows_by_teacher
+from lit_align.teachers import ROUND_COLUMN, Teachers
 
 COIN_SALT = 0x5EED_C014  # the round's coin draws from its own seed, not from the sampling stream's
 NOT_DISTILLATION = ("ref_model", "sync_ref_model", "dynamic_sampling")  # OnlineModule options of rewards recipes
@@ -142,6 +143,10 @@ class DistillationModule(OnlineModule):
         return [*super().frozen_models(), *self.teachers.values()]
 
     def configure_model(self) -> None:
+        if self.teachers.column is not None and self._trainer is not None and sharded_strategy(self._trainer):
+            raise LitAlignError("model.teacher_model: several teachers are not supported under FSDP or DeepSpeed "
+                                "ZeRO-3 (each teacher runs on its own rows, so the ranks would run different teachers, "
+                                "while a sharded forward needs every rank); use ddp or ZeRO-1/2")
         super().configure_model()  # the teachers are loaded with the policy (``frozen_models``)
         for teacher in self.teachers.values():
             check_vocabularies(self.network, teacher.model, self.model_name, teacher.name, teacher.option)
@@ -189,9 +194,9 @@ class DistillationModule(OnlineModule):
         seed = self.round_seed()
         if ids is None:
             return self.rollouts.generate(self, batch, num, seed=seed, model=self.teacher.model)
-        parts, order = [], []
-        for k, (teacher_id, prompts) in enumerate(rows_by_teacher(ids).items()):
-            part_seed, model = (seed + 104_729 * k) % 2**63, self.teachers[teacher_id].model
+        parts, order, place = [], [], {teacher_id: k for k, teacher_id in enumerate(self.teachers)}
+        for teacher_id, prompts in self.teachers.rows_by_teacher(ids).items():
+            part_seed, model = (seed + 104_729 * place[teacher_id]) % 2**63, self.teachers[teacher_id].model
             parts.append(self.rollouts.generate(self, batch_rows(batch, prompts), num, seed=part_seed, model=model))
             order += prompts
         gen = Generation.concat(parts) if len(parts) > 1 else parts[0]
@@ -264,7 +269,7 @@ class DistillationModule(OnlineModule):
             return self.token_divergence(student, teacher, trained)
         token_rows = sequences[3].bool().nonzero()[:, 0]  # each scored token's row, in the outputs' order
         parts, places = [], []
-        for teacher_id, rows in rows_by_teacher(teacher_ids).items():
+        for teacher_id, rows in self.teachers.rows_by_teacher(teacher_ids).items():
             rows = torch.tensor(rows, device=token_rows.device)
             tokens = torch.isin(token_rows, rows).nonzero()[:, 0]  # rows ascending: the teacher's outputs' order
             with torch.no_grad():

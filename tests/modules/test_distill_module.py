@@ -24,6 +24,7 @@ import pytest
 import torch
 from helpers import LoggedSteps, assert_one_line_error, fit, read_metrics, run_main, trainer
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import FSDPStrategy
 
 from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
@@ -384,7 +385,7 @@ def test_seq_kd_with_several_teachers_samples_each_prompt_from_its_own_teacher(e
 
 def test_teacher_ids_that_name_no_teacher_are_one_error_line(teacher, teacher_b, rows, tmp_path):
     """A row whose id is no teacher's names the dataset row, the id and the known ids; rows without the column,
-    a bad id in the mapping and init kwargs not keyed by teacher id are one line each too."""
+    a bad id in the mapping, init kwargs not keyed by teacher id and a sharded strategy are one line each too."""
     teachers = {"a": teacher, "b": teacher_b}
     bad = with_teacher_ids(rows, tmp_path / "bad.jsonl", ["a", "b", "c", "a"])  # rows 2, 6, ... name 'c'
     with pytest.raises(LitAlignError) as error:
@@ -408,6 +409,10 @@ def test_teacher_ids_that_name_no_teacher_are_one_error_line(teacher, teacher_b,
     for message, settings in refused.items():
         with pytest.raises(LitAlignError, match=message):
             DistillationModule(model="builtin:tiny", **settings)
+    sharded = DistillationModule(model="builtin:tiny", teacher_model=teachers)
+    sharded._trainer = SimpleNamespace(strategy=FSDPStrategy())
+    with pytest.raises(LitAlignError, match="model.teacher_model: several teachers are not supported under FSDP"):
+        sharded.configure_model()
 
 
 def test_each_teacher_has_its_own_checkpoint_entry_and_a_changed_one_refuses_the_resume(teacher, ab_rows, tmp_path):
