@@ -1,8 +1,9 @@
 """Distillation's teachers: one, or several chosen row by row (``lit_align.modules.distill``).
 
 ``model.teacher_model`` is one model source (TRL's), or a mapping ``{teacher_id: source}``: each prompt row then
-names its teacher in a column (``teacher_id``, TRL-style; ``model.teacher_id_column``), and that prompt's completions
-are compared with that teacher's distributions (and, under ``seq_kd``, sampled by it). ``Teachers`` holds them: a
+names its teacher in a column (``teacher_id``, TRL-style; ``model.teacher_id_column``), and that prompt's
+completions are compared with that teacher's distributions (and, under ``seq_kd``, sampled by it); the round keeps
+each completion's id in its ``teacher_id`` column (``GenerationRound.extra``). ``Teachers`` holds them: a
 ``ModuleDict`` of ``lit_align.reference.Teacher``, each loaded once with the policy, frozen, checked against the
 student's vocabulary, its files' identity under its own checkpoint entry (``lit_align_teacher/<teacher_id>``; one
 teacher keeps ``lit_align_teacher``). It answers which teacher each prompt of a batch has (``row_ids``, checked
@@ -27,7 +28,7 @@ from lit_align.errors import LitAlignError
 from lit_align.reference import Teacher
 
 SINGLE = "teacher"  # the one teacher's key when ``teacher_model`` is one source
-ROUND_COLUMN = "teacher_id"  # the round's column (``GenerationRound.extra``) holding each completion's teacher
+TEACHER_ID = "teacher_id"  # the column naming a row's teacher: the prompt rows' (by default) and the round's
 
 
 def check_teacher_ids(teacher_model: dict, init_kwargs: dict | None) -> None:
@@ -57,7 +58,7 @@ class Teachers(torch.nn.ModuleDict):
     """
 
     def __init__(self, teacher_model: str | dict[str, str], init_kwargs: dict | None = None,
-                 column: str = ROUND_COLUMN):
+                 column: str = TEACHER_ID):
         if isinstance(teacher_model, dict):
             check_teacher_ids(teacher_model, init_kwargs)
             kwargs = init_kwargs or {}
@@ -68,16 +69,21 @@ class Teachers(torch.nn.ModuleDict):
         self.column = column if isinstance(teacher_model, dict) else None  # None: the one teacher for every row
 
     @property
+    def per_row(self) -> bool:
+        """Whether each row chooses its teacher (``teacher_model`` a mapping)."""
+        return self.column is not None
+
+    @property
     def single(self) -> Teacher:
         """The teacher of a one-teacher run."""
-        if self.column is not None:
+        if self.per_row:
             raise LitAlignError(f"model.teacher_model names teachers {sorted(self)}: pick one by its id")
         return self[SINGLE]
 
     def row_ids(self, batch: dict[str, Any]) -> list[str] | None:
         """Each prompt's teacher id (the batch's ``column``), every one checked against the known ids; None with one
         teacher (the column, if the rows have one, is not read)."""
-        if self.column is None:
+        if not self.per_row:
             return None
         known = sorted(self)
         if self.column not in batch["columns"]:

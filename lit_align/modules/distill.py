@@ -41,7 +41,7 @@ from lit_align.losses.distill import chunked_generalized_jsd, generalized_jsd
 from lit_align.modules.online import OnlineModule
 from lit_align.reference import Reference, Teacher
 from lit_align.rollouts import Generation, batch_rows, repeat_each
-from lit_align.teachers import ROUND_COLUMN, Teachers
+from lit_align.teachers import TEACHER_ID, Teachers
 
 COIN_SALT = 0x5EED_C014  # the round's coin draws from its own seed, not from the sampling stream's
 NOT_DISTILLATION = ("ref_model", "sync_ref_model", "dynamic_sampling")  # OnlineModule options of rewards recipes
@@ -115,7 +115,7 @@ class DistillationModule(OnlineModule):
     grouped = False
 
     def __init__(self, model: str = "builtin:tiny", teacher_model: str | dict[str, str] | None = None,
-                 teacher_model_init_kwargs: dict | None = None, teacher_id_column: str = ROUND_COLUMN,
+                 teacher_model_init_kwargs: dict | None = None, teacher_id_column: str = TEACHER_ID,
                  beta: float = 1.0, lmbda: float = 1.0, seq_kd: bool = False, num_generations: int = 1,
                  disable_dropout: bool = False, **kwargs):
         check_distillation(teacher_model, beta, lmbda, seq_kd, kwargs)
@@ -143,7 +143,7 @@ class DistillationModule(OnlineModule):
         return [*super().frozen_models(), *self.teachers.values()]
 
     def configure_model(self) -> None:
-        if self.teachers.column is not None and self._trainer is not None and sharded_strategy(self._trainer):
+        if self.teachers.per_row and self._trainer is not None and sharded_strategy(self._trainer):
             raise LitAlignError("model.teacher_model: several teachers are not supported under FSDP or DeepSpeed "
                                 "ZeRO-3 (each teacher runs on its own rows, so the ranks would run different teachers, "
                                 "while a sharded forward needs every rank); use ddp or ZeRO-1/2")
@@ -177,7 +177,7 @@ class DistillationModule(OnlineModule):
         else:
             gen = self.rollouts.generate(self, batch, num, seed=self.round_seed())
         if ids is not None:
-            gen.columns[ROUND_COLUMN] = repeat_each(ids, num)
+            gen.columns[TEACHER_ID] = repeat_each(ids, num)
         round = self.assemble_round(batch, gen, gen)
         tokens = gen.prompt_mask.sum() + gen.completion_mask.sum()
         self.num_tokens += float(self.trainer.strategy.reduce(tokens.float(), reduce_op="sum"))
@@ -232,7 +232,7 @@ class DistillationModule(OnlineModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         step = self.next_step(batch)
         sequences = (step.prompt_ids, step.prompt_mask, step.completion_ids, step.completion_mask)
-        teacher_ids = step.extra[ROUND_COLUMN] if self.teachers.column is not None else None
+        teacher_ids = step.extra[TEACHER_ID] if self.teachers.per_row else None
         divergence, entropy = self.divergence(sequences, step.loss_mask, teacher_ids, with_entropy=True)
         # the sum over the step's loss tokens, divided by the round's loss tokens per step on every rank (dapo's)
         loss = divergence.sum() / max(self.round.num_tokens, 1.0)
@@ -299,11 +299,11 @@ class DistillationModule(OnlineModule):
     def log_teacher_losses(self, divergence: torch.Tensor, loss_mask: torch.Tensor, teacher_ids: list[str]) -> None:
         """``train/teacher/<id>/loss``: each teacher's mean per-token divergence over its rows' loss tokens in the
         step, all ranks; a teacher with no rows in the step logs nothing then."""
-        names = list(self.teachers)
-        sums = torch.zeros(len(names), 2, device=divergence.device)
+        names, rows = list(self.teachers), self.teachers.rows_by_teacher(teacher_ids)
+        sums = torch.zeros(len(names), 2, device=divergence.device)  # every teacher: the same shape on every rank
         for i, teacher_id in enumerate(names):
-            rows = [r for r, t in enumerate(teacher_ids) if t == teacher_id]
-            sums[i] = torch.stack([divergence.detach()[rows].sum(), loss_mask[rows].sum().float()])
+            mine = rows.get(teacher_id, [])
+            sums[i] = torch.stack([divergence.detach()[mine].sum(), loss_mask[mine].sum().float()])
         sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
         for teacher_id, (total, tokens) in zip(names, sums):
             if tokens > 0:

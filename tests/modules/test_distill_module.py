@@ -324,7 +324,12 @@ def test_with_several_teachers_each_rows_divergence_is_from_its_own_teacher(teac
     import lit_align.reference
 
     loads, load = [], lit_align.reference.load_model
-    monkeypatch.setattr(lit_align.reference, "load_model", lambda name, *a, **k: loads.append(name) or load(name, *a, **k))
+
+    def counted(name, *args, **kwargs):
+        loads.append(name)
+        return load(name, *args, **kwargs)
+
+    monkeypatch.setattr(lit_align.reference, "load_model", counted)
     record, logged = Rounds(), LoggedSteps()
     module = distill({"a": teacher, "b": teacher_b}, ab_rows, max_steps=2, callbacks=[record, logged], beta=0.5,
                      temperature=0.8)
@@ -413,6 +418,18 @@ def test_teacher_ids_that_name_no_teacher_are_one_error_line(teacher, teacher_b,
     sharded._trainer = SimpleNamespace(strategy=FSDPStrategy())
     with pytest.raises(LitAlignError, match="model.teacher_model: several teachers are not supported under FSDP"):
         sharded.configure_model()
+
+
+def test_each_of_several_teachers_is_checked_against_the_students_vocabulary(teacher, tmp_path):
+    tokenizer = build_tokenizer()
+    wide = load_model("builtin:tiny")
+    wide.resize_token_embeddings(len(tokenizer) + 16)
+    save_hf(wide, tokenizer, tmp_path / "wide")
+    module = DistillationModule(model="builtin:tiny", teacher_model={"a": teacher, "wide": str(tmp_path / "wide")})
+    with pytest.raises(LitAlignError) as error:
+        module.configure_model()
+    assert str(error.value).startswith(f"model.teacher_model.wide '{tmp_path / 'wide'}' has vocab_size "
+                                       f"{len(tokenizer) + 16} but the student 'builtin:tiny' has {len(tokenizer)}")
 
 
 def test_each_teacher_has_its_own_checkpoint_entry_and_a_changed_one_refuses_the_resume(teacher, ab_rows, tmp_path):
