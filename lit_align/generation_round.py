@@ -119,6 +119,7 @@ class StepBatch:
     is_ratio: torch.Tensor | None = None  # [n, C'] or [n, 1]: the sampling engine's importance weights (vLLM)
     sampling_logps: torch.Tensor | None = None  # [n, C'] vLLM's, when the off-policy mask compares them
     tool_mask: torch.Tensor | None = None  # [n, C'] 0 on tool turns' tokens (already out of loss_mask)
+    extra: dict[str, list] = field(default_factory=dict)  # per row: the round's ``extra`` columns
 
 
 @dataclass
@@ -141,7 +142,8 @@ class GenerationRound:
     completions: list[str]
     rewards: list[float]
     dataset_rows: list[int] | None = None  # per row: the dataset index of its prompt
-    extra: dict[str, list] = field(default_factory=dict)  # per row: columns reward functions logged (log_extra)
+    # per row: columns logged beside the completions (reward functions' log_extra; distillation's teacher_id)
+    extra: dict[str, list] = field(default_factory=dict)
     reward_funcs: dict[str, list[float]] = field(default_factory=dict)  # per row: each reward function's value
     is_ratio: torch.Tensor | None = None  # [N, C] or [N, 1]: importance weights for the sampling engine (vLLM)
     sampling_logps: torch.Tensor | None = None  # [N, C] vLLM's log-probs, kept for the off-policy mask
@@ -155,7 +157,8 @@ class GenerationRound:
         """
         size = len(self.order) // self.steps
         k = position % self.steps
-        rows = torch.tensor(self.order[k * size : (k + 1) * size], device=self.prompt_ids.device)
+        picked = self.order[k * size : (k + 1) * size]
+        rows = torch.tensor(picked, device=self.prompt_ids.device)
         start = int(self.prompt_mask[rows].any(0).int().argmax())
         width = int(self.completion_mask[rows].sum(1).max())
 
@@ -166,9 +169,9 @@ class GenerationRound:
             self.prompt_ids[rows][:, start:], self.prompt_mask[rows][:, start:],
             completions(self.completion_ids), completions(self.completion_mask), completions(self.loss_mask),
             self.advantages[rows], completions(self.old_logps), completions(self.ref_logps),
-            None if self.dataset_rows is None else [self.dataset_rows[i] for i in rows.tolist()],
+            None if self.dataset_rows is None else [self.dataset_rows[i] for i in picked],
             None if self.is_ratio is None else self.is_ratio[rows][:, :width], completions(self.sampling_logps),
-            completions(self.tool_mask),
+            completions(self.tool_mask), {k: [v[i] for i in picked] for k, v in self.extra.items()},
         )
 
     def to(self, device: torch.device | str) -> GenerationRound:

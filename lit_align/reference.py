@@ -8,8 +8,9 @@
   decides when the policy is mixed into it (``mix_in``); once mixed it is saved with the checkpoint (``save_mixed`` /
   ``load_mixed``).
 - ``AdapterReference``: under LoRA, the policy itself with its adapters switched off: no second copy.
-- ``Teacher``: distillation's teacher (``module.teacher``, beside any reference): a ``FrozenReference`` of its own
-  files, loaded with its own ``from_pretrained`` arguments, its identity under its own checkpoint entry.
+- ``Teacher``: a distillation teacher (``module.teachers``, beside any reference): a ``FrozenReference`` of its own
+  files, loaded with its own ``from_pretrained`` arguments, its identity under its own checkpoint entry (one per
+  teacher where there are several).
 - ``PrecomputedReference``: no model while training: one no-grad pass before training gives every row its
   reference log-probs (``annotate``), cached on disk. The module starts it from its ``setup`` (Lightning sets the
   DataModule up first) and hands the function to the data (``PreferenceDataModule.add_reference_logps``): the data
@@ -231,21 +232,27 @@ class Teacher(FrozenReference):
     policy is (``model.dtype``, ``attn_implementation``, ``trust_remote_code``) with ``init_kwargs`` as its own
     ``from_pretrained`` arguments (TRL's ``teacher_model_init_kwargs``; the policy's ``model_init_kwargs`` are not
     its). A frozen reference in all else: never in checkpoints, in eval mode without gradients, one FSDP unit, its
-    files' identity checked on resume, under its own checkpoint entry."""
+    files' identity checked on resume, under its own checkpoint entry: ``lit_align_teacher``, or with several
+    teachers ``lit_align_teacher/<teacher_id>`` (``teacher_id``: its key in ``model.teacher_model``, which then
+    names it in errors)."""
 
     role = "teacher"
     identity_key = "lit_align_teacher"
 
-    def __init__(self, name: str, init_kwargs: dict | None = None):
+    def __init__(self, name: str, init_kwargs: dict | None = None, teacher_id: str | None = None):
         super().__init__(name)
-        from_pretrained_kwargs(init_kwargs, "model.teacher_model_init_kwargs")  # refuse a bad mapping now
+        self.option = "model.teacher_model" if teacher_id is None else f"model.teacher_model.{teacher_id}"
+        kwargs_option = "model.teacher_model_init_kwargs" + ("" if teacher_id is None else f".{teacher_id}")
+        from_pretrained_kwargs(init_kwargs, kwargs_option)  # refuse a bad mapping now
         self.init_kwargs = init_kwargs
+        if teacher_id is not None:
+            self.role, self.identity_key = f"teacher {teacher_id!r}", f"{Teacher.identity_key}/{teacher_id}"
 
     def setup(self, module) -> None:
         if self.model is not None:
             return
         hp = module.hparams
-        check_loadable(gguf_path(self.name, self.init_kwargs), "model.teacher_model")
+        check_loadable(gguf_path(self.name, self.init_kwargs), self.option)
         self.model = frozen(load_model(self.name, hp.dtype, hp.attn_implementation, hp.trust_remote_code,
                                        self.init_kwargs))
         self.read_identity(self.name, module._trainer)

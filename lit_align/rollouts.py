@@ -128,12 +128,14 @@ class Generation:
         return Generation(**{f.name: join(f.name) for f in fields(Generation)})
 
 
-def batch_slice(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
-    """Prompts ``start:stop`` of a collated batch of prompts (``PromptDataModule.collate``), without the columns
-    that are left padding in all of them."""
+def batch_rows(batch: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    """Prompts ``rows`` of a collated batch of prompts (``PromptDataModule.collate``), in that order, without the
+    columns that are left padding in all of them."""
     def part(value):
-        if isinstance(value, (torch.Tensor, list)):
-            return value[start:stop]
+        if isinstance(value, torch.Tensor):
+            return value[torch.tensor(rows, dtype=torch.long, device=value.device)]
+        if isinstance(value, list):
+            return [value[i] for i in rows]
         if isinstance(value, dict):
             return {k: part(v) for k, v in value.items()}
         return value
@@ -279,9 +281,11 @@ class Rollouts:
         groups (all ranks sample alike: the decision is all-reduced), or ``batch`` is used up: the step is then
         filled with the first groups left out. ``(the groups trained on, everything sampled)``."""
         parts, kept = [], []
-        for start in range(0, len(batch["prompts"]), groups):
-            part = self.generate(module, batch_slice(batch, start, start + groups), num_samples,
-                                 seed=(seed + 104_729 * len(parts)) % 2**63)
+        prompts = len(batch["prompts"])
+        for start in range(0, prompts, groups):
+            rows = list(range(start, min(start + groups, prompts)))
+            seed_k = (seed + 104_729 * len(parts)) % 2**63
+            part = self.generate(module, batch_rows(batch, rows), num_samples, seed=seed_k)
             spread = nanstd(part.rewards.view(-1, num_samples), dim=1).view(-1) >= ZERO_STD
             kept += [len(parts) * groups + g for g in spread.nonzero().flatten().tolist()]
             parts.append(part)

@@ -15,8 +15,10 @@ Where things are computed: the student's final hidden states and LM head at the 
 (``lit_align.logps.layout_outputs``, over ``lit_align.layouts.completions``: packed where ``padding_free``), the
 teacher's the same way in each step under ``no_grad``; the divergence is chunked through both heads
 (``chunked_generalized_jsd``), so no ``[tokens, V]`` logits of either model are held, and falls back to full logits
-(``generalized_jsd``) for a head that is not chunkable. Left out, and why: a top-k teacher cache and several
-teachers (not in TRL's trainers), TRL's ``ServerDistillationTrainer`` (a teacher behind a vLLM server).
+(``generalized_jsd``) for a head that is not chunkable. Several teachers (``teacher_model`` a mapping; not in TRL's
+trainers, asked for in TRL's issue #6734): each prompt row names its own (``lit_align.teachers``), each teacher runs
+on its rows only, and each token's divergence is from its row's teacher. Left out, and why: a top-k teacher cache
+(not in TRL's trainers), TRL's ``ServerDistillationTrainer`` (a teacher behind a vLLM server).
 ``docs/distill.md`` lists every ``DistillationConfig`` and ``GKDConfig`` field and what became of it.
 """
 
@@ -30,6 +32,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torchmetrics import MeanMetric
 
 from lit_align import layouts
+from lit_align.capabilities import sharded_strategy
 from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
 from lit_align.generation_round import GenerationRound
@@ -37,15 +40,17 @@ from lit_align.logps import Projection, chunked_token_logps, layout_outputs, pla
 from lit_align.losses.distill import chunked_generalized_jsd, generalized_jsd
 from lit_align.modules.online import OnlineModule
 from lit_align.reference import Reference, Teacher
-from lit_align.rollouts import Generation, repeat_each
+from lit_align.rollouts import Generation, batch_rows, repeat_each
+from lit_align.teachers import TEACHER_ID, Teachers
 
 COIN_SALT = 0x5EED_C014  # the round's coin draws from its own seed, not from the sampling stream's
 NOT_DISTILLATION = ("ref_model", "sync_ref_model", "dynamic_sampling")  # OnlineModule options of rewards recipes
 
 
-def check_distillation(teacher_model: str | None, beta: float, lmbda: float, seq_kd: bool, options: dict) -> None:
+def check_distillation(teacher_model: str | dict | None, beta: float, lmbda: float, seq_kd: bool,
+                       options: dict) -> None:
     """Refuse distillation settings that cannot work, each in one line naming the option."""
-    if teacher_model is None:
+    if not teacher_model:
         raise LitAlignError("model.teacher_model is required: the model whose next-token distributions the student "
                             "learns (a hub name, a directory, a .gguf file, pretrained:<name> or builtin:<name>)")
     for name, value in (("beta", beta), ("lmbda", lmbda)):
@@ -63,12 +68,13 @@ def check_distillation(teacher_model: str | None, beta: float, lmbda: float, seq
                             "itself: drop one of them")
 
 
-def check_vocabularies(student, teacher, student_name: str, teacher_name: str) -> None:
+def check_vocabularies(student, teacher, student_name: str, teacher_name: str,
+                       option: str = "model.teacher_model") -> None:
     """TRL's check: the two models score one vocabulary (the divergence compares their distributions entry by
-    entry)."""
+    entry). ``option``: the setting that named the teacher."""
     sizes = [model.config.get_text_config().vocab_size for model in (student, teacher)]
     if sizes[0] != sizes[1]:
-        raise LitAlignError(f"model.teacher_model {teacher_name!r} has vocab_size {sizes[1]} but the student "
+        raise LitAlignError(f"{option} {teacher_name!r} has vocab_size {sizes[1]} but the student "
                             f"{student_name!r} has {sizes[0]}: distillation compares the teacher's full next-token "
                             "distribution with the student's, entry by entry; use a teacher with the student's "
                             "vocabulary")
@@ -83,9 +89,12 @@ class DistillationModule(OnlineModule):
         teacher_model: the teacher (required): anything ``model`` takes (a hub name, a directory, a ``.gguf`` file,
             ``pretrained:<name>``, ``builtin:<name>``), with the student's vocabulary. Loaded with the student's
             ``dtype``, ``attn_implementation`` and ``trust_remote_code``, frozen, never in checkpoints; a resume
-            refuses a teacher whose files changed.
+            refuses a teacher whose files changed. Or several: a mapping ``{teacher_id: source}``, each prompt row
+            naming its teacher in its ``teacher_id_column`` (``lit_align.teachers``).
         teacher_model_init_kwargs: more ``from_pretrained`` arguments for the teacher (TRL's); the student's
-            ``model_init_kwargs`` are not its. ``dtype`` and ``attn_implementation`` are the model's options.
+            ``model_init_kwargs`` are not its. ``dtype`` and ``attn_implementation`` are the model's options. With
+            a mapping of teachers, keyed by teacher id: ``{teacher_id: {arguments}}``.
+        teacher_id_column: with a mapping of teachers, the prompt rows' column naming each row's teacher.
         beta: the divergence: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher) (TRL's
             default), in between the generalized JSD with the mixture ``(1 - beta) p_student + beta p_teacher``.
             Not ``OnlineModule``'s KL-to-reference coefficient: distillation has no reference.
@@ -105,14 +114,20 @@ class DistillationModule(OnlineModule):
     rewards_required = False
     grouped = False
 
-    def __init__(self, model: str = "builtin:tiny", teacher_model: str | None = None,
-                 teacher_model_init_kwargs: dict | None = None, beta: float = 1.0, lmbda: float = 1.0,
-                 seq_kd: bool = False, num_generations: int = 1, disable_dropout: bool = False, **kwargs):
+    def __init__(self, model: str = "builtin:tiny", teacher_model: str | dict[str, str] | None = None,
+                 teacher_model_init_kwargs: dict | None = None, teacher_id_column: str = TEACHER_ID,
+                 beta: float = 1.0, lmbda: float = 1.0, seq_kd: bool = False, num_generations: int = 1,
+                 disable_dropout: bool = False, **kwargs):
         check_distillation(teacher_model, beta, lmbda, seq_kd, kwargs)
         super().__init__(model=model, num_generations=num_generations, beta=0.0, disable_dropout=disable_dropout,
                          **kwargs)
         self.beta, self.lmbda, self.seq_kd = beta, lmbda, seq_kd
-        self.teacher = Teacher(teacher_model, teacher_model_init_kwargs)
+        self.teachers = Teachers(teacher_model, teacher_model_init_kwargs, teacher_id_column)
+
+    @property
+    def teacher(self) -> Teacher:
+        """The teacher of a one-teacher run (``teachers`` holds every teacher by id)."""
+        return self.teachers.single
 
     def validation_metrics(self) -> torch.nn.ModuleDict:
         """``OnlineModule``'s, and ``val/loss``: the held-out divergence."""
@@ -125,11 +140,16 @@ class DistillationModule(OnlineModule):
         return {**super().data_settings(), "dataset_completions": self.lmbda < 1 and not self.seq_kd}
 
     def frozen_models(self) -> list[Reference]:
-        return [*super().frozen_models(), self.teacher]
+        return [*super().frozen_models(), *self.teachers.values()]
 
     def configure_model(self) -> None:
-        super().configure_model()  # the teacher is loaded with the policy (``frozen_models``)
-        check_vocabularies(self.network, self.teacher.model, self.model_name, self.teacher.name)
+        if self.teachers.per_row and self._trainer is not None and sharded_strategy(self._trainer):
+            raise LitAlignError("model.teacher_model: several teachers are not supported under FSDP or DeepSpeed "
+                                "ZeRO-3 (each teacher runs on its own rows, so the ranks would run different teachers, "
+                                "while a sharded forward needs every rank); use ddp or ZeRO-1/2")
+        super().configure_model()  # the teachers are loaded with the policy (``frozen_models``)
+        for teacher in self.teachers.values():
+            check_vocabularies(self.network, teacher.model, self.model_name, teacher.name, teacher.option)
 
     # -- the round: whose completions, and nothing else to compute --------------------------------------------------
     def round_source(self) -> str:
@@ -146,13 +166,18 @@ class DistillationModule(OnlineModule):
     def make_round(self, batch: dict[str, Any]) -> GenerationRound:
         """The round's completions from its source (``round_source``), scored by the reward functions if any, with
         TRL's rollout metrics, ``on_policy`` (1: the student's samples), under ``seq_kd`` ``teacher_sampled``, and
-        ``num_tokens`` (prompt and completion tokens trained on so far, all ranks)."""
+        ``num_tokens`` (prompt and completion tokens trained on so far, all ranks). With several teachers each row's
+        teacher id goes into the round (its ``extra``: checkpointed with it, shown by ``CompletionsLogger``)."""
         source, num = self.round_source(), self.round_shape.num_generations
+        ids = self.teachers.row_ids(batch)  # checked before anything is sampled
         if source == "dataset":
             gen = self.dataset_generation(batch)
+        elif source == "teacher":
+            gen = self.teacher_generation(batch, ids, num)
         else:
-            model = self.teacher.model if source == "teacher" else None
-            gen = self.rollouts.generate(self, batch, num, seed=self.round_seed(), model=model)
+            gen = self.rollouts.generate(self, batch, num, seed=self.round_seed())
+        if ids is not None:
+            gen.columns[TEACHER_ID] = repeat_each(ids, num)
         round = self.assemble_round(batch, gen, gen)
         tokens = gen.prompt_mask.sum() + gen.completion_mask.sum()
         self.num_tokens += float(self.trainer.strategy.reduce(tokens.float(), reduce_op="sum"))
@@ -161,6 +186,22 @@ class DistillationModule(OnlineModule):
             round.stats["teacher_sampled"] = torch.tensor(float(source == "teacher"), device=self.device)
         round.stats["num_tokens"] = torch.tensor(self.num_tokens, device=self.device)
         return round
+
+    def teacher_generation(self, batch: dict[str, Any], ids: list[str] | None, num: int) -> Generation:
+        """``seq_kd``'s round: the teacher's samples. With several teachers (``ids``: each prompt's) each prompt's
+        completions come from its own: the prompts grouped by teacher, each group sampled from its own seed, the
+        rows put back in the batch's order."""
+        seed = self.round_seed()
+        if ids is None:
+            return self.rollouts.generate(self, batch, num, seed=seed, model=self.teacher.model)
+        parts, order, place = [], [], {teacher_id: k for k, teacher_id in enumerate(self.teachers)}
+        for teacher_id, prompts in self.teachers.rows_by_teacher(ids).items():
+            part_seed, model = (seed + 104_729 * place[teacher_id]) % 2**63, self.teachers[teacher_id].model
+            parts.append(self.rollouts.generate(self, batch_rows(batch, prompts), num, seed=part_seed, model=model))
+            order += prompts
+        gen = Generation.concat(parts) if len(parts) > 1 else parts[0]
+        position = {prompt: i for i, prompt in enumerate(order)}
+        return gen.select([position[p] * num + j for p in range(len(ids)) for j in range(num)])
 
     def dataset_generation(self, batch: dict[str, Any]) -> Generation:
         """The round of the dataset's completions (the data's ``completion_ids``), each prompt's ``num_generations``
@@ -191,29 +232,52 @@ class DistillationModule(OnlineModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any] | None:
         step = self.next_step(batch)
         sequences = (step.prompt_ids, step.prompt_mask, step.completion_ids, step.completion_mask)
-        divergence, entropy = self.divergence(sequences, step.loss_mask, with_entropy=True)
+        teacher_ids = step.extra[TEACHER_ID] if self.teachers.per_row else None
+        divergence, entropy = self.divergence(sequences, step.loss_mask, teacher_ids, with_entropy=True)
         # the sum over the step's loss tokens, divided by the round's loss tokens per step on every rank (dapo's)
         loss = divergence.sum() / max(self.round.num_tokens, 1.0)
         loss = self.guard_loss(loss, divergence.sum(1), batch_idx, step.dataset_rows)
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
         self.log_step(loss, entropy, {}, step.loss_mask)
+        if teacher_ids is not None:
+            self.log_teacher_losses(divergence, step.loss_mask, teacher_ids)
         return {"loss": loss, "step": step}  # callbacks see the step's batch (outputs)
 
-    def divergence(self, sequences: tuple, loss_mask: torch.Tensor,
+    def divergence(self, sequences: tuple, loss_mask: torch.Tensor, teacher_ids: list[str] | None = None,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[n, C]``: the per-token divergence of the completions ``sequences`` (prompt ids and mask, completion ids
-        and mask) at every loss token, 0 elsewhere (the student's gradient with it); with ``with_entropy`` the
-        student's tempered entropy there too (no gradient)."""
+        and mask) at every loss token, 0 elsewhere (the student's gradient with it), each row's from its teacher
+        (``teacher_ids``; None: the one teacher); with ``with_entropy`` the student's tempered entropy there too (no
+        gradient)."""
         scored = sequences[3].bool()  # the completion tokens: the outputs come in their order
         trained = loss_mask.bool()[scored]
         student = self.outputs(self.network, sequences)
-        with torch.no_grad():
-            teacher = self.outputs(self.teacher.model, sequences)
-        values = on_grid(self.token_divergence(student, teacher, trained), scored)
+        values = on_grid(self.teacher_divergence(student, sequences, trained, teacher_ids), scored)
         if not with_entropy:
             return values, None
         return values, on_grid(student_entropy(student, sequences[2][scored], self.temperature) * trained, scored)
+
+    def teacher_divergence(self, student: Projection | torch.Tensor, sequences: tuple, trained: torch.Tensor,
+                           teacher_ids: list[str] | None) -> torch.Tensor:
+        """``[S]``: each scored token's divergence from its row's teacher at the ``trained`` tokens. With several
+        teachers each runs (no gradient) on its own rows only; the student's outputs at those rows' tokens are
+        picked out of its one forward (indexing keeps their gradient), and the values go back in the tokens' order."""
+        if teacher_ids is None:
+            with torch.no_grad():
+                teacher = self.outputs(self.teacher.model, sequences)
+            return self.token_divergence(student, teacher, trained)
+        token_rows = sequences[3].bool().nonzero()[:, 0]  # each scored token's row, in the outputs' order
+        parts, places = [], []
+        for teacher_id, rows in self.teachers.rows_by_teacher(teacher_ids).items():
+            rows = torch.tensor(rows, device=token_rows.device)
+            tokens = torch.isin(token_rows, rows).nonzero()[:, 0]  # rows ascending: the teacher's outputs' order
+            with torch.no_grad():
+                teacher = self.outputs(self.teachers[teacher_id].model, tuple(s[rows] for s in sequences))
+            parts.append(self.token_divergence(tokens_of(student, tokens), teacher, trained[tokens]))
+            places.append(tokens)
+        values = torch.cat(parts)
+        return values.new_zeros(len(token_rows)).index_put((torch.cat(places),), values)
 
     def outputs(self, network, sequences: tuple) -> Projection | torch.Tensor:
         """``network``'s hidden states and head (or logits) at the completion tokens, laid out as the student's
@@ -232,20 +296,43 @@ class DistillationModule(OnlineModule):
         with torch.autocast(self.device.type, enabled=False) if fp32 else nullcontext():
             return chunked_generalized_jsd(student, teacher, **settings)
 
+    def log_teacher_losses(self, divergence: torch.Tensor, loss_mask: torch.Tensor, teacher_ids: list[str]) -> None:
+        """``train/teacher/<id>/loss``: each teacher's mean per-token divergence over its rows' loss tokens in the
+        step, all ranks; a teacher with no rows in the step logs nothing then."""
+        names, rows = list(self.teachers), self.teachers.rows_by_teacher(teacher_ids)
+        sums = torch.zeros(len(names), 2, device=divergence.device)  # every teacher: the same shape on every rank
+        for i, teacher_id in enumerate(names):
+            mine = rows.get(teacher_id, [])
+            sums[i] = torch.stack([divergence.detach()[mine].sum(), loss_mask[mine].sum().float()])
+        sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        for teacher_id, (total, tokens) in zip(names, sums):
+            if tokens > 0:
+                self.log(f"train/teacher/{teacher_id}/loss", total / tokens)
+
     # -- held-out divergence (and reward) -----------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         """``val/loss``: the divergence over the held-out prompts' completions (one greedy each, or
-        ``num_generations_eval`` sampled), per token; with reward functions ``OnlineModule``'s ``val/reward``."""
+        ``num_generations_eval`` sampled), per token, each row's from its teacher; with reward functions
+        ``OnlineModule``'s ``val/reward``."""
+        ids = self.teachers.row_ids(batch)
         gen = self.val_generation(batch)
         if self.rollouts.reward_funcs:
             self.log_val_rewards(gen)
         sequences = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
-        divergence, _ = self.divergence(sequences, gen.sampled_mask)
+        teacher_ids = None if ids is None else repeat_each(ids, self.num_generations_eval or 1)
+        divergence, _ = self.divergence(sequences, gen.sampled_mask, teacher_ids)
         tokens = gen.sampled_mask.sum()
         self.val_metrics["loss"].update(divergence.sum() / tokens.clamp(min=1), weight=tokens)
         self.log("val/loss", self.val_metrics["loss"], prog_bar=True)
 
     test_step = validation_step
+
+
+def tokens_of(outputs: Projection | torch.Tensor, tokens: torch.Tensor) -> Projection | torch.Tensor:
+    """``layout_outputs``' outputs ``[S, ...]`` at the positions ``tokens`` (differentiable)."""
+    if isinstance(outputs, Projection):
+        return outputs._replace(hidden=outputs.hidden[tokens])
+    return outputs[tokens]
 
 
 def on_grid(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Exact resume and determinism: a run interrupted at step k and resumed with ``ckpt_path`` logs the same per-step
 losses and ends with the same weights as the uninterrupted run (CPU, fp32, seeded), for DPO (mid-epoch, across an
 epoch boundary), KTO, CPO and ORPO (mid-epoch), the reward model (mid-epoch, its random score head restored from
-the checkpoint), GRPO and distillation (mid-round: the round's buffer comes from the checkpoint; later rounds
-regenerate the same completions, from the same source). Two runs of one seeded config give one loss trajectory.
+the checkpoint), GRPO and distillation (mid-round, with one teacher or two: the round's buffer comes from the
+checkpoint; later rounds regenerate the same completions, from the same source). Two runs of one seeded config give
+one loss trajectory.
 """
 
 from __future__ import annotations
@@ -163,16 +164,23 @@ def test_grpo_resume_mid_round_is_exact(settings, tmp_path, prompts_file, tiny_p
     assert_same_weights(resumed_weights, full_weights)
 
 
-def test_distill_resume_mid_round_is_exact(tmp_path, prompts_file, tiny_path):
+@pytest.mark.parametrize("teachers", [1, 2])
+def test_distill_resume_mid_round_is_exact(teachers, tmp_path, prompts_file, tiny_path):
     """Rounds of 2 steps, each the student's samples or the teacher's (lmbda 0.5, seq_kd): the step-3 checkpoint is
     mid-round; the resumed run trains on the saved round, then draws the coins and samples the completions the
-    uninterrupted run did."""
+    uninterrupted run did. With two teachers (rows alternating) the saved round carries each row's teacher id."""
     from lit_align.models import build_builtin
 
     teacher = str(build_builtin("tiny", tmp_path / "teacher", seed=1))
     model = {"teacher_model": teacher, "lmbda": 0.5, "seq_kd": True, "max_completion_length": 4,
              "steps_per_generation": 2}
     data = {"path": prompts_file, **GRPO_DATA}
+    if teachers == 2:
+        model["teacher_model"] = {"a": teacher, "b": str(build_builtin("tiny", tmp_path / "teacher_b", seed=2))}
+        rows = [{**json.loads(line), "teacher_id": "ab"[i % 2]}
+                for i, line in enumerate(Path(prompts_file).read_text().splitlines())]
+        data["path"] = str(tmp_path / "rows.jsonl")
+        Path(data["path"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
     full, full_weights = fit(DistillationModule, model, PromptDataModule, data, tmp_path / "full", 9, ckpt_every=3)
     resumed, resumed_weights = fit(DistillationModule, model, PromptDataModule, data, tmp_path / "resumed", 9,
                                    ckpt_path=str(tmp_path / "full" / "ckpt" / "step=3.ckpt"))
@@ -180,6 +188,8 @@ def test_distill_resume_mid_round_is_exact(tmp_path, prompts_file, tiny_path):
     assert resumed.firsts == {s: full.firsts[s] for s in resumed.firsts}
     assert resumed.by_step == {s: full.by_step[s] for s in resumed.by_step}
     assert_same_weights(resumed_weights, full_weights)
+    saved = torch.load(tmp_path / "full" / "ckpt" / "step=3.ckpt", weights_only=False)["lit_align_grpo"]["rounds"][0]
+    assert sorted(set(saved["extra"].get("teacher_id", []))) == ([] if teachers == 1 else ["a", "b"])
 
 
 @pytest.mark.slow

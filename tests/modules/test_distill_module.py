@@ -1,10 +1,13 @@
 """DistillationModule: a step's loss is TRL's generalized JSD computed by hand from both models' full logits, every
 beta trains the student towards the teacher, a round's completions come from the student, the teacher (``seq_kd``)
-or the dataset (``lmbda``, one seeded coin per round), the CLI runs ``configs/distill.yaml`` and refuses a teacher it
-cannot use in one line, and docs/distill.md names every DistillationConfig and GKDConfig field.
+or the dataset (``lmbda``, one seeded coin per round); with several teachers each row's divergence (training and
+validation) is from its own teacher and ``seq_kd`` samples it from that teacher, ids that name no teacher are one
+error line, each teacher's identity is its own checkpoint entry; the CLI runs ``configs/distill.yaml`` (with one
+teacher or a mapping of them) and refuses a teacher it cannot use in one line, and docs/distill.md names every
+DistillationConfig and GKDConfig field.
 
-The teachers are built-in tiny models: one drawn from another seed (close to uniform, as the student, but another
-function), and one edited to put nearly all its mass on EOS at every position (its samples are EOS alone).
+The teachers are built-in tiny models: two drawn from other seeds (close to uniform, as the student, but other
+functions), and one edited to put nearly all its mass on EOS at every position (its samples are EOS alone).
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
-from helpers import LoggedSteps, assert_one_line_error, fit, read_metrics, run_main
+from helpers import LoggedSteps, assert_one_line_error, fit, read_metrics, run_main, trainer
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import FSDPStrategy
 
 from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
@@ -37,6 +42,12 @@ CONFIG = str(REPO / "configs" / "distill.yaml")
 def teacher(tmp_path_factory, tiny_path) -> str:
     """The built-in tiny architecture with weights from another seed."""
     return str(build_builtin("tiny", tmp_path_factory.mktemp("teacher") / "seed1", seed=1))
+
+
+@pytest.fixture(scope="module")
+def teacher_b(tmp_path_factory, tiny_path) -> str:
+    """The built-in tiny architecture with weights from a third seed: a second teacher."""
+    return str(build_builtin("tiny", tmp_path_factory.mktemp("teacher_b") / "seed2", seed=2))
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +81,19 @@ def sort_rows(path: Path, n: int, offset: int = 0) -> str:
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> str:
     return sort_rows(tmp_path_factory.mktemp("distill_rows") / "rows.jsonl", 32)
+
+
+def with_teacher_ids(rows: str, path: Path, ids: list) -> str:
+    """``rows`` with a ``teacher_id`` column, row ``i``'s ``ids[i % len(ids)]``, written at ``path``."""
+    texts = [json.loads(line) for line in Path(rows).read_text().splitlines()]
+    path.write_text("".join(json.dumps({**r, "teacher_id": ids[i % len(ids)]}) + "\n" for i, r in enumerate(texts)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ab_rows(rows, tmp_path_factory) -> str:
+    """The rows, their teachers alternating: a, b, a, b, ..."""
+    return with_teacher_ids(rows, tmp_path_factory.mktemp("ab_rows") / "rows.jsonl", ["a", "b"])
 
 
 class Rounds(L.Callback):
@@ -279,6 +303,169 @@ def test_the_teacher_is_frozen_out_of_checkpoints_and_its_files_are_checked_on_r
         module.check_resume(checkpoint)
 
 
+# -- several teachers -------------------------------------------------------------------------------------------------
+def mixed_divergence(student, teachers: dict, ids: list[str], sequences, mask: torch.Tensor, beta: float,
+                     temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[n, C]``: each row's per-token divergence from its own teacher (``teachers[ids[row]]``), from full logits;
+    and the largest |log-prob| involved (the comparison's scale)."""
+    student_logits = full_logits(student, sequences)
+    own = {teacher_id: full_logits(model, sequences) for teacher_id, model in teachers.items()}
+    teacher_logits = torch.stack([own[teacher_id][row] for row, teacher_id in enumerate(ids)])
+    per_token = generalized_jsd(student_logits, teacher_logits, mask, beta=beta, temperature=temperature,
+                                reduction="none")
+    logps = torch.cat([student_logits, *own.values()]).div(temperature).log_softmax(-1)
+    return per_token, logps.abs().max()
+
+
+def test_with_several_teachers_each_rows_divergence_is_from_its_own_teacher(teacher, teacher_b, ab_rows, monkeypatch):
+    """Rows alternate teachers a and b: a step's loss is the per-token divergence of each row from its own teacher's
+    full logits, summed over the step's tokens and divided by their number; ``train/teacher/<id>/loss`` is each
+    teacher's rows' mean. Teacher a alone would give another loss. Each teacher is loaded once for the run."""
+    import lit_align.reference
+
+    loads, load = [], lit_align.reference.load_model
+
+    def counted(name, *args, **kwargs):
+        loads.append(name)
+        return load(name, *args, **kwargs)
+
+    monkeypatch.setattr(lit_align.reference, "load_model", counted)
+    record, logged = Rounds(), LoggedSteps()
+    module = distill({"a": teacher, "b": teacher_b}, ab_rows, max_steps=2, callbacks=[record, logged], beta=0.5,
+                     temperature=0.8)
+    assert loads == [teacher, teacher_b]  # two steps, two rounds: each teacher loaded once
+    step = record.steps[0]["step"]  # the first step's student is the initial policy
+    ids, mask = step.extra["teacher_id"], step.loss_mask
+    assert sorted(set(ids)) == ["a", "b"] and torch.equal(mask, step.completion_mask)
+    teachers = {teacher_id: t.model for teacher_id, t in module.teachers.items()}
+    per_token, scale = mixed_divergence(record.initial, teachers, ids, step, mask, beta=0.5, temperature=0.8)
+    assert_rounding_close(record.steps[0]["loss"], per_token.sum() / mask.sum(), scale=scale, terms=TINY_TERMS,
+                          msg="loss")
+    for teacher_id in ("a", "b"):
+        rows = [r for r, t in enumerate(ids) if t == teacher_id]
+        assert_rounding_close(logged.steps[0][f"train/teacher/{teacher_id}/loss"],
+                              per_token[rows].sum() / mask[rows].sum(), scale=scale, terms=TINY_TERMS, msg=teacher_id)
+    alone = float(generalized_jsd(full_logits(record.initial, step), full_logits(teachers["a"], step), mask,
+                                  beta=0.5, temperature=0.8))
+    assert abs(alone - record.steps[0]["loss"]) > 0.05 * alone  # the mix is not teacher a's divergence
+
+
+def test_with_several_teachers_val_loss_is_each_rows_divergence_from_its_own_teacher(teacher, teacher_b, ab_rows):
+    """``val/loss`` over held-out prompts of both teachers: the student's greedy completions, each row's per-token
+    divergence from its own teacher, over all their tokens."""
+    module = DistillationModule(model="builtin:tiny", teacher_model={"a": teacher, "b": teacher_b},
+                                max_completion_length=6)
+    data = PromptDataModule(path=ab_rows, val_path=ab_rows, val_split="train", batch_size=4, val_batch_size=8)
+    (metrics,) = trainer(limit_val_batches=1).validate(module, data, verbose=False)
+    batch = next(iter(data.val_dataloader()))
+    gen = module.val_generation(batch)  # greedy: the completions validation scored
+    ids = batch["columns"]["teacher_id"]
+    assert sorted(set(ids)) == ["a", "b"]
+    teachers = {teacher_id: t.model for teacher_id, t in module.teachers.items()}
+    per_token, scale = mixed_divergence(module.policy, teachers, ids, gen, gen.sampled_mask, beta=1.0, temperature=1.0)
+    expected = per_token.sum() / gen.sampled_mask.sum()
+    assert_rounding_close(metrics["val/loss"], expected, scale=scale, terms=TINY_TERMS, msg="val/loss")
+    assert expected > 1e-3
+
+
+def test_seq_kd_with_several_teachers_samples_each_prompt_from_its_own_teacher(eos_teacher, teacher, rows, tmp_path):
+    """Rows alternate the EOS teacher and a random one: in a teacher-sampled round every completion of an ``eos``
+    row is EOS alone and the other rows' are not all so; each row keeps its prompt and its teacher id (the groups'
+    samples are put back in the batch's order)."""
+    mixed = with_teacher_ids(rows, tmp_path / "rows.jsonl", ["eos", "random"])
+    record = Rounds()
+    distill({"eos": eos_teacher, "random": teacher}, mixed, max_steps=2, callbacks=[record], lmbda=0.0, seq_kd=True)
+    texts = [json.loads(line) for line in Path(mixed).read_text().splitlines()]
+    for seen in record.steps:
+        round = seen["round"]
+        assert round.extra["teacher_id"] == [texts[i]["teacher_id"] for i in round.dataset_rows]
+        assert round.prompts == [texts[i]["prompt"] for i in round.dataset_rows]
+        lengths = round.completion_mask.sum(1).tolist()
+        eos_rows = [r for r, t in enumerate(round.extra["teacher_id"]) if t == "eos"]
+        assert 0 < len(eos_rows) < len(lengths)
+        assert [lengths[r] for r in eos_rows] == [1] * len(eos_rows)
+        assert all(round.completion_ids[r, 0] == record.initial.config.eos_token_id for r in eos_rows)
+        assert any(lengths[r] > 1 for r in range(len(lengths)) if r not in eos_rows)
+
+
+def test_teacher_ids_that_name_no_teacher_are_one_error_line(teacher, teacher_b, rows, tmp_path):
+    """A row whose id is no teacher's names the dataset row, the id and the known ids; rows without the column,
+    a bad id in the mapping, init kwargs not keyed by teacher id and a sharded strategy are one line each too."""
+    teachers = {"a": teacher, "b": teacher_b}
+    bad = with_teacher_ids(rows, tmp_path / "bad.jsonl", ["a", "b", "c", "a"])  # rows 2, 6, ... name 'c'
+    with pytest.raises(LitAlignError) as error:
+        distill(teachers, bad, data={"shuffle": False})
+    assert str(error.value) == ("dataset row 2: field 'teacher_id' is 'c', expected one of ['a', 'b'] (the ids of "
+                                "model.teacher_model)")
+    with pytest.raises(LitAlignError) as error:
+        distill(teachers, rows)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("model.teacher_model is a mapping of teachers (['a', 'b']), but the prompt rows have no "
+                              "'teacher_id' column: give each row the id of the teacher it learns from")
+    refused = {
+        "teacher id 'x.y' must be a non-empty string without '.' or '/'": {"teacher_model": {"x.y": teacher}},
+        r"model.teacher_model_init_kwargs: with a mapping of teachers its keys are teacher ids \(\['a', 'b'\]\), "
+        r"got \['revision'\]": {"teacher_model": teachers, "teacher_model_init_kwargs": {"revision": "main"}},
+        r"model.teacher_model_init_kwargs.b: \['dtype'\] have their own options":
+            {"teacher_model": teachers, "teacher_model_init_kwargs": {"b": {"dtype": "bfloat16"}}},
+        "model.teacher_model is required": {"teacher_model": {}},
+    }
+    for message, settings in refused.items():
+        with pytest.raises(LitAlignError, match=message):
+            DistillationModule(model="builtin:tiny", **settings)
+    sharded = DistillationModule(model="builtin:tiny", teacher_model=teachers)
+    sharded._trainer = SimpleNamespace(strategy=FSDPStrategy())
+    with pytest.raises(LitAlignError, match="model.teacher_model: several teachers are not supported under FSDP"):
+        sharded.configure_model()
+
+
+def test_each_of_several_teachers_is_checked_against_the_students_vocabulary(teacher, tmp_path):
+    tokenizer = build_tokenizer()
+    wide = load_model("builtin:tiny")
+    wide.resize_token_embeddings(len(tokenizer) + 16)
+    save_hf(wide, tokenizer, tmp_path / "wide")
+    module = DistillationModule(model="builtin:tiny", teacher_model={"a": teacher, "wide": str(tmp_path / "wide")})
+    with pytest.raises(LitAlignError) as error:
+        module.configure_model()
+    assert str(error.value).startswith(f"model.teacher_model.wide '{tmp_path / 'wide'}' has vocab_size "
+                                       f"{len(tokenizer) + 16} but the student 'builtin:tiny' has {len(tokenizer)}")
+
+
+def test_each_teacher_has_its_own_checkpoint_entry_and_a_changed_one_refuses_the_resume(teacher, ab_rows, tmp_path):
+    """Two teachers: ``lit_align_teacher/a`` and ``/b`` (no single-teacher entry), none of their weights in the
+    state dict. Once b's files change, a resume of that checkpoint is refused naming teacher b and its files."""
+    b = tmp_path / "b"
+    shutil.copytree(teacher, b)
+    teachers = {"a": teacher, "b": str(b)}
+    module = distill(teachers, ab_rows)
+    checkpoint = {"hyper_parameters": dict(module.hparams)}
+    module.on_save_checkpoint(checkpoint)
+    entries = sorted(k for k in checkpoint if k.startswith("lit_align_teacher"))
+    assert entries == ["lit_align_teacher/a", "lit_align_teacher/b"]
+    assert [checkpoint[k] for k in entries] == [module.teachers["a"].identity, module.teachers["b"].identity]
+    assert not any(key.startswith("teachers.") for key in module.state_dict())
+    module.check_resume(checkpoint)  # the same files: resumes
+    changed = load_model(str(b))
+    with torch.no_grad():
+        changed.model.norm.weight.add_(0.01)
+    save_hf(changed, build_tokenizer(), b)
+    resumed = DistillationModule(model="builtin:tiny", teacher_model=teachers)
+    resumed.configure_model()  # the teachers' files read again
+    with pytest.raises(LitAlignError) as error:
+        resumed.check_resume(checkpoint)
+    assert str(error.value).startswith(f"the checkpoint: the teacher 'b' model's files ({b}) changed since the "
+                                       "checkpoint was written")
+
+
+def test_a_single_teachers_checkpoint_entries_are_unchanged(teacher, rows):
+    """One teacher: the checkpoint's lit_align entries are the ones they were before several teachers existed."""
+    checkpoint = {}
+    distill(teacher, rows).on_save_checkpoint(checkpoint)
+    assert sorted(checkpoint) == ["lit_align_grpo", "lit_align_num_tokens", "lit_align_recipe",
+                                  "lit_align_skipped_batches", "lit_align_teacher", "lit_align_total_steps"]
+
+
 # -- through the CLI ---------------------------------------------------------------------------------------------------
 def cli_args(root: Path, teacher_model: str, *extra: str) -> list[str]:
     return ["fit", "-c", CONFIG, "--model.init_args.teacher_model", teacher_model, "--data.init_args.batch_size", "4",
@@ -300,6 +487,22 @@ def test_configs_distill_yaml_trains_and_exports_through_the_cli(teacher, tmp_pa
     exported = load_model(str(tmp_path / "hf_model")).state_dict()
     start = load_model("builtin:tiny").state_dict()
     assert any(not torch.equal(exported[k], start[k]) for k in start)
+
+
+def test_a_mapping_of_teachers_trains_and_validates_through_the_cli(teacher, teacher_b, ab_rows, tmp_path, capfd):
+    """``teacher_model`` as a mapping on the command line (a YAML dict in a config): every round, the teacher's
+    samples too (``seq_kd``), and validation run; each teacher's loss is logged beside ``train/loss``."""
+    teachers = json.dumps({"a": teacher, "b": teacher_b})
+    code, _, err = run_main(cli_args(tmp_path, teachers, "--model.init_args.lmbda", "0.5", "--data.init_args.path",
+                                     ab_rows, "--data.init_args.val_path", ab_rows, "--data.init_args.val_split",
+                                     "train", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4"), capfd)
+    assert code == 0, err
+    (run,) = tmp_path.glob("*/version_*")
+    metrics = read_metrics(run / "metrics.csv")
+    logged = {name for row in metrics for name in row}
+    expected = {"train/loss", "train/teacher/a/loss", "train/teacher/b/loss", "train/teacher_sampled", "val/loss"}
+    assert expected <= logged, expected - logged
+    assert {row["train/teacher_sampled"] for row in metrics if "train/teacher_sampled" in row} == {0.0, 1.0}
 
 
 def test_a_teacher_the_student_cannot_learn_from_is_one_error_line(tmp_path, capfd):
