@@ -29,10 +29,10 @@ What both sides get, so that they do the same work:
     printed), as policy and as the reference (a second copy: TRL loads it again, lit_align deep-copies the policy);
   - the same rows (the built-in sort preference pairs), the same batches in the same order (no shuffling), the same
     ``max_length``, tokenization and right padding;
-  - fused AdamW (TRL's and lit_align's default ``optim="adamw_torch_fused"``; ``--optim adamw_torch``: the loop), the same
-    constant learning rate, no weight decay, gradient clipping at 1.0 (TRL's default, set on Lightning), no gradient
-    checkpointing (TRL's default is turned off; ``--checkpointing selective`` gives lit_align its selective one,
-    ``full`` both sides transformers' own), no mixed precision (TRL's ``bf16`` default is turned off), CPU,
+  - fused AdamW (TRL's and lit_align's default ``optim="adamw_torch_fused"``; ``--optim adamw_torch``: the loop), the
+    same constant learning rate, no weight decay, gradient clipping at 1.0 (TRL's default, set on Lightning), no
+    gradient checkpointing (TRL's default is turned off; ``--checkpointing selective`` gives lit_align its selective
+    one, ``full`` both sides transformers' own), no mixed precision (TRL's ``bf16`` default is turned off), CPU,
     ``torch.set_num_threads(--threads)``;
   - no logger/report, no checkpoints, no progress bar, no HF export, no evaluation.
 The one difference in how the work is laid out: lit_align's ``DPOModule(share_prompt=True)`` (its default) runs each

@@ -33,11 +33,11 @@ What both sides get, so that they do the same work:
   - sampling at temperature 1.0, top-k 0, top-p 1.0 (no min-p, no repetition penalty), ``--max-new-tokens``, EOS
     the tokenizer's, pad the tokenizer's: nothing else stops generation early (the generated tokens are counted on
     both sides and printed, so a difference would show);
-  - AdamW (``--optim``: fused, both sides' default, or ``adamw_torch``), constant learning rate, no weight decay, clipping at 1.0,
-    no gradient checkpointing (TRL's default is turned off; ``--checkpointing selective`` gives lit_align its
-    selective one, ``full`` both sides transformers' own), no mixed precision (TRL's ``bf16`` default is turned off),
-    CPU, ``torch.set_num_threads(--threads)``; ``--mmap-activations`` gives lit_align its ``mmap_activations``
-    (a step's forward maps the large tensors glibc's free heap cannot hold; TRL has none such);
+  - AdamW (``--optim``: fused, both sides' default, or ``adamw_torch``), constant learning rate, no weight decay,
+    clipping at 1.0, no gradient checkpointing (TRL's default is turned off; ``--checkpointing selective`` gives
+    lit_align its selective one, ``full`` both sides transformers' own), no mixed precision (TRL's ``bf16`` default is
+    turned off), CPU, ``torch.set_num_threads(--threads)``; ``--mmap-activations`` gives lit_align its
+    ``mmap_activations`` (a step's forward maps the large tensors glibc's free heap cannot hold; TRL has none such);
   - no logger/report, no checkpoints, no saving, no evaluation, no progress bar.
 
 Where they differ by design (and this is what is measured): lit_align keeps the engine's own log-probs as the old

@@ -228,8 +228,8 @@ def run(args: list[str] | None = None) -> LightningCLI:
         sys.exit(2)
 
 
-VAL_CHECK_HINT = (" (a small dataset: set trainer.val_check_interval to at most that, or trainer.check_val_every_n_epoch:"
-                  " null to count batches across epochs)")
+VAL_CHECK_HINT = (" (a small dataset: set trainer.val_check_interval to at most that, or "
+                  "trainer.check_val_every_n_epoch: null to count batches across epochs)")
 
 
 def _user_error(exc: BaseException) -> str | None:

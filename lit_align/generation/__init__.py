@@ -34,6 +34,6 @@ def make_engine(engine: str, **settings) -> Engine:
 
 
 __all__ = [
-    "AutoEngine", "ENGINES", "HFEngine", "NativeEngine", "Rollout", "Engine", "SamplingConfig", "completion_mask_from_eos",
-    "VLLMOptions", "VLLMEngine", "filter_logits", "make_engine", "sample_next",
+    "AutoEngine", "ENGINES", "HFEngine", "NativeEngine", "Rollout", "Engine", "SamplingConfig",
+    "completion_mask_from_eos", "VLLMOptions", "VLLMEngine", "filter_logits", "make_engine", "sample_next",
 ]

@@ -110,9 +110,10 @@ class OnlineModule(AlignModule):
             estimator, ``lit_align.rewards.pass_at_k``, for k = 1, 2, 4, ... and ``num_generations_eval``) and
             ``val/mean@k`` (the mean reward over the k = ``num_generations_eval`` samples) are logged too.
         pass_threshold: the summed reward at which a sampled completion counts as solved for ``val/pass@k``.
-        engine: the generation engine: ``auto`` (the default: ``native`` where it decodes the model on CPU, else ``hf``),
-            ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with
-            ``vllm_mode: colocate``; its own environment, see ``docs/grpo.md``).
+        engine: the generation engine: ``auto`` (the default: ``native`` where it decodes the model on CPU, else
+            ``hf``), ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or
+            ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with ``vllm_mode: colocate``; its own
+            environment, see ``docs/grpo.md``).
         padding_free: compute each step's training log-probs with its rows packed without padding, several per row,
             one row on CPU under sdpa, else rows as wide as the longest (``lit_align.layouts.packed_rows``,
             ``packing_width``), each prompt once for the step's completions of it (``shared_prompt_completions``),

@@ -47,7 +47,8 @@ def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], comp
     chunked log-probs (``lit_align.logps``).
     """
     scored = loss_mask(batch, completion_only_loss, assistant_only_loss)
-    out = layout_logps(model, layouts.sft(batch, scored, layouts.resolve_padding_free(padding_free, model, scored.device)), ("argmax",), chunk_size)
+    padding_free = layouts.resolve_padding_free(padding_free, model, scored.device)
+    out = layout_logps(model, layouts.sft(batch, scored, padding_free), ("argmax",), chunk_size)
     count = out.mask.sum()
     loss = -out.tokens.sum() / count.clamp(min=1)
     correct = ((out.stats["argmax"] == out.labels) & out.mask).sum()
