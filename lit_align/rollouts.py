@@ -81,6 +81,7 @@ class Generation:
     metrics: dict[str, list[float]] = field(default_factory=dict)  # what reward functions logged (log_metric)
     tool_calls: int = 0  # tool calls in these rollouts, and how many of them failed
     tool_failures: int = 0
+    weights_version: int | None = None  # the policy's step that sampled them, when not the current one here (async)
 
     @property
     def completion_texts(self) -> list[str]:
@@ -101,6 +102,11 @@ class Generation:
 
         return Generation(**{f.name: take(getattr(self, f.name)) for f in fields(self)})
 
+    def to(self, device: torch.device | str) -> Generation:
+        """These rollouts with their tensors on ``device``."""
+        return Generation(**{f.name: (value.to(device) if isinstance(value := getattr(self, f.name), torch.Tensor)
+                                      else value) for f in fields(self)})
+
     @staticmethod
     def concat(parts: list[Generation]) -> Generation:
         """Several batches' rollouts as one: prompts left-padded and completions right-padded to the widest."""
@@ -111,8 +117,8 @@ class Generation:
 
         def join(name: str):
             values = [getattr(p, name) for p in parts]
-            if values[0] is None:
-                return None
+            if values[0] is None or name == "weights_version":
+                return values[0]
             if name in ("prompt_ids", "prompt_mask"):
                 return pad(values, left=True)
             if isinstance(values[0], torch.Tensor):

@@ -38,8 +38,10 @@ from lit_align.generation_round import RoundShape
 
 
 class RoundSampler(SkippingSampler):
-    """Yields ``(index, round_pos)``: each round's prompts, ``repeats`` times; rounds drawn without replacement.
-    A ``DistributedSampler``, so Lightning keeps it; ``skip`` resumes mid-epoch (``SkippingSampler``)."""
+    """Yields ``(index, round_pos, round)``: each round's prompts, ``repeats`` times, tagged with their position in
+    the round and the round's number in the epoch; rounds drawn without replacement. ``round_indices`` looks ahead
+    (asynchronous rollouts sample rounds before their turn). A ``DistributedSampler``, so Lightning keeps it; ``skip``
+    resumes mid-epoch (``SkippingSampler``)."""
 
     def __init__(self, dataset, prompts_per_round: int, repeats: int, num_replicas: int = 1, rank: int = 0,
                  shuffle: bool = True, seed: int = 0):
@@ -47,17 +49,24 @@ class RoundSampler(SkippingSampler):
         self.prompts_per_round, self.repeats = prompts_per_round, repeats
         self.num_rounds = len(dataset) // (prompts_per_round * num_replicas)
 
-    def _items(self):
+    def _order(self) -> list[int]:
         n = len(self.dataset)
         if self.shuffle:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        else:
-            order = list(range(n))
+            return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        return list(range(n))
+
+    def round_indices(self, r: int, order: list[int] | None = None) -> list[int]:
+        """This rank's dataset indices of round ``r`` of the current epoch."""
+        order = self._order() if order is None else order
         per_round, span = self.prompts_per_round, self.prompts_per_round * self.num_replicas
+        return order[r * span + self.rank * per_round : r * span + (self.rank + 1) * per_round]
+
+    def _items(self):
+        order = self._order()
         for r in range(self.num_rounds):
-            mine = order[r * span + self.rank * per_round : r * span + (self.rank + 1) * per_round]
+            mine = self.round_indices(r, order)
             for pos in range(self.repeats):
-                yield from ((index, pos) for index in mine)
+                yield from ((index, pos, r) for index in mine)
 
     def __len__(self) -> int:
         return self.num_rounds * self.repeats * self.prompts_per_round
@@ -71,8 +80,8 @@ class _RoundItems(Dataset):
         return len(self.data)
 
     def __getitem__(self, key):
-        index, pos = key if isinstance(key, tuple) else (key, 0)
-        return {**self.data[index], "round_pos": pos, "row": index}
+        index, pos, r = key if isinstance(key, tuple) else (key, 0, 0)
+        return {**self.data[index], "round_pos": pos, "round": r, "row": index}
 
 
 class PromptDataModule(AlignDataModule):
@@ -102,6 +111,7 @@ class PromptDataModule(AlignDataModule):
         self.round_shape: RoundShape | None = None
         self.tools: list[dict] | None = None  # the module's tool schemas, rendered into every prompt
         self.dataset_completions = False  # whether the module trains on the rows' ``completion`` column too
+        self.round_sampler: RoundSampler | None = None  # the training loader's (``round_batch`` looks ahead in it)
 
     def connect(self, tokenizer: str | None = None, round_shape: RoundShape | None = None,
                 tools: list[dict] | None = None, dataset_completions: bool = False) -> RoundShape | None:
@@ -154,19 +164,21 @@ class PromptDataModule(AlignDataModule):
         return rows.map(tokenize, with_indices=True, desc=f"Tokenizing {source}")
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Left-padded ``prompt_ids``/``prompt_mask``, the raw ``prompts``, extra ``columns``, the ``round_pos``, the
-        prompts' dataset ``rows`` (training only) and, where the rows have them, their ``completion_ids`` (lists)."""
+        """Left-padded ``prompt_ids``/``prompt_mask``, the raw ``prompts``, extra ``columns``, the ``round_pos`` and
+        ``round``, the prompts' dataset ``rows`` (training only) and, where the rows have them, their
+        ``completion_ids`` (lists)."""
         width = max(len(r["prompt_ids"]) for r in rows)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in rows])
         mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in rows])
-        skip = {"prompt", "prompt_ids", "completion_ids", "round_pos", "row"}
+        skip = {"prompt", "prompt_ids", "completion_ids", "round_pos", "round", "row"}
         batch = {
             "prompt_ids": ids,
             "prompt_mask": mask,
             "prompts": [r["prompt"] for r in rows],
             "columns": {k: [r[k] for r in rows] for k in rows[0] if k not in skip},
             "round_pos": rows[0].get("round_pos", 0),
+            "round": rows[0].get("round", 0),  # the round's number in the epoch
             "dataset_rows": [r["row"] for r in rows] if "row" in rows[0] else None,  # dataset indices (numeric guard)
         }
         if "completion_ids" in rows[0]:
@@ -186,5 +198,15 @@ class PromptDataModule(AlignDataModule):
                 f"{self.path}: {len(self.train_data)} prompts, but one generation round needs "
                 f"{per_round * world} (batch_size * steps_per_generation / G * devices"
                 f"{' * max_num_gen_batches' if self.round_shape.prompt_batches > 1 else ''})")
+        self.round_sampler = sampler
         return ResumableLoader(_RoundItems(self.train_data), batch_size=per_round, sampler=sampler,
                                collate_fn=self.collate, num_workers=self.num_workers, trainer=trainer)
+
+    def round_batch(self, r: int) -> dict[str, Any] | None:
+        """Round ``r`` of the current epoch on this rank, collated as the training loader yields its first step
+        (asynchronous rollouts sample it ahead of its turn); None past the epoch's last round."""
+        sampler = self.round_sampler
+        if not 0 <= r < sampler.num_rounds:
+            return None
+        items = _RoundItems(self.train_data)
+        return self.collate([items[(index, 0, r)] for index in sampler.round_indices(r)])

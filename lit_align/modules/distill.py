@@ -152,15 +152,20 @@ class DistillationModule(OnlineModule):
             check_vocabularies(self.network, teacher.model, self.model_name, teacher.name, teacher.option)
 
     # -- the round: whose completions, and nothing else to compute --------------------------------------------------
-    def round_source(self) -> str:
-        """Where this round's completions come from: the student with probability ``lmbda``, else the teacher
-        (``seq_kd``) or the dataset. One draw per round from a generator seeded by the run's seed and the round's
-        number (both in checkpoints: a resume draws what the uninterrupted run drew), rank 0's on every rank."""
-        seed = (self.generation_seed + 1_000_003 * self.generation_rounds + COIN_SALT) % 2**63
+    def round_source(self, ahead: int = 0) -> str:
+        """Where this round's (or the one ``ahead`` rounds later) completions come from: the student with
+        probability ``lmbda``, else the teacher (``seq_kd``) or the dataset. One draw per round from a generator
+        seeded by the run's seed and the round's number (both in checkpoints: a resume draws what the uninterrupted
+        run drew), rank 0's on every rank."""
+        seed = (self.generation_seed + 1_000_003 * (self.generation_rounds + ahead) + COIN_SALT) % 2**63
         draw = float(torch.rand((), generator=torch.Generator().manual_seed(seed)))
         if self.trainer.strategy.broadcast(draw) < self.lmbda:
             return "student"
         return "teacher" if self.seq_kd else "dataset"
+
+    def policy_samples(self, ahead: int) -> bool:
+        """With ``async_rollouts`` the producer samples the student's rounds only."""
+        return self.round_source(ahead) == "student"
 
     @torch.no_grad()
     def make_round(self, batch: dict[str, Any]) -> GenerationRound:
@@ -175,7 +180,7 @@ class DistillationModule(OnlineModule):
         elif source == "teacher":
             gen = self.teacher_generation(batch, ids, num)
         else:
-            gen = self.rollouts.generate(self, batch, num, seed=self.round_seed())
+            gen = self.sample_round(batch)
         if ids is not None:
             gen.columns[TEACHER_ID] = repeat_each(ids, num)
         round = self.assemble_round(batch, gen, gen)

@@ -16,6 +16,7 @@ completion per prompt (``grouped``), and makes some rounds from other completion
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from lit_align.logps import layout_logps
 from lit_align.losses.grpo import masked_mean, nanstd, sequence_means
 from lit_align.models import cast_lm_head_to_fp32
 from lit_align.modules.base import AlignModule
+from lit_align.producer import Request, RolloutProducer
 from lit_align.reference import FrozenReference, build_reference
 from lit_align.rewards import pass_at_k
 from lit_align.rollouts import ZERO_STD, Generation, Rollouts
@@ -58,6 +60,24 @@ def check_online_settings(temperature: float, max_completion_length: int, num_ge
     if num_generations_eval is not None and num_generations_eval < 1:
         raise LitAlignError(f"model.num_generations_eval must be >= 1 or null (one greedy completion), "
                             f"got {num_generations_eval}")
+
+
+def check_async_settings(engine: str, dynamic_sampling: bool, rollout_func: str | None, max_staleness: int | None,
+                         weight_sync_steps: int, producer_threads: int | None) -> None:
+    """Refuse what asynchronous rollouts cannot run, in one line each."""
+    why = {"engine": engine == "vllm" and "model.engine 'vllm' runs in the trainer's process (colocate)",
+           "dynamic_sampling": dynamic_sampling and "model.dynamic_sampling decides across ranks while sampling",
+           "rollout_func": rollout_func is not None and "model.rollout_func receives the trainer's module"}
+    for name, reason in why.items():
+        if reason:
+            raise LitAlignError(f"model.async_rollouts: {reason}; it cannot run in the rollout producer: set "
+                                f"model.async_rollouts: false, or leave out model.{name}")
+    if max_staleness is not None and max_staleness < 0:
+        raise LitAlignError(f"model.max_staleness must be >= 0 or null (one round), got {max_staleness}")
+    if weight_sync_steps < 1:
+        raise LitAlignError(f"model.weight_sync_steps must be >= 1, got {weight_sync_steps}")
+    if producer_threads is not None and producer_threads < 1:
+        raise LitAlignError(f"model.producer_threads must be >= 1 or null, got {producer_threads}")
 
 
 class OnlineModule(AlignModule):
@@ -149,10 +169,25 @@ class OnlineModule(AlignModule):
             times in a row): per completion its ``prompt_ids``, ``completion_ids`` and ``logprobs`` (lists; None:
             computed by a forward), optionally ``env_mask`` (0 on tokens the model did not sample, as the tool mask)
             and other keys, passed to the reward functions. It makes the validation completions too.
+        async_rollouts: sample rounds in another process while the policy trains (``lit_align.producer``): the
+            producer holds its own copy of the policy, samples and scores the rounds ahead of their turn, and gets
+            the trainer's weights every ``weight_sync_steps`` optimizer steps; a round sampled by older weights is
+            corrected for (GRPO: ``vllm_importance_sampling_*``'s correction against the producer's log-probs; else
+            its old log-probs are the producer's). Validation still samples in the trainer. See ``docs/grpo.md``.
+        max_staleness: with ``async_rollouts``, how many optimizer steps older than the step that starts training
+            on it a round's weights may be (TRL's ``max_staleness``); a staler round is dropped and sampled again
+            by the current policy. The producer runs ``max_staleness // (optimizer steps per round)`` rounds ahead;
+            0 is the synchronous limit (each round sampled by the current weights: the same run as without
+            ``async_rollouts``). None (the default): one round's optimizer steps (one round ahead).
+        weight_sync_steps: with ``async_rollouts``, the trainer's weights go to the producer every this many
+            optimizer steps (TRL's).
+        producer_threads: with ``async_rollouts`` on CPU, the producer's threads; the trainer keeps the rest of its
+            own (None: half of them each).
     """
 
     resume_may_change = ("engine", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_enable_sleep_mode",
-                         "num_generations_eval", "pass_threshold")
+                         "num_generations_eval", "pass_threshold", "async_rollouts", "max_staleness",
+                         "weight_sync_steps", "producer_threads")
     rewards_required = True  # the recipe trains on rewards: no reward function is an error (distillation: optional)
     grouped = True  # the recipe compares a prompt's completions with each other (``RoundShape.grouped``)
 
@@ -195,10 +230,17 @@ class OnlineModule(AlignModule):
         max_tool_calling_iterations: int | None = None,
         environment_factory: str | dict | None = None,
         rollout_func: str | None = None,
+        async_rollouts: bool = False,
+        max_staleness: int | None = None,
+        weight_sync_steps: int = 1,
+        producer_threads: int | None = None,
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
         check_online_settings(temperature, max_completion_length, num_generations_eval)
+        if async_rollouts:
+            check_async_settings(engine, dynamic_sampling, rollout_func, max_staleness, weight_sync_steps,
+                                 producer_threads)
         self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, generation_batch_size,
                                       max_num_gen_batches if dynamic_sampling else 1, grouped=self.grouped)
         self.beta, self.temperature, self.padding_free = beta, temperature, padding_free
@@ -209,11 +251,20 @@ class OnlineModule(AlignModule):
             ref_model_mixup_alpha=ref_model_mixup_alpha, ref_model_sync_steps=ref_model_sync_steps)
         self.sampling = SamplingConfig(max_completion_length, temperature, top_p, top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs)
-        vllm = VLLMOptions.from_flat(self.hparams) if engine == "vllm" else None
+        vllm = VLLMOptions.from_flat(self.hparams) if engine == "vllm" or async_rollouts else None
         self.importance_sampling = None if vllm is None else self.sampling_correction(vllm)
-        self.rollouts = Rollouts(reward_funcs, reward_weights, self.sampling, engine, vllm, self.weights_version,
-                                 tools, max_tool_calling_iterations, environment_factory, rollout_func,
+        self.rollouts = Rollouts(reward_funcs, reward_weights, self.sampling, engine,
+                                 vllm if engine == "vllm" else None, self.weights_version, tools,
+                                 max_tool_calling_iterations, environment_factory, rollout_func,
                                  rewards_required=self.rewards_required)
+        self.async_rollouts = async_rollouts
+        # what the producer builds its own Rollouts from (``lit_align.producer``)
+        self.rollouts_settings = dict(
+            reward_funcs=reward_funcs, reward_weights=reward_weights, sampling=self.sampling, engine=engine, tools=tools,
+            max_tool_calling_iterations=max_tool_calling_iterations, environment_factory=environment_factory,
+            rewards_required=self.rewards_required)
+        self.producer: RolloutProducer | None = None  # started with training (``on_train_start``)
+        self.async_state = {"dropped_rounds": 0, "round_start": None, "wait_s": 0.0, "busy_s": 0.0}
         self.register_buffer("reward_weights", self.rollouts.reward_weights, persistent=False)
         self.round, self.generation_rounds, self.generation_seed = None, 0, torch.initial_seed()  # (see make_round)
         self.val_metrics = self.validation_metrics()
@@ -274,11 +325,13 @@ class OnlineModule(AlignModule):
             self.round = self.make_round(batch)
         return self.round.step_batch(batch["round_pos"])
 
-    def round_seed(self) -> int:
-        """A round samples from an RNG seeded by (run seed, step, rank), not from the global stream: its completions
-        then depend only on the policy and the step, so a resumed run regenerates exactly what the uninterrupted run
-        did (the global stream also feeds DataLoader workers, validation, ... and is not in checkpoints)."""
-        return (self.generation_seed + 1_000_003 * self.global_step + 7_919 * self.global_rank) % 2**63
+    def round_seed(self, ahead: int = 0) -> int:
+        """A round samples from an RNG seeded by (run seed, round number, rank), not from the global stream: its
+        completions then depend only on the policy and the round, so a resumed run regenerates exactly what the
+        uninterrupted run did (the global stream also feeds DataLoader workers, validation, ... and is not in
+        checkpoints), and a producer sampling ``ahead`` rounds before their turn draws what the trainer would."""
+        index = self.generation_rounds + ahead
+        return (self.generation_seed + 1_000_003 * index + 7_919 * self.global_rank) % 2**63
 
     @torch.no_grad()
     def make_round(self, batch: dict[str, Any]) -> GenerationRound:
@@ -289,8 +342,94 @@ class OnlineModule(AlignModule):
             groups = len(batch["prompts"]) // shape.prompt_batches
             gen, sampled = rollouts.generate_groups(self, batch, shape.num_generations, groups, self.round_seed())
         else:
-            gen = sampled = rollouts.generate(self, batch, shape.num_generations, seed=self.round_seed())
+            gen = sampled = self.sample_round(batch)
         return self.assemble_round(batch, gen, sampled)
+
+    def sample_round(self, batch: dict[str, Any]) -> Generation:
+        """The policy's completions of the round's prompts, scored: sampled here, or with ``async_rollouts`` the
+        producer's (``produced_round``)."""
+        if self.producer is None:
+            return self.rollouts.generate(self, batch, self.round_shape.num_generations, seed=self.round_seed())
+        return self.produced_round(batch)
+
+    # -- asynchronous rollouts (model.async_rollouts; lit_align.producer) ---------------------------------------------
+    def policy_samples(self, ahead: int) -> bool:
+        """Whether the round ``ahead`` rounds from now trains on the policy's samples (the producer samples those);
+        distillation's off-policy rounds do not."""
+        return True
+
+    def rounds_ahead(self) -> int:
+        """Rounds the producer samples before their turn: as many as ``max_staleness`` optimizer steps allow."""
+        per_round = self.round_shape.steps / self.trainer.accumulate_grad_batches  # optimizer steps per round
+        staleness = self.hparams.max_staleness
+        return 1 if staleness is None else int(staleness // per_round) if per_round > 0 else 0
+
+    def produced_round(self, batch: dict[str, Any]) -> Generation:
+        """This round from the producer: first the rounds up to ``rounds_ahead`` after it are asked for (the data
+        looks ahead: ``PromptDataModule.round_batch``), then this one is waited for. Were it sampled more than
+        ``max_staleness`` optimizer steps ago it is dropped and sampled again here by the current policy. Its
+        ``async/*`` metrics go with the round."""
+        producer, data, state = self.producer, self.trainer.datamodule, self.async_state
+        epoch, r, num = self.trainer.current_epoch, int(batch["round"]), self.round_shape.num_generations
+        arrived = time.perf_counter()
+        if not producer.in_flight((epoch, r)):  # nothing asked for yet (start, resume, a new epoch): current weights
+            producer.push(self.policy, self.global_step)
+        for ahead in range(self.rounds_ahead() + 1):
+            key = (epoch, r + ahead)
+            if producer.in_flight(key) or not self.policy_samples(ahead):
+                continue
+            prompts = batch if ahead == 0 else data.round_batch(r + ahead)
+            if prompts is None:  # past the epoch's last round
+                break
+            prompts = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+            producer.submit(Request(key, prompts, num, self.round_seed(ahead), self.trainer.max_steps, epoch))
+        depth = producer.queue_depth()
+        produced = producer.take((epoch, r))
+        wait = time.perf_counter() - arrived
+        gen, staleness = produced.generation.to(self.device), self.global_step - produced.version
+        if gen.dataset_rows is not None and gen.dataset_rows[::num] != batch["dataset_rows"]:
+            raise LitAlignError(f"model.async_rollouts: the producer sampled round {r} of epoch {epoch} from other "
+                                "prompts than the data yields; was the data changed during the run?")
+        limit = self.hparams.max_staleness
+        if limit is not None and staleness > limit:  # too old: sampled again by the current weights
+            state["dropped_rounds"] += 1
+            gen = self.rollouts.generate(self, batch, num, seed=self.round_seed())
+            staleness, produced.version = 0, self.global_step
+        elif staleness == 0:
+            gen.weights_version = None  # sampled by the current weights: trained on as a synchronous round
+        now, start = time.perf_counter(), state["round_start"]
+        wall = None if start is None else now - start
+        stats = {"async/staleness": staleness, "async/weights_version": produced.version, "async/queue_depth": depth,
+                 "async/dropped_rounds": state["dropped_rounds"], "async/wait_s": wait}
+        if wall:  # since the last round began: the share of it each side was busy
+            stats["async/trainer_busy"] = 1.0 - (state["wait_s"] / wall)
+            stats["async/producer_busy"] = min(1.0, (producer.busy_s - state["busy_s"]) / wall)
+        state.update(round_start=arrived, wait_s=wait, busy_s=producer.busy_s)
+        gen.metrics.update({name: [float(value)] for name, value in stats.items()})  # the round's metrics
+        return gen
+
+    def start_producer(self) -> None:
+        """The producer process, with this policy's weights; on CPU the threads are split between the two sides."""
+        from lit_align.capabilities import is_sharded
+
+        if is_sharded(self.policy) or self.trainer.strategy.__class__.__name__.startswith(("FSDP", "DeepSpeed")):
+            raise LitAlignError("model.async_rollouts: the producer needs the whole policy on each rank; FSDP and "
+                                "DeepSpeed shard it: use ddp, or model.async_rollouts: false")
+        if not hasattr(self.trainer.datamodule, "round_batch"):
+            raise LitAlignError("model.async_rollouts: the producer samples rounds ahead of their turn, which needs "
+                                "lit_align's prompt data (lit_align.data.PromptDataModule) under data:")
+        threads = torch.get_num_threads()
+        producer_threads = self.hparams.producer_threads or max(1, threads // 2)
+        self.trainer_threads = threads
+        if self.device.type == "cpu":
+            torch.set_num_threads(max(1, threads - producer_threads))
+        self.producer = RolloutProducer(self, producer_threads, self.device)
+
+    def stop_producer(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+            torch.set_num_threads(self.trainer_threads)
 
     def assemble_round(self, batch: dict[str, Any], gen: Generation, sampled: Generation) -> GenerationRound:
         """The round of the completions ``gen`` (``sampled``: everything sampled for them, for the metrics): the old
@@ -338,13 +477,18 @@ class OnlineModule(AlignModule):
 
     def old_logps(self, generation: Generation, sequences: tuple) -> tuple[torch.Tensor | None, None, dict]:
         """``(old log-probs, importance weights, sampling/* metrics)``. The old (sampling) policy's log-probs matter
-        only when the policy moves before the round is used up (``RoundShape.needs_old_logps``): the engine's, or a
-        forward pass."""
-        if not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches):
+        only when the policy moves before the round is used up (``RoundShape.needs_old_logps``) or moved since it
+        was sampled (``stale``): the engine's, or a forward pass."""
+        if not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches) and not self.stale(generation):
             return None, None, {}
         if generation.logps is not None:
             return generation.logps, None, {}
         return self.completion_logps(self.network, *sequences)[0], None, {}
+
+    def stale(self, generation: Generation) -> bool:
+        """Whether older weights than the policy's now sampled ``generation`` (an asynchronous round): its old
+        log-probs are then the sampling weights' (the producer's), whatever the round's shape."""
+        return generation.weights_version is not None and generation.weights_version != self.global_step
 
     def advantages(self, generation: Generation, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
                    loss_mask: torch.Tensor) -> torch.Tensor:
@@ -414,6 +558,23 @@ class OnlineModule(AlignModule):
     def on_train_start(self) -> None:
         if self.round is not None:  # restored from a checkpoint (on the CPU)
             self.round = self.round.to(self.device)
+        if self.async_rollouts:
+            self.start_producer()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        """With ``async_rollouts``: the weights to the producer every ``weight_sync_steps`` optimizer steps."""
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        producer, step = self.producer, self.global_step
+        if producer is not None and step != producer.staged_version and step % self.hparams.weight_sync_steps == 0:
+            producer.push(self.policy, step)
+
+    def on_train_end(self) -> None:
+        self.stop_producer()
+
+    def teardown(self, stage: str) -> None:
+        """The producer stops with the run, however it ends (an error, Ctrl-C)."""
+        self.stop_producer()
+        super().teardown(stage)
 
     # -- held-out reward -----------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -14,7 +14,7 @@ from lit_align.generation_round import RoundShape
 
 def rounds_of(sampler: RoundSampler) -> list[list[tuple[int, int]]]:
     """The sampler's yields cut into rounds (``prompts_per_round * repeats`` yields each)."""
-    items = list(sampler)
+    items = [(index, pos) for index, pos, _ in sampler]
     size = sampler.prompts_per_round * sampler.repeats
     assert len(items) % size == 0
     return [items[i : i + size] for i in range(0, len(items), size)]
@@ -25,8 +25,8 @@ def test_round_sampler_unshuffled_pattern_exactly():
     sampler = RoundSampler(list(range(7)), prompts_per_round=3, repeats=2, shuffle=False)
     # 7 prompts make 2 whole rounds of 3 (prompt 6 is left over); each round is yielded twice, tagged 0 then 1
     assert list(sampler) == [
-        (0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1),
-        (3, 0), (4, 0), (5, 0), (3, 1), (4, 1), (5, 1),
+        (0, 0, 0), (1, 0, 0), (2, 0, 0), (0, 1, 0), (1, 1, 0), (2, 1, 0),
+        (3, 0, 1), (4, 0, 1), (5, 0, 1), (3, 1, 1), (4, 1, 1), (5, 1, 1),
     ]
     assert len(sampler) == 12
 
@@ -73,7 +73,7 @@ def test_round_sampler_set_epoch_changes_order_deterministically():
     sampler.set_epoch(1)
     epoch1 = list(sampler)
     assert epoch1 != epoch0
-    assert sorted(epoch1) == sorted(epoch0)
+    assert sorted(i for i, _, _ in epoch1) == sorted(i for i, _, _ in epoch0)
     sampler.set_epoch(0)
     assert list(sampler) == epoch0
     other_seed = RoundSampler(list(range(30)), prompts_per_round=5, repeats=1, seed=1)
@@ -224,3 +224,19 @@ def test_bad_prompt_rows_name_file_and_row(write_jsonl, tiny_path, rows, match):
     with pytest.raises(LitAlignError, match=match) as info:
         make_dm(path, tiny_path, batch_size=2)
     assert "\n" not in str(info.value)
+
+
+def test_round_batch_looks_ahead_at_what_the_loader_will_yield(write_jsonl, tiny_path):
+    """Asynchronous rollouts sample rounds before their turn: ``round_batch(r)`` is exactly the first batch the loader
+    yields for round ``r`` of the epoch (after a new epoch's ``set_epoch`` too), and None past the last round."""
+    dm = make_dm(write_jsonl(prompt_rows(20)), tiny_path, batch_size=4, num_generations=2, steps_per_generation=2)
+    loader = dm.train_dataloader()
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        firsts = [b for b in loader if b["round_pos"] == 0]
+        assert [b["round"] for b in firsts] == [0, 1, 2, 3, 4]
+        for r, batch in enumerate(firsts):
+            ahead = dm.round_batch(r)
+            assert ahead["dataset_rows"] == batch["dataset_rows"] and ahead["prompts"] == batch["prompts"]
+            assert torch.equal(ahead["prompt_ids"], batch["prompt_ids"]) and ahead["round"] == r
+    assert dm.round_batch(5) is None

@@ -1,0 +1,219 @@
+"""Asynchronous rollouts: a producer process samples and scores rounds while the trainer trains.
+
+With ``model.async_rollouts`` an online recipe (``lit_align.modules.online.OnlineModule``) stops alternating
+generation and training. A ``RolloutProducer`` starts another process that holds its own copy of the policy and its
+own ``lit_align.rollouts.Rollouts`` (engine, reward functions, tools, environments). The trainer asks for rounds
+ahead of their turn (``submit``: a round's prompts, seed and key), trains on each when its turn comes (``take``), and
+pushes its weights every ``weight_sync_steps`` optimizer steps (``push``).
+
+The producer's copy of the policy is sent once, as its first message. Weights then travel through one copy of the
+trainable tensors in shared memory, *staged*: the trainer writes them under a lock and stamps them with their version
+(its ``global_step``); the producer, between two rounds, copies them into its policy under the same lock when the
+version moved. A round comes back with the version that
+sampled it, so the trainer knows its staleness. A producer that fails sends its error before it exits; one that dies
+otherwise is noticed within a fraction of a second (``take`` polls it): the trainer then stops with one line. The
+producer ignores Ctrl-C (the trainer, which gets it too, stops it) and exits when its parent is gone.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from lit_align.errors import LitAlignError
+from lit_align.rollouts import Generation, Rollouts
+
+POLL_S = 0.2  # how often a waiting side checks that the other one is alive
+
+
+@dataclass
+class Request:
+    key: tuple[int, int]  # (epoch, round in the epoch)
+    batch: dict[str, Any]  # the round's prompts, collated (``PromptDataModule.round_batch``), on the CPU
+    num_samples: int
+    seed: int
+    max_steps: int  # for the reward functions' ``trainer_state``
+    epoch: int
+
+
+@dataclass
+class ProducedRound:
+    key: tuple[int, int]
+    version: int  # the trainer's ``global_step`` whose weights sampled it
+    generation: Generation
+    seconds: float  # the producer's time on it
+
+
+class ProducerSide:
+    """What ``Rollouts`` reads of a LightningModule, in the producer: the policy, its tokenizer and device, and the
+    step and trainer fields reward functions see (``trainer_state``)."""
+
+    def __init__(self, policy, tokenizer, device: torch.device):
+        self.policy, self.tokenizer, self.device = policy, tokenizer, device
+        self.global_step, self._trainer = 0, SimpleNamespace(max_steps=-1, current_epoch=0)
+
+
+def describe(error: BaseException) -> str:
+    """One line for an error raised in the producer: a ``LitAlignError``'s own text, else its type, text and where
+    in the code it was raised."""
+    if isinstance(error, LitAlignError):
+        return str(error)
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"{type(error).__name__}: {error}{where}"
+
+
+def produce(spec: dict, staged: list[torch.Tensor], version, lock, requests, results, parent: int) -> None:
+    """The producer process: rounds in ``requests`` order, each sampled with the newest weights staged so far."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer too, which stops this process
+    torch.set_num_threads(spec["threads"])
+    try:
+        device = torch.device(spec["device"])
+        policy = requests.get().to(device).eval()
+        mine = [p for p in policy.parameters() if p.requires_grad]
+        network = policy.get_base_model() if spec["lora"] else policy
+        rollouts = Rollouts(**spec["rollouts"])
+        rollouts.setup(spec["tokenizer"], network, *spec["setup"])
+        side, loaded = ProducerSide(policy, spec["tokenizer"], device), None
+        while True:
+            try:
+                request = requests.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the trainer is gone
+                    return
+                continue
+            if request is None:
+                return
+            start = time.perf_counter()
+            with lock:
+                if version.value != loaded:
+                    with torch.no_grad():
+                        for param, value in zip(mine, staged, strict=True):
+                            param.copy_(value)
+                    loaded = version.value
+            side.global_step, side._trainer = loaded, SimpleNamespace(max_steps=request.max_steps,
+                                                                      current_epoch=request.epoch)
+            gen = rollouts.generate(side, request.batch, request.num_samples, seed=request.seed)
+            if gen.logps is None:  # an engine without sampling log-probs: the producer's forward gives them
+                from lit_align.modules.online import completion_token_logps
+
+                gen.logps = completion_token_logps(network, gen.prompt_ids, gen.prompt_mask, gen.completion_ids,
+                                                   gen.completion_mask, spec["temperature"],
+                                                   chunk_size=spec["chunk_size"])
+            gen.weights_version = loaded
+            results.put(("round", ProducedRound(request.key, loaded, gen.to("cpu"), time.perf_counter() - start)))
+    except BaseException as error:  # noqa: BLE001 -- whatever it is, the trainer gets it as one line
+        results.put(("error", describe(error)))
+
+
+class RolloutProducer:
+    """The trainer's side of a producer process (module docstring).
+
+    Args:
+        module: the online module whose policy, tokenizer and rollout settings the producer copies.
+        threads: the producer's CPU threads (``torch.set_num_threads``).
+        device: where the producer's policy runs.
+    """
+
+    def __init__(self, module, threads: int, device: torch.device):
+        policy = module.policy
+        self.live = [p for p in policy.parameters() if p.requires_grad]  # the others never change
+        self.staged = [p.detach().to("cpu", copy=True).share_memory_() for p in self.live]
+        initial = copy.deepcopy(policy).cpu()  # the producer's own copy, sent once
+        context = mp.get_context("spawn")
+        self.lock, self.version = context.Lock(), context.Value("q", int(module.global_step), lock=False)
+        self.requests, self.results = context.Queue(), context.Queue()
+        hp = module.hparams
+        spec = {"threads": threads, "device": str(device), "lora": module.lora_config is not None,
+                "tokenizer": module.tokenizer, "rollouts": module.rollouts_settings,
+                "setup": (hp.dtype, hp.trust_remote_code, hp.model_init_kwargs),
+                "temperature": module.temperature, "chunk_size": module.logps_chunk_size}
+        self.process = context.Process(target=produce, name="lit_align-rollouts", daemon=True, args=(
+            spec, self.staged, self.version, self.lock, self.requests, self.results, os.getpid()))
+        self.process.start()
+        self.requests.put(initial)  # pickled by the queue's thread, then freed here
+        self.pending: list[tuple[int, int]] = []  # submitted, not taken yet
+        self.ready: dict[tuple[int, int], ProducedRound] = {}
+        self.busy_s = 0.0  # the producer's time on the rounds received so far
+
+    def push(self, policy: torch.nn.Module, version: int) -> None:
+        """Stage the policy's trainable weights as ``version`` (the producer loads them before its next round)."""
+        with self.lock, torch.no_grad():
+            for staged, live in zip(self.staged, self.live):
+                staged.copy_(live.detach())
+            self.version.value = version
+
+    @property
+    def staged_version(self) -> int:
+        return self.version.value
+
+    def submit(self, request: Request) -> None:
+        self.requests.put(request)
+        self.pending.append(request.key)
+
+    def in_flight(self, key: tuple[int, int]) -> bool:
+        return key in self.pending or key in self.ready
+
+    def receive(self, timeout: float | None) -> bool:
+        """Move one message from the producer into ``ready``; False when none came within ``timeout``."""
+        try:
+            kind, payload = self.results.get(timeout=timeout) if timeout else self.results.get_nowait()
+        except queue.Empty:
+            if not self.process.is_alive():
+                self.ended()
+            return False
+        except (EOFError, OSError):  # the channel broke: the process is gone
+            self.process.join(timeout=5)
+            self.ended()
+        if kind == "error":
+            raise LitAlignError(f"model.async_rollouts: the rollout producer failed: {payload}")
+        self.pending.remove(payload.key)
+        self.ready[payload.key] = payload
+        self.busy_s += payload.seconds
+        return True
+
+    def ended(self) -> None:
+        raise LitAlignError(f"model.async_rollouts: the rollout producer process ended (exit code "
+                            f"{self.process.exitcode}) without a word; see its output above") from None
+
+    def queue_depth(self) -> int:
+        """Rounds sampled and waiting for their turn."""
+        while self.receive(None):
+            pass
+        return len(self.ready)
+
+    def take(self, key: tuple[int, int]) -> ProducedRound:
+        """Round ``key``, waiting for it; rounds of keys before it that were never taken (an epoch cut short by
+        ``limit_train_batches``) are dropped."""
+        if not self.in_flight(key):
+            raise LitAlignError(f"model.async_rollouts: round {key} was never asked of the producer")
+        while key not in self.ready:
+            self.receive(POLL_S)
+        for older in [k for k in self.ready if k < key]:
+            del self.ready[older]
+        return self.ready.pop(key)
+
+    def close(self) -> None:
+        """Stop the producer: asked first, then terminated, then killed."""
+        if self.process.is_alive():
+            self.requests.put(None)
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        for channel in (self.requests, self.results):
+            channel.cancel_join_thread()
+            channel.close()
