@@ -467,7 +467,7 @@ def model_files_hash(name: str) -> str:
 def cache_key(dataset, columns: tuple[str, ...] = TOKEN_COLUMNS, **settings) -> str:
     """The cache key of values computed over ``dataset``'s token ``columns`` under ``settings`` (plain JSON values):
     the reference log-probs of preference rows, by default."""
-    blob = json.dumps({"rows": rows_fingerprint(dataset, columns), **settings}, sort_keys=True)
+    blob = json.dumps({"rows": rows_fingerprint(dataset, columns), **settings}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
