@@ -11,12 +11,17 @@ The models and rows are ``test_distill_module``'s: the built-in tiny student, a 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from test_distill_module import Rounds, distill, full_logits, rows, sort_rows, teacher, teacher_b  # noqa: F401
+from helpers import run_main
+from test_distill_module import (  # noqa: F401 (fixtures)
+    CONFIG, Rounds, cli_args, distill, full_logits, rows, sort_rows, teacher, teacher_b,
+)
 
 from lit_align.errors import LitAlignError
 from lit_align.losses.distill import topk_generalized_jsd
@@ -187,3 +192,40 @@ def test_settings_that_cannot_use_the_cache_are_one_error_line(teacher, teacher_
     assert str(error.value) == (f"model.teacher_topk_cache is {VOCAB + 1}, more than the teacher's vocabulary "
                                 f"({VOCAB} tokens); at most {VOCAB} (which keeps the whole distribution)")
 
+
+
+# -- through the CLI, and under DDP --------------------------------------------------------------------------------
+def test_configs_distill_yaml_takes_the_option(teacher, rows, topk_cache, tmp_path, capfd):
+    code, _, err = run_main(cli_args(tmp_path, teacher, "--model.init_args.lmbda", "0.0", "--model.init_args.seq_kd",
+                                     "false", "--model.init_args.teacher_topk_cache", "16", "--data.init_args.path",
+                                     rows, "--data.init_args.val_split", "null"), capfd)
+    assert code == 0, err
+    assert len(list(topk_cache.glob("*.pt"))) == 1
+
+
+def dense(values: dict) -> torch.Tensor:
+    """A k = V cache's log-probs ``[tokens, V]`` by id (its top-k order may differ where log-probs tie to rounding)."""
+    return torch.zeros(values["logps"].shape).scatter(1, values["ids"].long(), values["logps"])
+
+
+@pytest.mark.slow  # two processes (~30 s): run by .ci/run (make test-slow), not by make test
+def test_the_cache_under_ddp_matches_one_process(teacher, rows, topk_cache, tiny_path, tmp_path):
+    """Two CPU ranks (the real CLI in a subprocess) each run the teacher over their share of the rows; the file rank
+    0 writes holds what one process computes, row by row in dataset order."""
+    args = [sys.executable, "-m", "lit_align", "fit", "-c", CONFIG,
+            "--model.init_args.teacher_model", teacher, "--model.init_args.lmbda", "0.0", "--model.init_args.seq_kd",
+            "false", "--model.init_args.teacher_topk_cache", str(VOCAB), "--data.init_args.path", rows,
+            "--data.init_args.val_split", "null", "--data.init_args.batch_size", "2", "--trainer.max_steps", "1",
+            "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
+            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_checkpointing", "false", "--export.enabled", "false"]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    (cached,) = topk_cache.glob("*.pt")
+    ddp = torch.load(cached, weights_only=True)
+    cached.unlink()
+    module = cached_run(teacher, rows, teacher_topk_cache=VOCAB)  # the same key: computed again, in one process
+    assert module.teacher_topk.computed == ["train"]
+    single = torch.load(cached, weights_only=True)
+    assert torch.equal(ddp["lengths"], single["lengths"]) and len(ddp["lengths"]) == 32
+    assert_rounding_close(dense(ddp), dense(single), terms=TINY_TERMS)
