@@ -117,14 +117,14 @@ class DistillationModule(OnlineModule):
             rank, from a seed a resume reproduces. Otherwise the round trains on the teacher's samples
             (``seq_kd``) or on the dataset's ``completion`` column (tokenized as SFT's, EOS appended, cut to
             ``max_completion_length``).
+        seq_kd: the rounds that are not on-policy sample their completions from the teacher, with the student's
+            engine and sampling settings (GKD's sequence-level KD).
         teacher_topk_cache: k: the rounds of the dataset's completions compare the student with the teacher's top-k
             log-probs at each of their tokens (``topk_generalized_jsd``, the rest of each distribution in one tail
             entry; k = the vocabulary's size is the full divergence), computed once per dataset before training
             and cached on disk under ``$LIT_ALIGN_CACHE/teacher_topk`` (``lit_align.teacher_topk``): no teacher
             forward in those rounds. Needs ``lmbda < 1`` without ``seq_kd``, and one teacher. None: the teacher
             runs in every round.
-        seq_kd: the rounds that are not on-policy sample their completions from the teacher, with the student's
-            engine and sampling settings (GKD's sequence-level KD).
         num_generations: completions per prompt (TRL's ``DistillationTrainer``: 1).
         disable_dropout: zero the student's dropout (TRL's ``DistillationConfig`` default: off).
         reward_funcs: optional here: with them, rounds and validation are scored and logged (``train/reward``,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from helpers import run_main
 from test_distill_module import (  # noqa: F401 (fixtures)
-    CONFIG, Rounds, cli_args, distill, full_logits, rows, sort_rows, teacher, teacher_b,
+    CONFIG, PlainHead, Rounds, cli_args, distill, full_logits, rows, sort_rows, teacher, teacher_b,
 )
 
 from lit_align.errors import LitAlignError
@@ -49,7 +49,10 @@ class TeacherForwards(L.Callback):
         self.count = 0
 
     def on_fit_start(self, trainer, pl_module):
-        pl_module.teacher.model.get_decoder().register_forward_pre_hook(lambda *args: setattr(self, "count", self.count + 1))
+        pl_module.teacher.model.get_decoder().register_forward_pre_hook(self.counted)
+
+    def counted(self, *args) -> None:
+        self.count += 1
 
 
 def cached_run(teacher_model: str, rows: str, max_steps: int = 1, callbacks=(), **settings):
@@ -60,15 +63,18 @@ def cached_run(teacher_model: str, rows: str, max_steps: int = 1, callbacks=(), 
 
 
 # -- the values ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("beta,temperature,k", [(1.0, 1.0, 8), (0.5, 0.8, 20), (0.0, 1.3, VOCAB)])
-def test_a_cached_rounds_loss_is_the_topk_divergence_from_the_teachers_full_logits(beta, temperature, k, teacher,
+@pytest.mark.parametrize("beta,temperature,k,head", [
+    (1.0, 1.0, 8, "chunked"), (0.5, 0.8, 20, "chunked"), (0.0, 1.3, VOCAB, "chunked"), (0.5, 0.8, 20, "plain"),
+])
+def test_a_cached_rounds_loss_is_the_topk_divergence_from_the_teachers_full_logits(beta, temperature, k, head, teacher,
                                                                                     rows, topk_cache):
     """The step's loss is ``topk_generalized_jsd`` of the student's logits against the top-k of the teacher's
     tempered log-softmax, both from plain padded forwards of the round's sequences (the cache's values are the
-    teacher's, at the right tokens, cut as the round cuts its completions)."""
+    teacher's, at the right tokens, cut as the round cuts its completions); through the student's head a chunk at a
+    time, or from its full logits where the head is not chunkable (``PlainHead``)."""
     record = Rounds()
-    module = cached_run(teacher, rows, callbacks=[record], beta=beta, temperature=temperature, teacher_topk_cache=k,
-                        max_completion_length=4)
+    module = cached_run(teacher, rows, callbacks=[record, *([PlainHead()] if head == "plain" else [])], beta=beta,
+                        temperature=temperature, teacher_topk_cache=k, max_completion_length=4)
     (first,) = record.steps
     step, round = first["step"], first["round"]
     assert round.teacher_topk_ids.shape == (*round.completion_ids.shape, k)
