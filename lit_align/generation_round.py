@@ -120,6 +120,8 @@ class StepBatch:
     sampling_logps: torch.Tensor | None = None  # [n, C'] vLLM's, when the off-policy mask compares them
     tool_mask: torch.Tensor | None = None  # [n, C'] 0 on tool turns' tokens (already out of loss_mask)
     extra: dict[str, list] = field(default_factory=dict)  # per row: the round's ``extra`` columns
+    teacher_topk_ids: torch.Tensor | None = None  # [n, C', k] distillation's cached teacher, on the dataset's rounds
+    teacher_topk_logps: torch.Tensor | None = None  # [n, C', k]
 
 
 @dataclass
@@ -148,6 +150,9 @@ class GenerationRound:
     is_ratio: torch.Tensor | None = None  # [N, C] or [N, 1]: importance weights for the sampling engine (vLLM)
     sampling_logps: torch.Tensor | None = None  # [N, C] vLLM's log-probs, kept for the off-policy mask
     tool_mask: torch.Tensor | None = None  # [N, C] with tools: 0 on the tool turns' tokens (loss_mask leaves them out)
+    # [N, C, k]: distillation's cached teacher top-k ids and log-probs, on a round of the dataset's completions
+    teacher_topk_ids: torch.Tensor | None = None
+    teacher_topk_logps: torch.Tensor | None = None
 
     def step_batch(self, position: int) -> StepBatch:
         """The rows of the round's ``position``-th step (passes repeat: ``position`` counts modulo ``steps``).
@@ -172,6 +177,7 @@ class GenerationRound:
             None if self.dataset_rows is None else [self.dataset_rows[i] for i in picked],
             None if self.is_ratio is None else self.is_ratio[rows][:, :width], completions(self.sampling_logps),
             completions(self.tool_mask), {k: [v[i] for i in picked] for k, v in self.extra.items()},
+            completions(self.teacher_topk_ids), completions(self.teacher_topk_logps),
         )
 
     def to(self, device: torch.device | str) -> GenerationRound:

@@ -308,7 +308,8 @@ class PrecomputedReference(Reference):
                                     attn_implementation=hp.attn_implementation, precision=str(trainer.precision),
                                     max_length=max_length, **module.reference_settings()))
         # rank 0 checks the file against the digest written beside it; every rank then reads it
-        if strategy.broadcast(verified_cache(path, len(rows)) if trainer.is_global_zero else None, src=0):
+        verified = verified_cache(path, of_shape((len(rows), 2))) if trainer.is_global_zero else None
+        if strategy.broadcast(verified, src=0):
             values = torch.load(path, map_location="cpu", weights_only=True)
             rank_zero_info(f"lit_align: reference log-probs for {split} ({len(rows)} rows) read from {path}")
             return attach(rows, values)
@@ -430,11 +431,12 @@ class RefModelSync(L.Callback):
 
 
 # -- the precompute cache ---------------------------------------------------------------------------------------------
-def rows_fingerprint(dataset) -> str:
-    """SHA-256 of the token ids of every row, in dataset order (lengths included, so rows cannot run together)."""
+def rows_fingerprint(dataset, columns: tuple[str, ...] = TOKEN_COLUMNS) -> str:
+    """SHA-256 of the token ids of every row (its ``columns``), in dataset order (lengths included, so rows cannot run
+    together)."""
     table = dataset.with_format("arrow")[:]
     h = hashlib.sha256()
-    for name in TOKEN_COLUMNS:
+    for name in columns:
         column = table.column(name).combine_chunks()
         h.update(name.encode())
         h.update(np.asarray(pc.list_value_length(column), dtype=np.int64).tobytes())
@@ -462,14 +464,16 @@ def model_files_hash(name: str) -> str:
     return h.hexdigest()
 
 
-def cache_key(dataset, **settings) -> str:
-    """The cache key of ``dataset``'s reference log-probs under ``settings`` (plain JSON values)."""
-    blob = json.dumps({"rows": rows_fingerprint(dataset), **settings}, sort_keys=True)
+def cache_key(dataset, columns: tuple[str, ...] = TOKEN_COLUMNS, **settings) -> str:
+    """The cache key of values computed over ``dataset``'s token ``columns`` under ``settings`` (plain JSON values):
+    the reference log-probs of preference rows, by default."""
+    blob = json.dumps({"rows": rows_fingerprint(dataset, columns), **settings}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def cache_path(key: str) -> Path:
-    return cache_dir() / "ref_logps" / f"{key}.pt"
+def cache_path(key: str, kind: str = "ref_logps") -> Path:
+    """``$LIT_ALIGN_CACHE/<kind>/<key>.pt``: ``ref_logps`` here, ``teacher_topk`` for distillation's teacher."""
+    return cache_dir() / kind / f"{key}.pt"
 
 
 def write_cache(path: Path, values: torch.Tensor) -> None:
@@ -484,9 +488,10 @@ def write_cache(path: Path, values: torch.Tensor) -> None:
         os.replace(partial, target)  # atomic: a reader sees the whole file or none
 
 
-def verified_cache(path: Path, rows: int) -> bool:
-    """Whether ``path`` holds ``[rows, 2]`` log-probs whose bytes match the digest written beside them; a file that
-    does not verify (changed, cut short, of another shape, without its digest) is reported and recomputed."""
+def verified_cache(path: Path, check: Callable[[object], str | None], what: str = "reference log-prob") -> bool:
+    """Whether ``path`` holds values whose bytes match the digest written beside them and which ``check`` accepts
+    (it answers what is wrong with them, or None); a file that does not verify (changed, cut short, of another
+    shape, without its digest) is reported, naming the ``what`` cache, and recomputed."""
     if not path.exists():
         return False
     digest = path.with_suffix(".sha256")
@@ -495,14 +500,17 @@ def verified_cache(path: Path, rows: int) -> bool:
         problem = "its content does not match its digest"
     else:
         try:
-            shape = tuple(torch.load(path, map_location="cpu", weights_only=True).shape)
+            problem = check(torch.load(path, map_location="cpu", weights_only=True))
         except Exception as exc:  # noqa: BLE001 - whatever torch.load raises on a damaged file
-            shape, problem = None, f"it cannot be read ({type(exc).__name__})"
-        if problem is None and shape != (rows, 2):
-            problem = f"it holds {shape}, expected ({rows}, 2)"
+            problem = f"it cannot be read ({type(exc).__name__})"
     if problem is not None:
-        rank_zero_warn(f"lit_align: reference log-prob cache {path}: {problem}; computing the log-probs again")
+        rank_zero_warn(f"lit_align: {what} cache {path}: {problem}; computing the log-probs again")
     return problem is None
+
+
+def of_shape(shape: tuple[int, ...]) -> Callable[[torch.Tensor], str | None]:
+    """``verified_cache``'s check of a tensor of ``shape``."""
+    return lambda values: None if tuple(values.shape) == shape else f"it holds {tuple(values.shape)}, expected {shape}"
 
 
 def _sha256(path: Path) -> str:

@@ -23,7 +23,7 @@ generated and scored on that rank, so group statistics never cross ranks. The sa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -35,6 +35,8 @@ from lit_align.data.rows import (
 )
 from lit_align.errors import LitAlignError
 from lit_align.generation_round import RoundShape
+
+TOPK_COLUMNS = ("teacher_topk_ids", "teacher_topk_logps")  # a row's cached teacher top-k (lit_align.teacher_topk)
 
 
 class RoundSampler(SkippingSampler):
@@ -127,6 +129,14 @@ class PromptDataModule(AlignDataModule):
             self.round_shape = round_shape.resolve(self.batch_size, self.world_size())
         return self.round_shape
 
+    def add_teacher_topk(self, annotate: Callable) -> None:
+        """Give the training rows their completion's cached teacher top-k (``TOPK_COLUMNS``): ``annotate(rows, split,
+        batch_size)`` returns them (``lit_align.teacher_topk.TeacherTopK.annotate``, which the model hands over from
+        its ``setup``: this module never reads the model). Validation rows need none (validation scores the
+        student's own completions)."""
+        if self.train_data is not None:
+            self.train_data = annotate(self.train_data, "train", self.batch_size)
+
     def world_size(self) -> int:
         trainer = self.trainer
         return trainer.world_size if trainer is not None else 1
@@ -166,12 +176,12 @@ class PromptDataModule(AlignDataModule):
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """Left-padded ``prompt_ids``/``prompt_mask``, the raw ``prompts``, extra ``columns``, the ``round_pos`` and
         ``round``, the prompts' dataset ``rows`` (training only) and, where the rows have them, their
-        ``completion_ids`` (lists)."""
+        ``completion_ids`` and their completion's cached teacher top-k (``TOPK_COLUMNS``, flat; lists)."""
         width = max(len(r["prompt_ids"]) for r in rows)
         pad = self.tokenizer.pad_token_id
         ids = torch.tensor([[pad] * (width - len(r["prompt_ids"])) + r["prompt_ids"] for r in rows])
         mask = torch.tensor([[0] * (width - len(r["prompt_ids"])) + [1] * len(r["prompt_ids"]) for r in rows])
-        skip = {"prompt", "prompt_ids", "completion_ids", "round_pos", "round", "row"}
+        skip = {"prompt", "prompt_ids", "completion_ids", "round_pos", "round", "row", *TOPK_COLUMNS}
         batch = {
             "prompt_ids": ids,
             "prompt_mask": mask,
@@ -181,8 +191,9 @@ class PromptDataModule(AlignDataModule):
             "round": rows[0].get("round", 0),  # the round's number in the epoch
             "dataset_rows": [r["row"] for r in rows] if "row" in rows[0] else None,  # dataset indices (numeric guard)
         }
-        if "completion_ids" in rows[0]:
-            batch["completion_ids"] = [r["completion_ids"] for r in rows]
+        for name in ("completion_ids", *TOPK_COLUMNS):
+            if name in rows[0]:
+                batch[name] = [r[name] for r in rows]
         return batch
 
     def train_dataloader(self) -> DataLoader:

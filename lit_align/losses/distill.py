@@ -15,7 +15,9 @@ Three ways in, one formula (``divergence_terms``), one set of reductions (``redu
   or as a ``Projection`` too. The heads run ``chunk_size`` positions at a time, and backward makes each chunk's logits
   again, so the student's ``[positions, V]`` logits and their softmax never exist whole (TRL's ``DistillationTrainer``
   computes the loss this way, always).
-- ``topk_generalized_jsd``: the teacher as its top-k log-probs and their ids (a cached or served teacher).
+- ``topk_generalized_jsd``: the teacher as its top-k log-probs and their ids (a cached or served teacher);
+  ``chunked_topk_generalized_jsd`` the same with the student as a ``Projection``, a chunk of positions at a time
+  (activation checkpointing: backward makes each chunk's logits again).
 
 Left out, and why: TRL's ``mean`` reduction (a mean over vocabulary entries too, which no trainer uses); tiling the
 vocabulary inside a chunk (TRL tiles 32k entries at a time; here a chunk meets the whole vocabulary, so chunks are
@@ -30,6 +32,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lit_align.logps import Projection, _accumulate, _autocast_dtype, _Head, compute_dtype
 
@@ -263,3 +266,38 @@ def topk_generalized_jsd(
         student = on_top - torch.logsumexp(on_top, -1, keepdim=True)
         teacher = teacher - torch.logsumexp(teacher, -1, keepdim=True)
     return reduce_divergence(divergence_terms(student, teacher, beta).sum(-1), mask, reduction)
+
+
+def chunked_topk_generalized_jsd(
+    student: Projection,
+    teacher_topk_logps: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    tail: bool = True,
+    reduction: str = "batchmean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``topk_generalized_jsd`` with the student given as hidden states and LM head (``student.hidden`` ``[N, T, H]``,
+    any ``[..., H]``), ``chunk_size`` positions at a time: each chunk's logits are made in the forward and made again
+    in the backward (activation checkpointing), so the student's ``[positions, V]`` logits never exist whole. Only
+    the ``mask`` positions meet the head. Values and gradients are ``topk_generalized_jsd``'s of
+    ``student.logits()`` (default chunk: ``DISTILL_CHUNK_LOGITS // V`` positions)."""
+    check_divergence(beta, temperature, reduction)
+    shape = student.hidden.shape[:-1]
+    scored = torch.ones(shape, dtype=torch.bool, device=student.hidden.device) if mask is None else mask.bool()
+    hidden = student.hidden[scored]
+    logps, ids = teacher_topk_logps[scored], teacher_topk_ids[scored]
+
+    def divergence(h: torch.Tensor, logps: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        logits = student._replace(hidden=h).logits()
+        return topk_generalized_jsd(logits, logps, ids, beta=beta, temperature=temperature, tail=tail,
+                                    reduction="none")
+
+    chunk = int(chunk_size or max(1, DISTILL_CHUNK_LOGITS // student.weight.shape[0]))
+    parts = [checkpoint(divergence, hidden[s : s + chunk], logps[s : s + chunk], ids[s : s + chunk],
+                        use_reentrant=False) for s in range(0, len(hidden), chunk)]
+    values = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    per_token = values.new_zeros(shape).masked_scatter(scored, values)
+    return reduce_divergence(per_token, mask, reduction)

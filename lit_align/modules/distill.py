@@ -17,14 +17,17 @@ teacher's the same way in each step under ``no_grad``; the divergence is chunked
 (``chunked_generalized_jsd``), so no ``[tokens, V]`` logits of either model are held, and falls back to full logits
 (``generalized_jsd``) for a head that is not chunkable. Several teachers (``teacher_model`` a mapping; not in TRL's
 trainers, asked for in TRL's issue #6734): each prompt row names its own (``lit_align.teachers``), each teacher runs
-on its rows only, and each token's divergence is from its row's teacher. Left out, and why: a top-k teacher cache
-(not in TRL's trainers), TRL's ``ServerDistillationTrainer`` (a teacher behind a vLLM server).
+on its rows only, and each token's divergence is from its row's teacher. The rounds of the dataset's completions can
+read the teacher's top-k log-probs from a cache computed once per dataset instead (``teacher_topk_cache``, not in
+TRL's trainers: ``lit_align.teacher_topk``; their loss is ``topk_generalized_jsd``'s, through the student's head a
+chunk at a time). Left out, and why: TRL's ``ServerDistillationTrainer`` (a teacher behind a vLLM server).
 ``docs/distill.md`` lists every ``DistillationConfig`` and ``GKDConfig`` field and what became of it.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,14 +36,18 @@ from torchmetrics import MeanMetric
 
 from lit_align import layouts
 from lit_align.capabilities import sharded_strategy
+from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
 from lit_align.generation_round import GenerationRound
 from lit_align.logps import Projection, chunked_token_logps, layout_outputs, plain_token_stats
-from lit_align.losses.distill import chunked_generalized_jsd, generalized_jsd
+from lit_align.losses.distill import (
+    chunked_generalized_jsd, chunked_topk_generalized_jsd, generalized_jsd, topk_generalized_jsd,
+)
 from lit_align.modules.online import OnlineModule
 from lit_align.reference import Reference, Teacher
 from lit_align.rollouts import Generation, batch_rows, repeat_each
+from lit_align.teacher_topk import TeacherTopK, TopK, round_topk
 from lit_align.teachers import TEACHER_ID, Teachers
 
 COIN_SALT = 0x5EED_C014  # the round's coin draws from its own seed, not from the sampling stream's
@@ -48,7 +55,7 @@ NOT_DISTILLATION = ("ref_model", "sync_ref_model", "dynamic_sampling")  # Online
 
 
 def check_distillation(teacher_model: str | dict | None, beta: float, lmbda: float, seq_kd: bool,
-                       options: dict) -> None:
+                       teacher_topk_cache: int | None, options: dict) -> None:
     """Refuse distillation settings that cannot work, each in one line naming the option."""
     if not teacher_model:
         raise LitAlignError("model.teacher_model is required: the model whose next-token distributions the student "
@@ -66,6 +73,13 @@ def check_distillation(teacher_model: str | dict | None, beta: float, lmbda: flo
     if seq_kd and options.get("rollout_func"):
         raise LitAlignError("model.seq_kd samples rounds from the teacher, but model.rollout_func makes completions "
                             "itself: drop one of them")
+    if teacher_topk_cache is not None and (lmbda == 1.0 or seq_kd):
+        raise LitAlignError("model.teacher_topk_cache caches the teacher on the dataset's completions, which only "
+                            "the rounds that are not on-policy train on, and only without model.seq_kd; set "
+                            "model.lmbda < 1 and model.seq_kd: false, or drop model.teacher_topk_cache")
+    if teacher_topk_cache is not None and isinstance(teacher_model, dict):
+        raise LitAlignError("model.teacher_topk_cache: not supported with several teachers (model.teacher_model a "
+                            "mapping); use one teacher, or drop model.teacher_topk_cache")
 
 
 def check_vocabularies(student, teacher, student_name: str, teacher_name: str,
@@ -105,6 +119,12 @@ class DistillationModule(OnlineModule):
             ``max_completion_length``).
         seq_kd: the rounds that are not on-policy sample their completions from the teacher, with the student's
             engine and sampling settings (GKD's sequence-level KD).
+        teacher_topk_cache: k: the rounds of the dataset's completions compare the student with the teacher's top-k
+            log-probs at each of their tokens (``topk_generalized_jsd``, the rest of each distribution in one tail
+            entry; k = the vocabulary's size is the full divergence), computed once per dataset before training
+            and cached on disk under ``$LIT_ALIGN_CACHE/teacher_topk`` (``lit_align.teacher_topk``): no teacher
+            forward in those rounds. Needs ``lmbda < 1`` without ``seq_kd``, and one teacher. None: the teacher
+            runs in every round.
         num_generations: completions per prompt (TRL's ``DistillationTrainer``: 1).
         disable_dropout: zero the student's dropout (TRL's ``DistillationConfig`` default: off).
         reward_funcs: optional here: with them, rounds and validation are scored and logged (``train/reward``,
@@ -116,13 +136,15 @@ class DistillationModule(OnlineModule):
 
     def __init__(self, model: str = "builtin:tiny", teacher_model: str | dict[str, str] | None = None,
                  teacher_model_init_kwargs: dict | None = None, teacher_id_column: str = TEACHER_ID,
-                 beta: float = 1.0, lmbda: float = 1.0, seq_kd: bool = False, num_generations: int = 1,
-                 disable_dropout: bool = False, **kwargs):
-        check_distillation(teacher_model, beta, lmbda, seq_kd, kwargs)
+                 beta: float = 1.0, lmbda: float = 1.0, seq_kd: bool = False,
+                 teacher_topk_cache: int | None = None, num_generations: int = 1, disable_dropout: bool = False,
+                 **kwargs):
+        check_distillation(teacher_model, beta, lmbda, seq_kd, teacher_topk_cache, kwargs)
         super().__init__(model=model, num_generations=num_generations, beta=0.0, disable_dropout=disable_dropout,
                          **kwargs)
         self.beta, self.lmbda, self.seq_kd = beta, lmbda, seq_kd
         self.teachers = Teachers(teacher_model, teacher_model_init_kwargs, teacher_id_column)
+        self.teacher_topk = None if teacher_topk_cache is None else TeacherTopK(teacher_topk_cache)
 
     @property
     def teacher(self) -> Teacher:
@@ -138,6 +160,14 @@ class DistillationModule(OnlineModule):
     def data_settings(self) -> dict:
         """The data tokenizes the rows' ``completion`` column when some rounds train on it."""
         return {**super().data_settings(), "dataset_completions": self.lmbda < 1 and not self.seq_kd}
+
+    def setup(self, stage: str) -> None:
+        """With ``teacher_topk_cache``, the training rows get their completions' teacher top-k before training
+        (Lightning sets the DataModule up first; ``AlignModule.setup`` connects it), handed model -> data."""
+        super().setup(stage)
+        datamodule = self.trainer.datamodule
+        if self.teacher_topk is not None and stage == "fit" and isinstance(datamodule, PromptDataModule):
+            datamodule.add_teacher_topk(partial(self.teacher_topk.annotate, self))
 
     def frozen_models(self) -> list[Reference]:
         return [*super().frozen_models(), *self.teachers.values()]
@@ -172,7 +202,8 @@ class DistillationModule(OnlineModule):
         """The round's completions from its source (``round_source``), scored by the reward functions if any, with
         TRL's rollout metrics, ``on_policy`` (1: the student's samples), under ``seq_kd`` ``teacher_sampled``, and
         ``num_tokens`` (prompt and completion tokens trained on so far, all ranks). With several teachers each row's
-        teacher id goes into the round (its ``extra``: checkpointed with it, shown by ``CompletionsLogger``)."""
+        teacher id goes into the round (its ``extra``: checkpointed with it, shown by ``CompletionsLogger``). A round of
+        the dataset's completions under ``teacher_topk_cache`` carries their cached teacher top-k."""
         source, num = self.round_source(), self.round_shape.num_generations
         ids = self.teachers.row_ids(batch)  # checked before anything is sampled
         if source == "dataset":
@@ -184,6 +215,9 @@ class DistillationModule(OnlineModule):
         if ids is not None:
             gen.columns[TEACHER_ID] = repeat_each(ids, num)
         round = self.assemble_round(batch, gen, gen)
+        if source == "dataset" and self.teacher_topk is not None:
+            round.teacher_topk_ids, round.teacher_topk_logps = round_topk(batch, num, self.max_completion_length,
+                                                                          self.teacher_topk.k, self.device)
         tokens = gen.prompt_mask.sum() + gen.completion_mask.sum()
         self.num_tokens += float(self.trainer.strategy.reduce(tokens.float(), reduce_op="sum"))
         round.stats["on_policy"] = torch.tensor(float(source == "student"), device=self.device)
@@ -238,7 +272,9 @@ class DistillationModule(OnlineModule):
         step = self.next_step(batch)
         sequences = (step.prompt_ids, step.prompt_mask, step.completion_ids, step.completion_mask)
         teacher_ids = step.extra[TEACHER_ID] if self.teachers.per_row else None
-        divergence, entropy = self.divergence(sequences, step.loss_mask, teacher_ids, with_entropy=True)
+        cached = None if step.teacher_topk_ids is None else TopK(step.teacher_topk_ids, step.teacher_topk_logps)
+        divergence, entropy = self.divergence(sequences, step.loss_mask, teacher_ids, with_entropy=True,
+                                              cached=cached)
         # the sum over the step's loss tokens, divided by the round's loss tokens per step on every rank (dapo's)
         loss = divergence.sum() / max(self.round.num_tokens, 1.0)
         loss = self.guard_loss(loss, divergence.sum(1), batch_idx, step.dataset_rows)
@@ -250,15 +286,19 @@ class DistillationModule(OnlineModule):
         return {"loss": loss, "step": step}  # callbacks see the step's batch (outputs)
 
     def divergence(self, sequences: tuple, loss_mask: torch.Tensor, teacher_ids: list[str] | None = None,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, cached: TopK | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[n, C]``: the per-token divergence of the completions ``sequences`` (prompt ids and mask, completion ids
         and mask) at every loss token, 0 elsewhere (the student's gradient with it), each row's from its teacher
-        (``teacher_ids``; None: the one teacher); with ``with_entropy`` the student's tempered entropy there too (no
-        gradient)."""
+        (``teacher_ids``; None: the one teacher), or from the teacher's ``cached`` top-k ``[n, C, k]`` (no teacher
+        forward); with ``with_entropy`` the student's tempered entropy there too (no gradient)."""
         scored = sequences[3].bool()  # the completion tokens: the outputs come in their order
         trained = loss_mask.bool()[scored]
         student = self.outputs(self.network, sequences)
-        values = on_grid(self.teacher_divergence(student, sequences, trained, teacher_ids), scored)
+        if cached is not None:
+            per_token = self.token_divergence(student, TopK(cached.ids[scored], cached.logps[scored]), trained)
+        else:
+            per_token = self.teacher_divergence(student, sequences, trained, teacher_ids)
+        values = on_grid(per_token, scored)
         if not with_entropy:
             return values, None
         return values, on_grid(student_entropy(student, sequences[2][scored], self.temperature) * trained, scored)
@@ -289,17 +329,23 @@ class DistillationModule(OnlineModule):
         log-probs are (``padding_free``)."""
         return layout_outputs(network, layouts.completions(*sequences, self.padding_free, network))
 
-    def token_divergence(self, student: Projection | torch.Tensor, teacher: Projection | torch.Tensor,
+    def token_divergence(self, student: Projection | torch.Tensor, teacher: Projection | torch.Tensor | TopK,
                          mask: torch.Tensor) -> torch.Tensor:
-        """``[S]`` per-token divergence at the ``mask`` tokens (0 elsewhere): chunked through the student's head, or
-        from full logits where its head is not chunkable."""
+        """``[S]`` per-token divergence at the ``mask`` tokens (0 elsewhere) from the teacher's outputs or its
+        top-k (``TopK``, ``[S, k]``): chunked through the student's head, or from full logits where its head is not
+        chunkable."""
         settings = {"mask": mask, "beta": self.beta, "temperature": self.temperature, "reduction": "none"}
+        if isinstance(teacher, TopK):
+            plain, chunked = topk_generalized_jsd, chunked_topk_generalized_jsd
+            teacher_args = (teacher.logps, teacher.ids)
+        else:
+            plain, chunked, teacher_args = generalized_jsd, chunked_generalized_jsd, (teacher,)
         if not isinstance(student, Projection):
-            teacher = teacher.logits() if isinstance(teacher, Projection) else teacher
-            return generalized_jsd(student, teacher, **settings)
+            teacher_args = [t.logits() if isinstance(t, Projection) else t for t in teacher_args]
+            return plain(student, *teacher_args, **settings)
         fp32 = getattr(self.network.get_output_embeddings(), "fp32_matmul", False)  # cast_lm_head_to_fp32
         with torch.autocast(self.device.type, enabled=False) if fp32 else nullcontext():
-            return chunked_generalized_jsd(student, teacher, **settings)
+            return chunked(student, *teacher_args, **settings)
 
     def log_teacher_losses(self, divergence: torch.Tensor, loss_mask: torch.Tensor, teacher_ids: list[str]) -> None:
         """``train/teacher/<id>/loss``: each teacher's mean per-token divergence over its rows' loss tokens in the

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_align.losses.distill import (
-    Projection, chunked_generalized_jsd, generalized_jsd, token_jsd, topk_generalized_jsd,
+    Projection, chunked_generalized_jsd, chunked_topk_generalized_jsd, generalized_jsd, token_jsd,
+    topk_generalized_jsd,
 )
 from numerics import assert_formula, assert_rounding_close, f64, formula
 
@@ -324,6 +325,32 @@ def test_topk_by_hand(beta, tail):
     got = topk_generalized_jsd(f64([[STUDENT_ROW]]), teacher_logps, torch.tensor([[TOP]]), beta=beta, tail=tail,
                                reduction="none")
     assert got.tolist() == [[formula(divergence(sparse_s, sparse_t, beta))]]
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 1000])  # 4 does not divide the 12 scored positions
+@pytest.mark.parametrize("k,tail", [(3, True), (3, False), (V, True)])
+@pytest.mark.parametrize("beta", BETAS)
+def test_chunked_topk_equals_topk_on_the_students_logits(beta, k, tail, chunk_size):
+    """Through the student's head a chunk at a time (checkpointed): ``topk_generalized_jsd``'s value and gradients
+    (hidden states, weight, bias) at the masked positions, 0 elsewhere; NaN hidden states off the mask change
+    nothing."""
+    hidden, weight, b = student_head(torch.float64)
+    _, teacher_logits = teacher_of("logits", torch.float64)
+    top = F.log_softmax(teacher_logits / TEMPERATURE, -1).topk(k)
+    mask = logits_and_labels()[2] != -100
+    logits = F.linear(hidden, weight, b) * SCALE
+    plain = topk_generalized_jsd(logits, top.values, top.indices, mask, beta, TEMPERATURE, tail, "none")
+    poisoned = hidden.detach().masked_fill(~mask[..., None], math.nan).requires_grad_()
+    chunked = chunked_topk_generalized_jsd(Projection(poisoned, weight, b, SCALE), top.values, top.indices, mask,
+                                           beta, TEMPERATURE, tail, "none", chunk_size=chunk_size)
+    assert chunked.shape == (N, T) and chunked[~mask].abs().max() == 0
+    assert_rounding_close(chunked, plain, scale=logits.detach().abs().max(), terms=max(H, V), dtype=torch.float64)
+    weights = torch.randn(N, T, dtype=torch.float64)  # an upstream gradient that differs per position
+    got = grads((chunked * weights).sum(), poisoned, weight, b)
+    want = grads((plain * weights).sum(), hidden, weight, b)
+    assert got[0][~mask].abs().max() == 0
+    for g, w, name in zip(got, want, ("hidden", "weight", "bias")):
+        assert_rounding_close(g, w, terms=max(V, N * T), dtype=torch.float64, msg=name)
 
 
 def test_topk_tail_keeps_a_floor_when_the_teacher_top_k_holds_all_its_mass():
