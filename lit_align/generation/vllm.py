@@ -341,6 +341,10 @@ class VLLMEngine:
             raise LitAlignError("model.engine 'vllm' does not support sharded policies (FSDP, DeepSpeed ZeRO-3) yet: "
                                 "use ddp or ZeRO-1/2")
         network = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if self.server is not None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise LitAlignError("model.vllm_mode 'server' takes one trainer rank (each rank would push its weights "
+                                "to the one server): train on one device, or use vllm_mode 'colocate' under ddp")
         if self.server is not None:
             self.engine = server_engine(self.server)
         else:
