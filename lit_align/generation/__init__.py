@@ -11,7 +11,8 @@ log-probs are, so the trainer can skip a forward pass). Rows are ``num_samples``
 ``HFEngine`` (``hf``) wraps transformers' ``generate`` and is the reference engine. ``NativeEngine`` (``native``)
 runs its own decode loop (one prefill per prompt shared by its samples, a preallocated KV cache, sampling on
 tensors) and returns the same thing. ``VLLMEngine`` (``vllm``) runs a vLLM engine colocated in the training process
-(imported only when chosen; its own environment). Another engine plugs in as a module here and an entry in ``ENGINES``.
+(imported only when chosen; its own environment), or samples from a vLLM server started apart (``vllm_server``).
+Another engine plugs in as a module here and an entry in ``ENGINES``.
 """
 
 from __future__ import annotations

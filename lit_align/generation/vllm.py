@@ -1,4 +1,5 @@
-"""The vllm engine: rollouts from a vLLM engine colocated in the training process (TRL's ``vllm_mode: colocate``).
+"""The vllm engine: rollouts from a vLLM engine colocated in the training process (TRL's ``vllm_mode: colocate``),
+or from a vLLM server started apart (``vllm_mode: server``: ``lit_align.generation.vllm_server``).
 
 ``VLLMEngine`` returns what ``HFEngine`` does. It loads the model into a vLLM ``LLM`` from its Hugging Face directory
 once per process (one per rank under DDP, shared by every ``VLLMEngine`` on the same model and settings: GRPO's
@@ -12,9 +13,9 @@ filter that is the trainer's definition (temperature-scaled, unfiltered); with o
 and the trainer computes them with a forward pass. They come from vLLM's kernels, not the training forward's, so they
 differ a little: GRPO corrects for it (``lit_align.losses.grpo.importance_sampling_ratio``).
 
-Left out, and refused with one error: TRL's ``vllm_mode: server`` (``trl vllm-serve``); an engine spanning several
-GPUs (``tensor_parallel_size > 1``: the ranks of a group would have to pool their prompts); sharded policies (FSDP,
-DeepSpeed ZeRO-3), whose weights would have to be gathered a layer at a time for the push.
+Left out, and refused with one error: an engine spanning several GPUs (``tensor_parallel_size > 1``: the ranks of a
+group would have to pool their prompts); sharded policies (FSDP, DeepSpeed ZeRO-3), whose weights would have to be
+gathered a layer at a time for the push.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from lit_align.capabilities import is_sharded
 from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
+from lit_align.generation.vllm_server import ServerEngine, ServerSettings, server_engine
 from lit_align.losses.grpo import IMPORTANCE_SAMPLING_MODES
 
 OPTION_PREFIX = "vllm_"  # TRL's flat names: ``model.vllm_max_model_length`` is ``VLLMOptions.max_model_length``
@@ -43,7 +45,8 @@ class VLLMOptions:
     ``vllm``. Errors name them by their flat names.
 
     Args:
-        mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported).
+        mode: ``colocate`` (a vLLM engine in the training process) or ``server`` (a vLLM server started apart:
+            ``trl vllm-serve``; see ``lit_align.generation.vllm_server``).
         gpu_memory_utilization: the fraction of accelerator memory vLLM takes for weights and KV cache (on CPU, of the
             RAM, unless ``VLLM_CPU_KVCACHE_SPACE`` gives the KV cache in GiB).
         tensor_parallel_size: GPUs one engine spans (only 1: an engine per rank).
@@ -58,6 +61,12 @@ class VLLMOptions:
         structured_outputs_regex: constrain every completion to this regular expression (vLLM's structured outputs,
             ``StructuredOutputsParams(regex=...)``; None: free text). It takes precedence over a
             ``structured_outputs`` in ``generation_kwargs``, as in TRL.
+        server_base_url: with ``mode: server``, the server's URL (``http://host:port``); None: from ``server_host``
+            and ``server_port``.
+        server_host: the server's host when ``server_base_url`` is None.
+        server_port: the server's port when ``server_base_url`` is None.
+        server_timeout: seconds to wait for the server to answer ``/health`` before giving up.
+        group_port: the port of the NCCL group through which the weights reach a GPU server.
     """
 
     mode: str = "colocate"
@@ -70,10 +79,22 @@ class VLLMOptions:
     importance_sampling_clip_min: float | None = None
     importance_sampling_clip_max: float | None = 3.0
     structured_outputs_regex: str | None = None
+    server_base_url: str | None = None
+    server_host: str = "0.0.0.0"
+    server_port: int = 8000
+    server_timeout: float = 240.0
+    group_port: int = 51216
 
     def __post_init__(self):
-        if self.mode != "colocate":
-            raise LitAlignError(f"model.vllm_mode {self.mode!r}: only 'colocate' is supported (server mode is not)")
+        if self.mode not in ("colocate", "server"):
+            raise LitAlignError(f"model.vllm_mode {self.mode!r}: expected 'colocate' or 'server'")
+        if self.mode == "server" and self.enable_sleep_mode:
+            raise LitAlignError("model.vllm_enable_sleep_mode is for vllm_mode 'colocate': a server keeps its memory")
+        if self.server_timeout < 0:
+            raise LitAlignError(f"model.vllm_server_timeout must be >= 0 seconds, got {self.server_timeout}")
+        for name in ("server_port", "group_port"):
+            if not 0 < getattr(self, name) < 65536:
+                raise LitAlignError(f"model.vllm_{name} must be a port (1-65535), got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise LitAlignError("model.vllm_gpu_memory_utilization must be in (0, 1], "
                                 f"got {self.gpu_memory_utilization}")
@@ -97,10 +118,13 @@ class VLLMOptions:
         return cls(**{names[key]: value for key, value in settings.items() if key in names})
 
     def engine_settings(self) -> dict[str, Any]:
-        """``VLLMEngine``'s keywords: what the engine is built with, and the structured outputs it samples."""
+        """``VLLMEngine``'s keywords: what the engine is built with (or which server it samples from), and the
+        structured outputs it samples."""
+        server = None if self.mode != "server" else ServerSettings.from_options(
+            self.server_base_url, self.server_host, self.server_port, self.server_timeout, self.group_port)
         return dict(gpu_memory_utilization=self.gpu_memory_utilization, tensor_parallel_size=self.tensor_parallel_size,
                     max_model_length=self.max_model_length, enable_sleep_mode=self.enable_sleep_mode,
-                    structured_outputs_regex=self.structured_outputs_regex)
+                    structured_outputs_regex=self.structured_outputs_regex, server=server)
 
     def importance_sampling(self, sampling: SamplingConfig) -> tuple[str, float | None, float | None] | None:
         """``(mode, clip_min, clip_max)`` when the loss corrects for vLLM's sampling, else None; the correction needs
@@ -229,13 +253,28 @@ class ColocatedEngine:
         self._weights_dropped = False
         self.pushes += 1
 
-    def generate(self, prompts: list[dict], params: list) -> list:
+    def generate(self, prompts: list[list[int]], params: list[dict]) -> list[list[tuple[list[int], list | None]]]:
+        """Per prompt (token ids) and its ``SamplingParams`` keywords, its samples: ``(token ids, log-probs of the
+        sampled tokens or None)``."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        def vllm_params(kwargs: dict) -> SamplingParams:
+            structured = kwargs.get("structured_outputs")
+            if isinstance(structured, dict):
+                kwargs = {**kwargs, "structured_outputs": StructuredOutputsParams(**structured)}
+            return SamplingParams(**kwargs)
+
+        params = [vllm_params(kwargs) for kwargs in params]
         if self.settings.enable_sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
-        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sampling_params=params,
+                                    use_tqdm=False)
         if self.settings.enable_sleep_mode:
             self._sleep()
-        return outputs
+        return [[(list(s.token_ids), None if s.logprobs is None else [lp[t].logprob for t, lp in
+                                                                         zip(s.token_ids, s.logprobs)])
+                 for s in out.outputs] for out in outputs]
 
     def _sleep(self) -> None:
         """Level 2: weights and KV cache freed for the training step; the next ``sync`` pushes the weights again."""
@@ -261,11 +300,12 @@ def colocated_engine(settings: EngineSettings) -> ColocatedEngine:
 
 
 class VLLMEngine:
-    """Sample with a vLLM engine colocated in this process.
+    """Sample with a vLLM engine colocated in this process, or with a vLLM server (``server``).
 
     Args: ``SamplingConfig``'s (``generation_kwargs``: more ``SamplingParams`` keywords, overriding lit_align's);
         ``gpu_memory_utilization``, ``tensor_parallel_size``, ``max_model_length``, ``enable_sleep_mode`` and
-        ``structured_outputs_regex`` as in ``VLLMOptions`` (which checks them); and
+        ``structured_outputs_regex`` as in ``VLLMOptions`` (which checks them);
+        server: the vLLM server to sample from (``VLLMOptions.engine_settings``); None: a colocated engine; and
         weights_version: returns the policy's version (the optimizer step); the weights are pushed when it differs
             from the last push's. None: before every ``generate``.
     """
@@ -274,17 +314,20 @@ class VLLMEngine:
                  return_logps: bool = True, min_p: float | None = None, repetition_penalty: float = 1.0,
                  generation_kwargs: dict | None = None, gpu_memory_utilization: float = 0.3,
                  tensor_parallel_size: int = 1, max_model_length: int | None = None, enable_sleep_mode: bool = False,
-                 structured_outputs_regex: str | None = None, weights_version: Callable[[], int] | None = None):
+                 structured_outputs_regex: str | None = None, server: ServerSettings | None = None,
+                 weights_version: Callable[[], int] | None = None):
         self.config = SamplingConfig(max_new_tokens, temperature, top_p, top_k, return_logps, min_p,
                                      repetition_penalty, generation_kwargs)
         options = VLLMOptions(gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                               max_model_length=max_model_length, enable_sleep_mode=enable_sleep_mode,
                               structured_outputs_regex=structured_outputs_regex).engine_settings()
         self.structured_outputs_regex = options.pop("structured_outputs_regex")
-        self.engine_options = options
-        import_vllm()  # fail now, not at the first generation
+        options.pop("server")
+        self.engine_options, self.server = options, server
+        if server is None:
+            import_vllm()  # fail now, not at the first generation (a server's trainer needs no vLLM)
         self.weights_version = weights_version
-        self.engine: ColocatedEngine | None = None
+        self.engine: ColocatedEngine | ServerEngine | None = None
 
     @property
     def returns_logps(self) -> bool:
@@ -294,47 +337,49 @@ class VLLMEngine:
 
     def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, num_samples: int,
                  eos_token_ids: list[int], pad_token_id: int) -> Rollout:
-        from vllm import SamplingParams
-
         if is_sharded(model):
             raise LitAlignError("model.engine 'vllm' does not support sharded policies (FSDP, DeepSpeed ZeRO-3) yet: "
                                 "use ddp or ZeRO-1/2")
         network = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.engine = colocated_engine(EngineSettings(
-            path=network.config._name_or_path, dtype=str(network.dtype).removeprefix("torch."),
-            enforce_eager=network.device.type == "cpu", **self.engine_options))
+        if self.server is not None and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise LitAlignError("model.vllm_mode 'server' takes one trainer rank (each rank would push its weights "
+                                "to the one server): train on one device, or use vllm_mode 'colocate' under ddp")
+        if self.server is not None:
+            self.engine = server_engine(self.server)
+        else:
+            self.engine = colocated_engine(EngineSettings(
+                path=network.config._name_or_path, dtype=str(network.dtype).removeprefix("torch."),
+                enforce_eager=network.device.type == "cpu", **self.engine_options))
         self.engine.sync(model, None if self.weights_version is None else self.weights_version())
 
         config, logps_wanted = self.config, self.returns_logps
         stop = [t for t in eos_token_ids if t < network.config.vocab_size]  # vLLM refuses ids it cannot emit
-        prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(prompt_ids, prompt_mask)]
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         if config.greedy:  # vLLM refuses n > 1 without sampling: each prompt num_samples times, n = 1
             prompts, num_samples = [p for p in prompts for _ in range(num_samples)], 1
         # one seed per prompt from torch's RNG (vLLM gives sample j of a prompt seed + j): the module's round RNG
         # then decides the completions, as for the other engines
         seed = None if config.greedy else int(torch.randint(0, 2**31, ()))
-        params = []
-        for i in range(len(prompts)):
-            kwargs = sampling_params(config, num_samples, stop, None if seed is None else seed + i * num_samples,
-                                     self.structured_outputs_regex)
-            if isinstance(kwargs.get("structured_outputs"), dict):
-                from vllm.sampling_params import StructuredOutputsParams
+        params = [sampling_params(config, num_samples, stop, None if seed is None else seed + i * num_samples,
+                                  self.structured_outputs_regex) for i in range(len(prompts))]
+        samples = [sample for out in self.engine.generate(prompts, params) for sample in out]
+        return rollout_from_samples(samples, logps_wanted, eos_token_ids, pad_token_id, prompt_ids.device)
 
-                kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
-            params.append(SamplingParams(**kwargs))
-        samples = [sample for out in self.engine.generate(prompts, params) for sample in out.outputs]
 
-        width = max(len(s.token_ids) for s in samples)
-        ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
-        logps = torch.zeros(len(samples), width) if logps_wanted else None
-        for row, sample in enumerate(samples):
-            tokens = list(sample.token_ids)
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-            if logps is not None:
-                logps[row, : len(tokens)] = torch.tensor([lp[t].logprob for t, lp in zip(tokens, sample.logprobs)])
-        ids = ids.to(prompt_ids.device)
-        mask, truncated = completion_mask_from_eos(ids, eos_token_ids)
-        ids = ids.masked_fill(mask == 0, pad_token_id)
+def rollout_from_samples(samples: list[tuple[list[int], list | None]], with_logps: bool, eos_token_ids: list[int],
+                         pad_token_id: int, device: torch.device) -> Rollout:
+    """A ``Rollout`` of the samples' ``(token ids, log-probs)``, right-padded, cut after EOS."""
+    width = max(len(tokens) for tokens, _ in samples)
+    ids = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
+    logps = torch.zeros(len(samples), width) if with_logps else None
+    for row, (tokens, token_logps) in enumerate(samples):
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         if logps is not None:
-            logps = logps.to(prompt_ids.device) * mask
-        return Rollout(ids, mask, truncated, logps)
+            logps[row, : len(tokens)] = torch.tensor(token_logps, dtype=torch.float32)
+    ids = ids.to(device)
+    mask, truncated = completion_mask_from_eos(ids, eos_token_ids)
+    ids = ids.masked_fill(mask == 0, pad_token_id)
+    if logps is not None:
+        logps = logps.to(device) * mask
+    return Rollout(ids, mask, truncated, logps)

@@ -132,8 +132,8 @@ class OnlineModule(AlignModule):
         pass_threshold: the summed reward at which a sampled completion counts as solved for ``val/pass@k``.
         engine: the generation engine: ``auto`` (the default: ``native`` where it decodes the model on CPU, else
             ``hf``), ``hf`` (transformers ``generate``), ``native`` (lit_align's batched decode loop, faster) or
-            ``vllm`` (a vLLM engine in the training process, TRL's ``use_vllm`` with ``vllm_mode: colocate``; its own
-            environment, see ``docs/grpo.md``).
+            ``vllm`` (TRL's ``use_vllm``: a vLLM engine in the training process, or a vLLM server with
+            ``vllm_mode: server``; its own environment, see ``docs/grpo.md``).
         padding_free: compute each step's training log-probs with its rows packed without padding, several per row,
             one row on CPU under sdpa, else rows as wide as the longest (``lit_align.layouts.packed_rows``,
             ``packing_width``), each prompt once for the step's completions of it (``shared_prompt_completions``),
@@ -141,9 +141,10 @@ class OnlineModule(AlignModule):
             early, of prompt padding and of repeated prompts. sdpa or eager attention. The round-level no-grad passes
             (old and reference log-probs) stay padded. None (the default): on where it is exact and cheaper
             (``lit_align.layouts.packs_by_default``: a Llama-like model under sdpa on CPU), off elsewhere.
-        vllm_mode: ``colocate`` (the only one: TRL's ``server`` mode is not supported). The ``vllm_*`` options are
-            TRL's flat names for the vLLM engine's options, routed to it (``lit_align.generation.vllm.VLLMOptions``,
-            which checks them) when ``engine`` is ``vllm``.
+        vllm_mode: ``colocate`` (a vLLM engine in the training process) or ``server`` (a vLLM server started
+            apart, ``trl vllm-serve``'s: ``lit_align.generation.vllm_server``). The ``vllm_*`` options are TRL's flat
+            names for the vLLM engine's options, routed to it (``lit_align.generation.vllm.VLLMOptions``, which checks
+            them) when ``engine`` is ``vllm``.
         vllm_gpu_memory_utilization: with ``engine: vllm``, the fraction of GPU memory vLLM takes (weights and KV
             cache; on CPU of the RAM, unless ``VLLM_CPU_KVCACHE_SPACE`` sets the KV cache in GiB).
         vllm_tensor_parallel_size: GPUs one vLLM engine spans (only 1: an engine per rank).
@@ -153,6 +154,12 @@ class OnlineModule(AlignModule):
             generation): less GPU memory, some transfer time.
         vllm_structured_outputs_regex: with ``engine: vllm``, constrain every completion to this regular expression
             (vLLM's structured outputs; None: free text).
+        vllm_server_base_url: with ``vllm_mode: server``, the server's URL (e.g. ``http://10.0.0.2:8000``); None:
+            ``http://<vllm_server_host>:<vllm_server_port>``.
+        vllm_server_host: the server's host when ``vllm_server_base_url`` is None.
+        vllm_server_port: the server's port when ``vllm_server_base_url`` is None.
+        vllm_server_timeout: seconds to wait for the server's ``/health`` before one ``error:`` line.
+        vllm_group_port: the NCCL group's port through which the weights reach a server on a GPU.
         tools: functions the model may call during its rollouts (TRL's ``tools``): dotted paths or
             ``{class_path, init_args}`` objects, plain or ``async``, with type hints and a Google-style docstring
             (their schemas go to the chat template). Completions then run as ``lit_align.generation.tools.ToolLoop``
@@ -186,8 +193,9 @@ class OnlineModule(AlignModule):
     """
 
     resume_may_change = ("engine", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_enable_sleep_mode",
-                         "num_generations_eval", "pass_threshold", "async_rollouts", "max_staleness",
-                         "weight_sync_steps", "producer_threads")
+                         "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
+                         "vllm_server_timeout", "vllm_group_port", "num_generations_eval", "pass_threshold",
+                         "async_rollouts", "max_staleness", "weight_sync_steps", "producer_threads")
     rewards_required = True  # the recipe trains on rewards: no reward function is an error (distillation: optional)
     grouped = True  # the recipe compares a prompt's completions with each other (``RoundShape.grouped``)
 
@@ -226,6 +234,11 @@ class OnlineModule(AlignModule):
         vllm_max_model_length: int | None = None,
         vllm_enable_sleep_mode: bool = False,
         vllm_structured_outputs_regex: str | None = None,
+        vllm_server_base_url: str | None = None,
+        vllm_server_host: str = "0.0.0.0",
+        vllm_server_port: int = 8000,
+        vllm_server_timeout: float = 240.0,
+        vllm_group_port: int = 51216,
         tools: list[str | dict] | None = None,
         max_tool_calling_iterations: int | None = None,
         environment_factory: str | dict | None = None,

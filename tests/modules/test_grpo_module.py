@@ -293,7 +293,7 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path, prompts_file, ti
     ({"loss_type": "ppo"}, "model.loss_type 'ppo'"),
     ({"scale_rewards": "global"}, "model.scale_rewards 'global'"),
     ({"engine": "vllm-nope"}, "model.engine 'vllm-nope'"),
-    ({"engine": "vllm", "vllm_mode": "server"}, "model.vllm_mode 'server': only 'colocate'"),
+    ({"engine": "vllm", "vllm_mode": "remote"}, "model.vllm_mode 'remote': expected 'colocate' or 'server'"),
     ({"engine": "vllm", "top_p": 0.9}, "model.vllm_importance_sampling_correction needs vLLM's sampling log-probs"),
     ({"engine": "vllm", "vllm_importance_sampling_mode": "tokens"}, "model.vllm_importance_sampling_mode 'tokens'"),
     ({"engine": "vllm", "vllm_tensor_parallel_size": 2}, "model.vllm_tensor_parallel_size 2: only 1"),
