@@ -65,7 +65,8 @@ def check_online_settings(temperature: float, max_completion_length: int, num_ge
 def check_async_settings(engine: str, dynamic_sampling: bool, rollout_func: str | None, max_staleness: int | None,
                          weight_sync_steps: int, producer_threads: int | None) -> None:
     """Refuse what asynchronous rollouts cannot run, in one line each."""
-    why = {"engine": engine == "vllm" and "model.engine 'vllm' runs in the trainer's process (colocate)",
+    why = {"engine": engine == "vllm" and "model.engine 'vllm' samples on vLLM's own copy of the weights (colocated "
+                                          "with the trainer, or a server it syncs every step), not in a producer",
            "dynamic_sampling": dynamic_sampling and "model.dynamic_sampling decides across ranks while sampling",
            "rollout_func": rollout_func is not None and "model.rollout_func receives the trainer's module"}
     for name, reason in why.items():

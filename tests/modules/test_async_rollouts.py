@@ -133,7 +133,7 @@ def test_resume_at_the_synchronous_limit_equals_the_uninterrupted_run(tmp_path, 
 
 @pytest.mark.parametrize("setting,message", [
     ({"dynamic_sampling": True}, "model.dynamic_sampling decides across ranks"),
-    ({"engine": "vllm"}, "model.engine 'vllm' runs in the trainer's process"),
+    ({"engine": "vllm"}, "model.engine 'vllm' samples on vLLM's own copy of the weights"),
     ({"max_staleness": -1}, "model.max_staleness must be >= 0"),
     ({"weight_sync_steps": 0}, "model.weight_sync_steps must be >= 1"),
 ])
