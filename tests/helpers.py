@@ -604,3 +604,14 @@ def tool_row_tokens(tokenizer) -> dict[str, list[int]]:
 
 def reward_that_raises(completions, **_):
     raise ValueError("no reward today")
+
+
+class RecordProducerPid(L.Callback):
+    """Writes the rollout producer's process id (``model.async_rollouts``) to ``path`` at the first step."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if pl_module.producer is not None and not os.path.exists(self.path):
+            Path(self.path).write_text(str(pl_module.producer.process.pid))

@@ -120,9 +120,8 @@ class GRPOModule(OnlineModule):
     # -- the round: the old log-probs, the advantages ------------------------------------------------------------------
     def old_logps(self, generation: Generation, sequences: tuple) -> tuple[torch.Tensor | None, Any, dict]:
         """With vLLM's sampling corrected for (TRL), the old log-probs are the training forward's and the importance
-        weights compare them with vLLM's, over the sampled tokens only (not tool turns); the same for an asynchronous
-        round sampled by older weights (``stale``), against the producer's log-probs; else ``OnlineModule``'s."""
-        if self.importance_sampling is None or (self.rollouts.engine_name != "vllm" and not self.stale(generation)):
+        weights compare them with vLLM's, over the sampled tokens only (not tool turns); else ``OnlineModule``'s."""
+        if self.importance_sampling is None:
             return super().old_logps(generation, sequences)
         old_logps = self.completion_logps(self.network, *sequences)[0]
         mask = generation.sampled_mask

@@ -63,7 +63,7 @@ def check_online_settings(temperature: float, max_completion_length: int, num_ge
 
 
 def check_async_settings(engine: str, dynamic_sampling: bool, rollout_func: str | None, max_staleness: int | None,
-                         weight_sync_steps: int, producer_threads: int | None) -> None:
+                         producer_threads: int | None) -> None:
     """Refuse what asynchronous rollouts cannot run, in one line each."""
     why = {"engine": engine == "vllm" and "model.engine 'vllm' samples on vLLM's own copy of the weights (colocated "
                                           "with the trainer, or a server it syncs every step), not in a producer",
@@ -75,8 +75,6 @@ def check_async_settings(engine: str, dynamic_sampling: bool, rollout_func: str 
                                 f"model.async_rollouts: false, or leave out model.{name}")
     if max_staleness is not None and max_staleness < 0:
         raise LitAlignError(f"model.max_staleness must be >= 0 or null (one round), got {max_staleness}")
-    if weight_sync_steps < 1:
-        raise LitAlignError(f"model.weight_sync_steps must be >= 1, got {weight_sync_steps}")
     if producer_threads is not None and producer_threads < 1:
         raise LitAlignError(f"model.producer_threads must be >= 1 or null, got {producer_threads}")
 
@@ -179,16 +177,16 @@ class OnlineModule(AlignModule):
             and other keys, passed to the reward functions. It makes the validation completions too.
         async_rollouts: sample rounds in another process while the policy trains (``lit_align.producer``): the
             producer holds its own copy of the policy, samples and scores the rounds ahead of their turn, and gets
-            the trainer's weights every ``weight_sync_steps`` optimizer steps; a round sampled by older weights is
-            corrected for (GRPO: ``vllm_importance_sampling_*``'s correction against the producer's log-probs; else
-            its old log-probs are the producer's). Validation still samples in the trainer. See ``docs/grpo.md``.
+            the trainer's weights every ``weight_sync_steps`` optimizer steps; the old log-probs of a round sampled
+            by older weights are the producer's (TRL's ``AsyncGRPOTrainer``: the loss's clipped ratio is to the
+            policy that sampled). Validation still samples in the trainer. See ``docs/grpo.md``.
         max_staleness: with ``async_rollouts``, how many optimizer steps older than the step that starts training
             on it a round's weights may be (TRL's ``max_staleness``); a staler round is dropped and sampled again
             by the current policy. The producer runs ``max_staleness // (optimizer steps per round)`` rounds ahead;
             0 is the synchronous limit (each round sampled by the current weights: the same run as without
             ``async_rollouts``). None (the default): one round's optimizer steps (one round ahead).
-        weight_sync_steps: with ``async_rollouts``, the trainer's weights go to the producer every this many
-            optimizer steps (TRL's).
+        weight_sync_steps: the trainer's weights go to what samples on its own copy of them (the producer of
+            ``async_rollouts``, a vLLM engine or server) every this many optimizer steps (TRL's; 1: every step).
         producer_threads: with ``async_rollouts`` on CPU, the producer's threads; the trainer keeps the rest of its
             own (None: half of them each).
     """
@@ -252,9 +250,10 @@ class OnlineModule(AlignModule):
     ):
         super().__init__(model=model, **kwargs)
         check_online_settings(temperature, max_completion_length, num_generations_eval)
+        if weight_sync_steps < 1:
+            raise LitAlignError(f"model.weight_sync_steps must be >= 1, got {weight_sync_steps}")
         if async_rollouts:
-            check_async_settings(engine, dynamic_sampling, rollout_func, max_staleness, weight_sync_steps,
-                                 producer_threads)
+            check_async_settings(engine, dynamic_sampling, rollout_func, max_staleness, producer_threads)
         self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, generation_batch_size,
                                       max_num_gen_batches if dynamic_sampling else 1, grouped=self.grouped)
         self.beta, self.temperature, self.padding_free = beta, temperature, padding_free
@@ -265,18 +264,17 @@ class OnlineModule(AlignModule):
             ref_model_mixup_alpha=ref_model_mixup_alpha, ref_model_sync_steps=ref_model_sync_steps)
         self.sampling = SamplingConfig(max_completion_length, temperature, top_p, top_k, min_p=min_p,
                                        repetition_penalty=repetition_penalty, generation_kwargs=generation_kwargs)
-        vllm = VLLMOptions.from_flat(self.hparams) if engine == "vllm" or async_rollouts else None
+        vllm = VLLMOptions.from_flat(self.hparams) if engine == "vllm" else None
         self.importance_sampling = None if vllm is None else self.sampling_correction(vllm)
-        self.rollouts = Rollouts(reward_funcs, reward_weights, self.sampling, engine,
-                                 vllm if engine == "vllm" else None, self.weights_version, tools,
-                                 max_tool_calling_iterations, environment_factory, rollout_func,
+        self.rollouts = Rollouts(reward_funcs, reward_weights, self.sampling, engine, vllm, self.weights_version,
+                                 tools, max_tool_calling_iterations, environment_factory, rollout_func,
                                  rewards_required=self.rewards_required)
         self.async_rollouts = async_rollouts
         # what the producer builds its own Rollouts from (``lit_align.producer``)
         self.rollouts_settings = dict(
-            reward_funcs=reward_funcs, reward_weights=reward_weights, sampling=self.sampling, engine=engine, tools=tools,
-            max_tool_calling_iterations=max_tool_calling_iterations, environment_factory=environment_factory,
-            rewards_required=self.rewards_required)
+            reward_funcs=reward_funcs, reward_weights=reward_weights, sampling=self.sampling, engine=engine,
+            tools=tools, max_tool_calling_iterations=max_tool_calling_iterations,
+            environment_factory=environment_factory, rewards_required=self.rewards_required)
         self.producer: RolloutProducer | None = None  # started with training (``on_train_start``)
         self.async_state = {"dropped_rounds": 0, "round_start": None, "wait_s": 0.0, "busy_s": 0.0}
         self.register_buffer("reward_weights", self.rollouts.reward_weights, persistent=False)
@@ -322,8 +320,10 @@ class OnlineModule(AlignModule):
         self.rollouts.setup(self.tokenizer, self.network, hp.dtype, hp.trust_remote_code, hp.model_init_kwargs)
 
     def weights_version(self) -> int:
-        """The policy weights' version, for engines that hold a copy of them (vllm): the optimizer steps taken."""
-        return self.global_step
+        """The policy weights' version, for engines that hold a copy of them (vllm, colocated or a server): the
+        optimizer steps taken, rounded down to a multiple of ``weight_sync_steps`` (the engine loads new weights
+        when it changes)."""
+        return self.global_step - self.global_step % self.hparams.weight_sync_steps
 
     def completion_logps(self, network, prompt_ids, prompt_mask, completion_ids, completion_mask,
                          with_entropy: bool = False, padding_free: bool | None = False, entropy_grad: bool = False):
@@ -492,7 +492,8 @@ class OnlineModule(AlignModule):
     def old_logps(self, generation: Generation, sequences: tuple) -> tuple[torch.Tensor | None, None, dict]:
         """``(old log-probs, importance weights, sampling/* metrics)``. The old (sampling) policy's log-probs matter
         only when the policy moves before the round is used up (``RoundShape.needs_old_logps``) or moved since it
-        was sampled (``stale``): the engine's, or a forward pass."""
+        was sampled (``stale``: then the producer's, TRL's ``AsyncGRPOTrainer``'s): the engine's, or a forward
+        pass."""
         if not self.round_shape.needs_old_logps(self.trainer.accumulate_grad_batches) and not self.stale(generation):
             return None, None, {}
         if generation.logps is not None:

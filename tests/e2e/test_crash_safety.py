@@ -145,3 +145,32 @@ def test_cli_installs_atomic_checkpoint_io_and_the_sigterm_callback(tmp_path, pa
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
     assert any(isinstance(c, SigtermCheckpoint) for c in cli.trainer.callbacks)
     assert torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 1
+
+
+@pytest.mark.slow
+def test_sigterm_under_async_rollouts_stops_the_producer_and_resumes(tmp_path, tiny_path):
+    """``model.async_rollouts``: SIGTERM at step 3 ends the run with status 143 and ``last.ckpt`` as without it; the
+    producer process is gone with it (no orphan), and the checkpoint resumes (its rounds in flight asked again)."""
+    prompts = write_sort_rows(tmp_path / "prompts.jsonl", 48, "prompts")
+    pid_file = tmp_path / "producer.pid"
+    args = ["fit", "-c", str(TESTS.parent / "configs" / "grpo.yaml"), "--model.init_args.model", "builtin:tiny",
+            "--model.init_args.async_rollouts", "true", "--model.init_args.max_completion_length", "4",
+            "--model.init_args.num_generations", "2", "--model.init_args.steps_per_generation", "1",
+            "--data.init_args.path", prompts, "--data.init_args.val_split", "null", "--data.init_args.batch_size", "4",
+            "--trainer.max_steps", "6", "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+            "--trainer.logger.init_args.save_dir", str(tmp_path), "--export.enabled", "false",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"), "--trainer.callbacks.every_n_train_steps", "100",
+            "--trainer.callbacks.save_last", "true"]
+    proc = run_cli(args + ["--trainer.callbacks+=helpers.RecordProducerPid", "--trainer.callbacks.path", str(pid_file),
+                           "--trainer.callbacks+=helpers.SigtermAt", "--trainer.callbacks.step", "3"])
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err
+    with pytest.raises(ProcessLookupError):  # the producer went with the trainer
+        os.kill(int(pid_file.read_text()), 0)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == 4
+    run_in_process(args + ["--ckpt_path", str(last)])
+    resumed = sorted((tmp_path / "grpo").glob("version_*"))[-1]
+    assert sorted(int(r["step"]) for r in read_metrics(resumed) if "train/loss" in r) == [4, 5]

@@ -67,15 +67,33 @@ def test_the_synchronous_limit_equals_a_synchronous_run_bit_for_bit(tmp_path, pr
     assert limit.producer is None  # stopped with the run
 
 
+class KeepSampled(L.Callback):
+    """The last round's sampling log-probs as the producer sent them (``produced_round``)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx:  # wrapped once, at the first batch (the producer starts with training)
+            return
+        take = pl_module.producer.take
+
+        def spy(key):
+            produced = take(key)
+            self.value = produced.generation.logps.clone()
+            return produced
+
+        pl_module.producer.take = spy
+
+
 def test_rounds_run_ahead_within_the_staleness_bound(tmp_path, prompts):
     """One round (one optimizer step) ahead: the first round is sampled by the initial weights, every later one by
     the weights of the step before its turn (staleness 1), corrected for with the producer's log-probs."""
-    module, metrics, _ = run(tmp_path, prompts, 5, async_rollouts=True, max_staleness=1, producer_threads=1)
+    old_logps = KeepSampled()
+    module, metrics, _ = run(tmp_path, prompts, 5, [old_logps], async_rollouts=True, max_staleness=1,
+                             producer_threads=1)
     assert series(metrics, "train/async/staleness") == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert series(metrics, "train/async/weights_version") == [0.0, 0.0, 1.0, 2.0, 3.0]
     assert series(metrics, "train/async/dropped_rounds") == [0.0] * 5
-    # stale rounds are corrected for: the ratio of the trainer's forward to the producer's sampling log-probs
-    assert len(series(metrics, "train/sampling/importance_sampling_ratio/mean")) == 4
+    # a stale round's old log-probs are the producer's (one step, one round: a synchronous run would have none)
+    assert module.round.old_logps is not None and torch.equal(module.round.old_logps, old_logps.value)
     assert all(0 <= v <= 1 for v in series(metrics, "train/async/trainer_busy"))
     assert module.generation_rounds == 5
 
@@ -151,3 +169,15 @@ def test_distillation_samples_the_students_rounds_in_the_producer(tmp_path, prom
                                   producer_threads=1, **settings)
     assert series(limit_metrics, "train/loss") == series(sync_metrics, "train/loss")
     assert_same_weights(limit.policy, sync.policy)
+
+
+def test_vllm_engines_get_new_weights_every_weight_sync_steps():
+    """The version a vLLM engine (colocated or a server) reloads weights on moves every ``weight_sync_steps``."""
+    from types import SimpleNamespace
+
+    module = GRPOModule(reward_funcs=REWARDS, weight_sync_steps=3)
+    versions = []
+    for step in range(8):
+        module._trainer = SimpleNamespace(global_step=step)
+        versions.append(module.weights_version())
+    assert versions == [0, 0, 0, 3, 3, 3, 6, 6]
