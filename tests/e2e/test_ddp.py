@@ -160,3 +160,18 @@ def test_grpo_two_ranks_train_like_one_process_on_the_same_completions(tmp_path_
     # policy == reference before any update: log-prob differences d of rounding size, so k3 ~ d^2 / 2 ~ 0
     assert metric_at(ddp_m, "train/kl", 0) == pytest.approx(0.0, abs=1e-7)
     assert metric_at(ddp_m, "train/kl", 1) > 1e-6  # ...and not after: the step-1 match checks the averaged update
+
+
+def test_grpo_async_rollouts_on_two_ranks_at_the_synchronous_limit_equal_the_synchronous_run(tmp_path_factory):
+    """Each rank has its own producer sampling its own prompts: at ``max_staleness: 0`` two ranks train exactly as two
+    synchronous ranks do (the same rewards, losses and KL at every step)."""
+    callback = {"class_path": "lightning.pytorch.callbacks.Callback"}
+    sync_dir, _ = ddp_and_single(tmp_path_factory, lambda out: grpo_args(out, 4, callback))
+    async_dir, _ = ddp_and_single(tmp_path_factory, lambda out: [
+        *grpo_args(out, 4, callback), "--model.init_args.async_rollouts", "true", "--model.init_args.max_staleness", "0",
+        "--model.init_args.producer_threads", "1"])
+    sync_m, async_m = (read_metrics(d / "grpo" / "version_0") for d in (sync_dir, async_dir))
+    for step in range(STEPS):
+        for name in ("train/reward", "train/loss", "train/kl", "train/completions/mean_length"):
+            assert metric_at(async_m, name, step) == metric_at(sync_m, name, step), f"{name} at {step}"
+        assert metric_at(async_m, "train/async/staleness", step) == 0.0
