@@ -23,7 +23,8 @@ a test-only subclass), DeepSpeed ZeRO-2/3 (the reference partitioned, GRPO sampl
 ``vllm_mode: server`` (``vllm_server``): a vLLM server started here as ``trl vllm-serve`` starts it, on the last GPU
 with its NCCL weight-transfer engine when there are two or more (the trainer on the first: the ``nccl`` push; NCCL
 refuses two ranks on one GPU), else beside the trainer on the one GPU without it (the ``file`` push); the path taken is
-printed with the run. A case whose package is not importable (deepspeed, bitsandbytes, vllm) is skipped, said so.
+printed with the run; ``async_rollouts``: GRPO with a producer process per rank (its policy on the rank's GPU, the
+weights through shared CPU memory), its ``train/async/*`` metrics printed. A case whose package is not importable (deepspeed, bitsandbytes, vllm) is skipped, said so.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ VARIANTS = {
     "vllm_sleep": ("ddp", "vllm", ("grpo",), [*VLLM, "--model.init_args.vllm_enable_sleep_mode", "true"]),
     "vllm_server": (None, "vllm", ("grpo",), ["--model.init_args.engine", "vllm", "--model.init_args.vllm_mode",
                                               "server"]),  # one trainer rank: server mode's limit
+    # asynchronous rollouts: a producer process per rank samples one round ahead on the rank's GPU (engine auto: hf)
+    "async_rollouts": ("ddp", None, ("grpo",), ["--model.init_args.async_rollouts", "true"]),
 }
 
 
@@ -148,6 +151,10 @@ def run_fit(recipe: str, strategy: str, args, out: Path, more: list[str] = (), e
     weights = [value for _, value in metrics.get("train/sampling/importance_sampling_ratio/mean", [])]
     if weights:
         result["importance_sampling_ratio"] = weights
+    for name in ("staleness", "producer_busy", "trainer_busy"):
+        values = [value for _, value in metrics.get(f"train/async/{name}", [])]
+        if values:
+            result[f"async_{name}"] = values
     if (out / "hf_model" / "adapter_config.json").exists():  # a LoRA export: the adapter, no full weights to compare
         result["adapter_files"] = sorted(p.name for p in (out / "hf_model").iterdir())
     else:

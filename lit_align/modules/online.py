@@ -189,12 +189,15 @@ class OnlineModule(AlignModule):
             ``async_rollouts``, a vLLM engine or server) every this many optimizer steps (TRL's; 1: every step).
         producer_threads: with ``async_rollouts`` on CPU, the producer's threads; the trainer keeps the rest of its
             own (None: half of them each).
+        producer_device: with ``async_rollouts``, where the producer's policy runs (e.g. ``cuda:1``: sampling on a GPU
+            of its own); None: the trainer's device. Weights reach it through the CPU (shared memory).
     """
 
     resume_may_change = ("engine", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_enable_sleep_mode",
                          "vllm_mode", "vllm_server_base_url", "vllm_server_host", "vllm_server_port",
                          "vllm_server_timeout", "vllm_group_port", "num_generations_eval", "pass_threshold",
-                         "async_rollouts", "max_staleness", "weight_sync_steps", "producer_threads")
+                         "async_rollouts", "max_staleness", "weight_sync_steps", "producer_threads",
+                         "producer_device")
     rewards_required = True  # the recipe trains on rewards: no reward function is an error (distillation: optional)
     grouped = True  # the recipe compares a prompt's completions with each other (``RoundShape.grouped``)
 
@@ -246,6 +249,7 @@ class OnlineModule(AlignModule):
         max_staleness: int | None = None,
         weight_sync_steps: int = 1,
         producer_threads: int | None = None,
+        producer_device: str | None = None,
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
@@ -437,7 +441,8 @@ class OnlineModule(AlignModule):
         self.trainer_threads = threads
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, threads - producer_threads))
-        self.producer = RolloutProducer(self, producer_threads, self.device)
+        device = self.hparams.producer_device
+        self.producer = RolloutProducer(self, producer_threads, self.device if device is None else torch.device(device))
 
     def stop_producer(self) -> None:
         if self.producer is not None:
