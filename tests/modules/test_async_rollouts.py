@@ -181,3 +181,14 @@ def test_vllm_engines_get_new_weights_every_weight_sync_steps():
         module._trainer = SimpleNamespace(global_step=step)
         versions.append(module.weights_version())
     assert versions == [0, 0, 0, 3, 3, 3, 6, 6]
+
+
+def test_epochs_and_an_epoch_cut_short_keep_rounds_and_prompts_in_step(tmp_path, prompts):
+    """``limit_train_batches: 3`` cuts each epoch after 3 rounds while the producer already sampled the 4th: it is
+    dropped at the next epoch's first round, which (nothing asked for yet) is sampled by the current weights. Every
+    round trained on is the one of the prompts the data yields (``produced_round`` checks the dataset rows)."""
+    module, metrics, _ = run(tmp_path, prompts, 7, async_rollouts=True, max_staleness=1, producer_threads=1,
+                             trainer_kwargs={"limit_train_batches": 3})
+    assert series(metrics, "train/async/staleness") == [0.0, 1.0, 1.0] * 2 + [0.0]
+    assert [r["epoch"] for r in metrics if "train/loss" in r] == [0.0] * 3 + [1.0] * 3 + [2.0]
+    assert module.producer is None and module.generation_rounds == 7
