@@ -615,3 +615,17 @@ class RecordProducerPid(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if pl_module.producer is not None and not os.path.exists(self.path):
             Path(self.path).write_text(str(pl_module.producer.process.pid))
+
+
+def prefer_token(model, tokenizer, prompts: list[str], text: str, steps: int = 3) -> int:
+    """Train ``model`` (SGD, lr 1) for ``steps`` steps to make ``text``'s first token its next token after each of
+    ``prompts`` (a change of weights every engine must follow); returns that token."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    target = tokenizer(text, add_special_tokens=False)["input_ids"][0]
+    prompt_ids, prompt_mask = left_padded(tokenizer, prompts)
+    for _ in range(steps):
+        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask).logits[:, -1]
+        torch.nn.functional.cross_entropy(logits, torch.full((len(prompts),), target)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return target

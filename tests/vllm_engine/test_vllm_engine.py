@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import left_padded
+from helpers import left_padded, prefer_token
 
 from lit_align.errors import LitAlignError
 from lit_align.generation import HFEngine, VLLMEngine
@@ -45,14 +45,7 @@ def test_greedy_equals_hf_generate_and_follows_optimizer_steps(tiny_path, tokeni
     generate(vllm, model, tokenizer)
     assert vllm.engine.pushes == pushes, "same weights version: nothing pushed"
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    target = tokenizer("7", add_special_tokens=False)["input_ids"][0]
-    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
-    for _ in range(3):  # make the model prefer the digit 7 after each prompt
-        logits = model(input_ids=prompt_ids, attention_mask=prompt_mask).logits[:, -1]
-        torch.nn.functional.cross_entropy(logits, torch.full((len(PROMPTS),), target)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    target = prefer_token(model, tokenizer, PROMPTS, "7")  # the digit 7 after each prompt
     version = 3
     after = generate(vllm, model, tokenizer)
     assert vllm.engine.pushes == pushes + 1
