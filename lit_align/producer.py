@@ -9,8 +9,7 @@ pushes its weights every ``weight_sync_steps`` optimizer steps (``push``).
 The producer's copy of the policy is sent once, as its first message. Weights then travel through one copy of the
 trainable tensors in shared memory, *staged*: the trainer writes them under a lock and stamps them with their version
 (its ``global_step``); the producer, between two rounds, copies them into its policy under the same lock when the
-version moved. A round comes back with the version that
-sampled it, so the trainer knows its staleness. A producer that fails sends its error before it exits; one that dies
+version moved. A round comes back with the version that sampled it, so the trainer knows its staleness. A producer that fails sends its error before it exits; one that dies
 otherwise is noticed within a fraction of a second (``take`` polls it): the trainer then stops with one line. The
 producer ignores Ctrl-C (the trainer, which gets it too, stops it) and exits when its parent is gone.
 """
@@ -73,27 +72,32 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}{where}"
 
 
+def next_message(requests, parent: int):
+    """The trainer's next message; None when it says stop or is gone (checked every second)."""
+    while True:
+        try:
+            return requests.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
 def produce(spec: dict, staged: list[torch.Tensor], version, lock, requests, results, parent: int) -> None:
     """The producer process: rounds in ``requests`` order, each sampled with the newest weights staged so far."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer too, which stops this process
     torch.set_num_threads(spec["threads"])
     try:
         device = torch.device(spec["device"])
-        policy = requests.get().to(device).eval()
+        policy = next_message(requests, parent)
+        if policy is None:
+            return
+        policy = policy.to(device).eval()
         mine = [p for p in policy.parameters() if p.requires_grad]
         network = policy.get_base_model() if spec["lora"] else policy
         rollouts = Rollouts(**spec["rollouts"])
         rollouts.setup(spec["tokenizer"], network, *spec["setup"])
         side, loaded = ProducerSide(policy, spec["tokenizer"], device), None
-        while True:
-            try:
-                request = requests.get(timeout=1.0)
-            except queue.Empty:
-                if os.getppid() != parent:  # the trainer is gone
-                    return
-                continue
-            if request is None:
-                return
+        while (request := next_message(requests, parent)) is not None:
             start = time.perf_counter()
             with lock:
                 if version.value != loaded:
