@@ -1,17 +1,20 @@
 """Asynchronous rollouts: a producer process samples and scores rounds while the trainer trains.
 
 With ``model.async_rollouts`` an online recipe (``lit_align.modules.online.OnlineModule``) stops alternating
-generation and training. A ``RolloutProducer`` starts another process that holds its own copy of the policy and its
-own ``lit_align.rollouts.Rollouts`` (engine, reward functions, tools, environments). The trainer asks for rounds
-ahead of their turn (``submit``: a round's prompts, seed and key), trains on each when its turn comes (``take``), and
-pushes its weights every ``weight_sync_steps`` optimizer steps (``push``).
+generation and training. Its ``RolloutProducer`` starts another process (``ProducerProcess``, running ``produce``) that
+holds its own copy of the policy and its own ``lit_align.rollouts.Rollouts`` (engine, reward functions, tools,
+environments). At each round's first step the trainer asks for the rounds up to ``rounds_ahead`` after it (``submit``:
+a round's prompts, seed and key; the data looks ahead for it), takes this one (``take``, waiting only if it is not
+ready, dropping it if staler than ``max_staleness``), and pushes its weights every ``weight_sync_steps`` optimizer
+steps (``push``).
 
 The producer's copy of the policy is sent once, as its first message. Weights then travel through one copy of the
 trainable tensors in shared memory, *staged*: the trainer writes them under a lock and stamps them with their version
 (its ``global_step``); the producer, between two rounds, copies them into its policy under the same lock when the
-version moved. A round comes back with the version that sampled it, so the trainer knows its staleness. A producer that fails sends its error before it exits; one that dies
-otherwise is noticed within a fraction of a second (``take`` polls it): the trainer then stops with one line. The
-producer ignores Ctrl-C (the trainer, which gets it too, stops it) and exits when its parent is gone.
+version moved. A round comes back with the version that sampled it, so the trainer knows its staleness. A producer
+that fails sends its error before it exits; one that dies otherwise is noticed within a fraction of a second (``take``
+polls it): the trainer then stops with one line. The producer ignores Ctrl-C (the trainer, which gets it too, stops
+it) and exits when its parent is gone.
 """
 
 from __future__ import annotations
@@ -120,8 +123,9 @@ def produce(spec: dict, staged: list[torch.Tensor], version, lock, requests, res
         results.put(("error", describe(error)))
 
 
-class RolloutProducer:
-    """The trainer's side of a producer process (module docstring).
+class ProducerProcess:
+    """The producer process and its channels, seen from the trainer: ``push`` weights, ``submit`` requests, ``take``
+    rounds, ``close``.
 
     Args:
         module: the online module whose policy, tokenizer and rollout settings the producer copies.
@@ -150,7 +154,7 @@ class RolloutProducer:
         self.ready: dict[tuple[int, int], ProducedRound] = {}
         self.busy_s = 0.0  # the producer's time on the rounds received so far
 
-    def push(self, policy: torch.nn.Module, version: int) -> None:
+    def push(self, version: int) -> None:
         """Stage the policy's trainable weights as ``version`` (the producer loads them before its next round)."""
         with self.lock, torch.no_grad():
             for staged, live in zip(self.staged, self.live):
@@ -221,3 +225,91 @@ class RolloutProducer:
         for channel in (self.requests, self.results):
             channel.cancel_join_thread()
             channel.close()
+
+
+class RolloutProducer:
+    """Asynchronous rounds for an online module (module docstring): the producer process, what was asked of it, the
+    staleness bound and the ``async/*`` metrics. ``OnlineModule`` makes one at the start of training
+    (``model.async_rollouts``), takes each round from it (``round``), tells it of each step (``after_step``) and
+    closes it with the run.
+    """
+
+    def __init__(self, module):
+        from lit_align.capabilities import is_sharded
+
+        trainer, hp = module.trainer, module.hparams
+        if is_sharded(module.policy) or type(trainer.strategy).__name__.startswith(("FSDP", "DeepSpeed")):
+            raise LitAlignError("model.async_rollouts: the producer needs the whole policy on each rank; FSDP and "
+                                "DeepSpeed shard it: use ddp, or model.async_rollouts: false")
+        if not hasattr(trainer.datamodule, "round_batch"):
+            raise LitAlignError("model.async_rollouts: the producer samples rounds ahead of their turn, which needs "
+                                "lit_align's prompt data (lit_align.data.PromptDataModule) under data:")
+        self.max_staleness, self.sync_steps = hp.max_staleness, hp.weight_sync_steps
+        self.threads = torch.get_num_threads()  # the trainer's, given back at the end
+        threads = hp.producer_threads or max(1, self.threads // 2)
+        if module.device.type == "cpu":  # the cores split between the two sides
+            torch.set_num_threads(max(1, self.threads - threads))
+        device = module.device if hp.producer_device is None else torch.device(hp.producer_device)
+        self.worker = ProducerProcess(module, threads, device)
+        self.dropped, self.round_start, self.last_wait, self.last_busy = 0, None, 0.0, 0.0
+
+    @property
+    def process(self):
+        return self.worker.process
+
+    def rounds_ahead(self, module) -> int:
+        """Rounds the producer samples before their turn: as many as ``max_staleness`` optimizer steps allow."""
+        per_round = module.round_shape.steps / module.trainer.accumulate_grad_batches  # optimizer steps per round
+        if self.max_staleness is None:
+            return 1
+        return int(self.max_staleness // per_round) if per_round > 0 else 0
+
+    def round(self, module, batch: dict[str, Any]) -> Generation:
+        """This round's completions: first the rounds up to ``rounds_ahead`` after it are asked for (the data looks
+        ahead: ``PromptDataModule.round_batch``; ``module.policy_samples`` says which are the policy's), then this one
+        is waited for. Were it sampled more than ``max_staleness`` optimizer steps ago it is dropped and sampled again
+        by the module's current policy. Its ``async/*`` metrics go with it (``Generation.metrics``)."""
+        worker, step, data = self.worker, module.global_step, module.trainer.datamodule
+        epoch, r, num = module.trainer.current_epoch, int(batch["round"]), module.round_shape.num_generations
+        arrived = time.perf_counter()
+        if not worker.in_flight((epoch, r)):  # nothing asked for yet (start, resume, a new epoch): current weights
+            worker.push(step)
+        for ahead in range(self.rounds_ahead(module) + 1):
+            key = (epoch, r + ahead)
+            if worker.in_flight(key) or not module.policy_samples(ahead):
+                continue
+            prompts = batch if ahead == 0 else data.round_batch(r + ahead)
+            if prompts is None:  # past the epoch's last round
+                break
+            prompts = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+            worker.submit(Request(key, prompts, num, module.round_seed(ahead), module.trainer.max_steps, epoch))
+        depth = worker.queue_depth()
+        produced = worker.take((epoch, r))
+        wait = time.perf_counter() - arrived
+        gen, version = produced.generation.to(module.device), produced.version
+        if gen.dataset_rows is not None and gen.dataset_rows[::num] != batch["dataset_rows"]:
+            raise LitAlignError(f"model.async_rollouts: the producer sampled round {r} of epoch {epoch} from other "
+                                "prompts than the data yields; was the data changed during the run?")
+        if self.max_staleness is not None and step - version > self.max_staleness:  # too old: sampled again here
+            self.dropped += 1
+            gen, version = module.rollouts.generate(module, batch, num, seed=module.round_seed()), step
+        if version == step:
+            gen.weights_version = None  # sampled by the current weights: trained on as a synchronous round
+        stats = {"async/staleness": step - version, "async/weights_version": version, "async/queue_depth": depth,
+                 "async/dropped_rounds": self.dropped, "async/wait_s": wait}
+        if self.round_start is not None:  # since the last round began: the share of it each side was busy
+            wall = arrived - self.round_start
+            stats["async/trainer_busy"] = 1.0 - self.last_wait / wall
+            stats["async/producer_busy"] = min(1.0, (worker.busy_s - self.last_busy) / wall)
+        self.round_start, self.last_wait, self.last_busy = arrived, wait, worker.busy_s
+        gen.metrics.update({name: [float(value)] for name, value in stats.items()})
+        return gen
+
+    def after_step(self, step: int) -> None:
+        """The weights to the producer every ``weight_sync_steps`` optimizer steps."""
+        if step != self.worker.staged_version and step % self.sync_steps == 0:
+            self.worker.push(step)
+
+    def close(self) -> None:
+        self.worker.close()
+        torch.set_num_threads(self.threads)

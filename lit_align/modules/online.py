@@ -16,7 +16,6 @@ completion per prompt (``grouped``), and makes some rounds from other completion
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from lit_align.logps import layout_logps
 from lit_align.losses.grpo import masked_mean, nanstd, sequence_means
 from lit_align.models import cast_lm_head_to_fp32
 from lit_align.modules.base import AlignModule
-from lit_align.producer import Request, RolloutProducer
+from lit_align.producer import RolloutProducer
 from lit_align.reference import FrozenReference, build_reference
 from lit_align.rewards import pass_at_k
 from lit_align.rollouts import ZERO_STD, Generation, Rollouts
@@ -280,7 +279,6 @@ class OnlineModule(AlignModule):
             tools=tools, max_tool_calling_iterations=max_tool_calling_iterations,
             environment_factory=environment_factory, rewards_required=self.rewards_required)
         self.producer: RolloutProducer | None = None  # started with training (``on_train_start``)
-        self.async_state = {"dropped_rounds": 0, "round_start": None, "wait_s": 0.0, "busy_s": 0.0}
         self.register_buffer("reward_weights", self.rollouts.reward_weights, persistent=False)
         self.round, self.generation_rounds, self.generation_seed = None, 0, torch.initial_seed()  # (see make_round)
         self.val_metrics = self.validation_metrics()
@@ -365,90 +363,16 @@ class OnlineModule(AlignModule):
 
     def sample_round(self, batch: dict[str, Any]) -> Generation:
         """The policy's completions of the round's prompts, scored: sampled here, or with ``async_rollouts`` the
-        producer's (``produced_round``)."""
+        producer's (``lit_align.producer.RolloutProducer.round``)."""
         if self.producer is None:
             return self.rollouts.generate(self, batch, self.round_shape.num_generations, seed=self.round_seed())
-        return self.produced_round(batch)
+        return self.producer.round(self, batch)
 
     # -- asynchronous rollouts (model.async_rollouts; lit_align.producer) ---------------------------------------------
     def policy_samples(self, ahead: int) -> bool:
         """Whether the round ``ahead`` rounds from now trains on the policy's samples (the producer samples those);
         distillation's off-policy rounds do not."""
         return True
-
-    def rounds_ahead(self) -> int:
-        """Rounds the producer samples before their turn: as many as ``max_staleness`` optimizer steps allow."""
-        per_round = self.round_shape.steps / self.trainer.accumulate_grad_batches  # optimizer steps per round
-        staleness = self.hparams.max_staleness
-        return 1 if staleness is None else int(staleness // per_round) if per_round > 0 else 0
-
-    def produced_round(self, batch: dict[str, Any]) -> Generation:
-        """This round from the producer: first the rounds up to ``rounds_ahead`` after it are asked for (the data
-        looks ahead: ``PromptDataModule.round_batch``), then this one is waited for. Were it sampled more than
-        ``max_staleness`` optimizer steps ago it is dropped and sampled again here by the current policy. Its
-        ``async/*`` metrics go with the round."""
-        producer, data, state = self.producer, self.trainer.datamodule, self.async_state
-        epoch, r, num = self.trainer.current_epoch, int(batch["round"]), self.round_shape.num_generations
-        arrived = time.perf_counter()
-        if not producer.in_flight((epoch, r)):  # nothing asked for yet (start, resume, a new epoch): current weights
-            producer.push(self.policy, self.global_step)
-        for ahead in range(self.rounds_ahead() + 1):
-            key = (epoch, r + ahead)
-            if producer.in_flight(key) or not self.policy_samples(ahead):
-                continue
-            prompts = batch if ahead == 0 else data.round_batch(r + ahead)
-            if prompts is None:  # past the epoch's last round
-                break
-            prompts = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
-            producer.submit(Request(key, prompts, num, self.round_seed(ahead), self.trainer.max_steps, epoch))
-        depth = producer.queue_depth()
-        produced = producer.take((epoch, r))
-        wait = time.perf_counter() - arrived
-        gen, staleness = produced.generation.to(self.device), self.global_step - produced.version
-        if gen.dataset_rows is not None and gen.dataset_rows[::num] != batch["dataset_rows"]:
-            raise LitAlignError(f"model.async_rollouts: the producer sampled round {r} of epoch {epoch} from other "
-                                "prompts than the data yields; was the data changed during the run?")
-        limit = self.hparams.max_staleness
-        if limit is not None and staleness > limit:  # too old: sampled again by the current weights
-            state["dropped_rounds"] += 1
-            gen = self.rollouts.generate(self, batch, num, seed=self.round_seed())
-            staleness, produced.version = 0, self.global_step
-        elif staleness == 0:
-            gen.weights_version = None  # sampled by the current weights: trained on as a synchronous round
-        now, start = time.perf_counter(), state["round_start"]
-        wall = None if start is None else now - start
-        stats = {"async/staleness": staleness, "async/weights_version": produced.version, "async/queue_depth": depth,
-                 "async/dropped_rounds": state["dropped_rounds"], "async/wait_s": wait}
-        if wall:  # since the last round began: the share of it each side was busy
-            stats["async/trainer_busy"] = 1.0 - (state["wait_s"] / wall)
-            stats["async/producer_busy"] = min(1.0, (producer.busy_s - state["busy_s"]) / wall)
-        state.update(round_start=arrived, wait_s=wait, busy_s=producer.busy_s)
-        gen.metrics.update({name: [float(value)] for name, value in stats.items()})  # the round's metrics
-        return gen
-
-    def start_producer(self) -> None:
-        """The producer process, with this policy's weights; on CPU the threads are split between the two sides."""
-        from lit_align.capabilities import is_sharded
-
-        if is_sharded(self.policy) or self.trainer.strategy.__class__.__name__.startswith(("FSDP", "DeepSpeed")):
-            raise LitAlignError("model.async_rollouts: the producer needs the whole policy on each rank; FSDP and "
-                                "DeepSpeed shard it: use ddp, or model.async_rollouts: false")
-        if not hasattr(self.trainer.datamodule, "round_batch"):
-            raise LitAlignError("model.async_rollouts: the producer samples rounds ahead of their turn, which needs "
-                                "lit_align's prompt data (lit_align.data.PromptDataModule) under data:")
-        threads = torch.get_num_threads()
-        producer_threads = self.hparams.producer_threads or max(1, threads // 2)
-        self.trainer_threads = threads
-        if self.device.type == "cpu":
-            torch.set_num_threads(max(1, threads - producer_threads))
-        device = self.hparams.producer_device
-        self.producer = RolloutProducer(self, producer_threads, self.device if device is None else torch.device(device))
-
-    def stop_producer(self) -> None:
-        if self.producer is not None:
-            self.producer.close()
-            self.producer = None
-            torch.set_num_threads(self.trainer_threads)
 
     def assemble_round(self, batch: dict[str, Any], gen: Generation, sampled: Generation) -> GenerationRound:
         """The round of the completions ``gen`` (``sampled``: everything sampled for them, for the metrics): the old
@@ -579,14 +503,13 @@ class OnlineModule(AlignModule):
         if self.round is not None:  # restored from a checkpoint (on the CPU)
             self.round = self.round.to(self.device)
         if self.async_rollouts:
-            self.start_producer()
+            self.producer = RolloutProducer(self)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        """With ``async_rollouts``: the weights to the producer every ``weight_sync_steps`` optimizer steps."""
+        """With ``async_rollouts``: the producer learns of the step (``RolloutProducer.after_step``)."""
         super().on_train_batch_end(outputs, batch, batch_idx)
-        producer, step = self.producer, self.global_step
-        if producer is not None and step != producer.staged_version and step % self.hparams.weight_sync_steps == 0:
-            producer.push(self.policy, step)
+        if self.producer is not None:
+            self.producer.after_step(self.global_step)
 
     def on_train_end(self) -> None:
         self.stop_producer()
@@ -595,6 +518,11 @@ class OnlineModule(AlignModule):
         """The producer stops with the run, however it ends (an error, Ctrl-C)."""
         self.stop_producer()
         super().teardown(stage)
+
+    def stop_producer(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
 
     # -- held-out reward -----------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

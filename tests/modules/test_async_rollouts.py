@@ -73,14 +73,14 @@ class KeepSampled(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx:  # wrapped once, at the first batch (the producer starts with training)
             return
-        take = pl_module.producer.take
+        take = pl_module.producer.worker.take
 
         def spy(key):
             produced = take(key)
             self.value = produced.generation.logps.clone()
             return produced
 
-        pl_module.producer.take = spy
+        pl_module.producer.worker.take = spy
 
 
 def test_rounds_run_ahead_within_the_staleness_bound(tmp_path, prompts):
