@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from lightning.pytorch.utilities import rank_zero_info
 
 from lit_align.errors import LitAlignError
 from lit_align.rollouts import Generation, Rollouts
@@ -251,6 +252,9 @@ class RolloutProducer:
             torch.set_num_threads(max(1, self.threads - threads))
         device = module.device if hp.producer_device is None else torch.device(hp.producer_device)
         self.worker = ProducerProcess(module, threads, device)
+        rank_zero_info(f"lit_align: async rollouts: a producer on {device} ({threads} threads) samples up to "
+                       f"{self.rounds_ahead(module)} round(s) ahead; the trainer on {module.device} "
+                       f"({torch.get_num_threads()} threads)")
         self.dropped, self.round_start, self.last_wait, self.last_busy = 0, None, 0.0, 0.0
 
     @property
