@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import signal
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -189,18 +191,43 @@ def print_table(columns: list[str], rows: list[list], title: str) -> None:
 
 
 class SigtermCheckpoint(L.Callback):
-    """On SIGTERM (preemption, ``kill``, a scheduler's time limit), save ``last.ckpt`` before the run exits.
+    """On SIGTERM (preemption, ``kill``, a scheduler's time limit) or a first Ctrl-C, save ``last.ckpt`` before the
+    run exits.
 
-    Lightning already handles the signal: it lets the current batch finish, stops every rank (the flag is broadcast
-    under DDP) and raises ``SIGTERMException``; outside SLURM it saves nothing. This callback saves a checkpoint at
-    that point, a clean step boundary (under gradient accumulation, the end of the window the signal fell in), into the ``ModelCheckpoint``'s directory, so
-    ``lit-align fit -c CONFIG --ckpt_path <dir>/last.ckpt`` resumes exactly. ``lit-align`` adds it to every run that
-    checkpoints, and then exits with status 143 (128 + SIGTERM: the run is not finished).
+    Lightning already handles SIGTERM: it lets the current batch finish, stops every rank (the flag is broadcast under
+    DDP) and raises ``SIGTERMException``; outside SLURM it saves nothing. This callback saves a checkpoint at that
+    point, a clean step boundary (under gradient accumulation, the end of the window the signal fell in), into the
+    ``ModelCheckpoint``'s directory, so ``lit-align fit -c CONFIG --ckpt_path <dir>/last.ckpt`` resumes exactly.
+    During ``fit`` a first Ctrl-C takes the same path (Python's KeyboardInterrupt would stop anywhere, a half-done
+    optimizer step included); a second one stops at once. ``lit-align`` adds it to every run that checkpoints, and then
+    exits with status 143 after SIGTERM, 130 after Ctrl-C (128 + the signal: the run is not finished).
     """
+
+    exit_status = 143  # the last run's: 128 + SIGTERM, or 128 + SIGINT after a Ctrl-C
 
     def __init__(self) -> None:
         self.saved_to: Path | None = None
         self._deferred = False
+        self._previous_sigint = None
+        self._trainer: L.Trainer | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        SigtermCheckpoint.exit_status = 128 + signal.SIGTERM
+        if threading.current_thread() is threading.main_thread():
+            self._trainer, self._previous_sigint = trainer, signal.signal(signal.SIGINT, self._interrupt)
+
+    def _interrupt(self, signum, frame) -> None:
+        """A first Ctrl-C: Lightning's SIGTERM flag (the step finishes, every rank stops, ``on_exception`` saves); the
+        next one is Python's KeyboardInterrupt again."""
+        signal.signal(signal.SIGINT, self._previous_sigint or signal.default_int_handler)
+        SigtermCheckpoint.exit_status = 128 + signal.SIGINT
+        self._trainer._signal_connector.received_sigterm = True
+        rank_zero_info("lit_align: Ctrl-C: finishing this step, then saving last.ckpt (Ctrl-C again to stop at once)")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._trainer is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._previous_sigint or signal.default_int_handler)
+            self._trainer = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
         """Lightning stops after the batch the signal arrived in. Inside a gradient-accumulation window that would
@@ -222,5 +249,6 @@ class SigtermCheckpoint(L.Callback):
         path = Path(directory) / "last.ckpt"
         trainer.save_checkpoint(path)
         self.saved_to = path
-        rank_zero_info(f"lit_align: SIGTERM at step {trainer.global_step}: saved {path} "
+        cause = "Ctrl-C" if SigtermCheckpoint.exit_status == 128 + signal.SIGINT else "SIGTERM"
+        rank_zero_info(f"lit_align: {cause} at step {trainer.global_step}: saved {path} "
                        f"(resume with --ckpt_path {path})")

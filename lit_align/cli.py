@@ -31,7 +31,6 @@ from lit_align.checkpoint_io import AtomicCheckpointIO
 from lit_align.errors import LitAlignError
 from lit_align.imports import import_object
 
-SIGTERM_EXIT = 143  # 128 + SIGTERM, as a shell reports a process the signal ended: the run is not finished
 
 
 # where options that moved are now set: (section, option) -> the new place
@@ -218,8 +217,8 @@ def run(args: list[str] | None = None) -> LightningCLI:
             auto_configure_optimizers=False,
             args=args,
         )
-    except SIGTERMException:  # Lightning stopped at a step boundary; SigtermCheckpoint saved the state
-        sys.exit(SIGTERM_EXIT)
+    except SIGTERMException:  # stopped at a step boundary (SIGTERM, Ctrl-C); SigtermCheckpoint saved the state
+        sys.exit(SigtermCheckpoint.exit_status)
     except Exception as exc:  # noqa: BLE001
         error = _user_error(exc)
         if error is None:

@@ -109,18 +109,20 @@ def left_padded(tokenizer, prompts):
 
 
 class SigtermAt(L.Callback):
-    """Send this process a real SIGTERM during the training step at ``step`` (Lightning's handler takes it from there).
+    """Send this process a real SIGTERM (or ``signum``: ``INT`` for a Ctrl-C) during the training step at ``step``
+    (Lightning's handler, or ``SigtermCheckpoint``'s for Ctrl-C, takes it from there).
 
     Args:
         step: the global step whose batch receives the signal.
+        signum: the signal's name without ``SIG``.
     """
 
-    def __init__(self, step: int):
-        self.step = step
+    def __init__(self, step: int, signum: str = "TERM"):
+        self.step, self.signum = step, getattr(signal, f"SIG{signum}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.signum)
 
 
 class DiskFullOnSave(L.Callback):

@@ -148,9 +148,11 @@ def test_cli_installs_atomic_checkpoint_io_and_the_sigterm_callback(tmp_path, pa
 
 
 @pytest.mark.slow
-def test_sigterm_under_async_rollouts_stops_the_producer_and_resumes(tmp_path, tiny_path):
-    """``model.async_rollouts``: SIGTERM at step 3 ends the run with status 143 and ``last.ckpt`` as without it; the
-    producer process is gone with it (no orphan), and the checkpoint resumes (its rounds in flight asked again)."""
+@pytest.mark.parametrize("signum,status", [("TERM", 143), ("INT", 130)])
+def test_sigterm_or_ctrl_c_under_async_rollouts_stops_the_producer_and_resumes(tmp_path, tiny_path, signum, status):
+    """``model.async_rollouts``: SIGTERM (or a Ctrl-C) at step 3 ends the run with status 143 (130) and ``last.ckpt``
+    after step 3, as without it; the producer process is gone with it (no orphan), and the checkpoint resumes (its
+    rounds in flight asked again)."""
     prompts = write_sort_rows(tmp_path / "prompts.jsonl", 48, "prompts")
     pid_file = tmp_path / "producer.pid"
     args = ["fit", "-c", str(TESTS.parent / "configs" / "grpo.yaml"), "--model.init_args.model", "builtin:tiny",
@@ -163,10 +165,11 @@ def test_sigterm_under_async_rollouts_stops_the_producer_and_resumes(tmp_path, t
             "--trainer.callbacks.dirpath", str(tmp_path / "ckpt"), "--trainer.callbacks.every_n_train_steps", "100",
             "--trainer.callbacks.save_last", "true"]
     proc = run_cli(args + ["--trainer.callbacks+=helpers.RecordProducerPid", "--trainer.callbacks.path", str(pid_file),
-                           "--trainer.callbacks+=helpers.SigtermAt", "--trainer.callbacks.step", "3"])
+                           "--trainer.callbacks+=helpers.SigtermAt", "--trainer.callbacks.step", "3",
+                           "--trainer.callbacks.signum", signum])
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 143, err
-    assert "Traceback" not in err
+    assert proc.returncode == status, err
+    assert "Traceback" not in err and f"{'SIGTERM' if signum == 'TERM' else 'Ctrl-C'} at step 4: saved" in err + out
     with pytest.raises(ProcessLookupError):  # the producer went with the trainer
         os.kill(int(pid_file.read_text()), 0)
     last = tmp_path / "ckpt" / "last.ckpt"
