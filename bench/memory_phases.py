@@ -5,18 +5,22 @@
     python bench/memory_phases.py --recipe grpo --model M --checkpointing selective --optim adamw_torch_fused
     python bench/memory_phases.py --recipe grpo --model M --checkpointing selective --optim adamw_torch_fused \
         --mmap-activations
+    python bench/memory_phases.py --recipe distill --model M --teacher T --optim adamw_torch_fused
 
 One process, 1 thread. ``--recipe dpo``: ``dpo_vs_trl.py --lab real --padding-free``'s module, rows and batches (2
 pairs a step, max_length 1024, 5 steps). ``--recipe grpo``: ``grpo_vs_trl.py --lab real --lit-engine native+padfree
 --lr 0``'s (16 completions a round, 4 prompts x 4, 2 steps of 8, 64 new tokens, 3 rounds, beta 0: no reference).
+``--recipe distill``: ``distill_vs_trl.py --lab real``'s (``--teacher``, default the student; 16 prompts a round, 2
+steps of 8, one completion each, 64 new tokens, 3 rounds, lr 1e-5), lit_align's defaults otherwise.
 
-A sampler thread (every 2 ms) records the highest RSS of each phase: ``sample`` (GRPO: the engine's ``generate``),
-``round`` (GRPO: the rest of the round: rewards, advantages, old log-probs where needed), ``fwd`` (the training
-forward and the loss; DPO: the policy's and the reference's), ``bwd``, ``opt`` (clipping and the optimizer step) and
+A sampler thread (every 2 ms) records the highest RSS of each phase: ``sample`` (GRPO, distillation: the engine's
+``generate``), ``round`` (the rest of the round: rewards, advantages, old log-probs where needed), ``fwd`` (the
+training forward and the loss; DPO: the policy's and the reference's; distillation: the student's and the
+divergence), ``teacher`` (distillation: the teacher's forward), ``bwd``, ``opt`` (clipping and the optimizer step) and
 ``between`` (Lightning's loop between two steps). Per step it prints each phase's peak and the RSS at its end,
 glibc's own count of the bytes in use (``mallinfo2``: allocated chunks plus mmapped blocks; the rest of the RSS is
 memory glibc keeps after it was freed, and the interpreter's and libraries' own pages), the step's CPU time and its
-page faults (each a first write to a 4 KiB page the process did not have). With ``--checkpointing none``
+page faults (each a first write to a 4 KiB page the process did not have). Without checkpointing
 it also sums the bytes autograd saved for backward (each storage once; parameters left out).
 """
 
@@ -30,6 +34,7 @@ import threading
 import time
 
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+SUB_PHASES = ("sample", "round", "teacher")  # phases inside a step's forward, each with its own peak
 
 
 def rss(field: str = "VmRSS") -> float:
@@ -62,8 +67,19 @@ def malloc_in_use() -> float:
     return info["in_use"] + info["mmapped"] if info else float("nan")
 
 
+def tagged(phase: list, name: str, fn):
+    """``fn``, its calls in the phase ``name`` (the phase before them again afterwards)."""
+    def call(*a, **kw):
+        before, phase[0] = phase[0], name
+        try:
+            return fn(*a, **kw)
+        finally:
+            phase[0] = before
+    return call
+
+
 def dpo_run(args, model_dir: str, phase: list):
-    """DPO as ``dpo_vs_trl.py --lab real --padding-free``: ``(module, datamodule, steps)``."""
+    """DPO as ``dpo_vs_trl.py --lab real --padding-free``: ``(module, datamodule, steps, accumulation)``."""
     import lab
     from dpo_vs_trl import LIT_CHECKPOINTING
 
@@ -77,12 +93,12 @@ def dpo_run(args, model_dir: str, phase: list):
                        mmap_activations=args.mmap_activations)
     data = PreferenceDataModule(path=rows, tokenizer=model_dir, batch_size=2, max_length=1024, val_split=None,
                                 shuffle=False)
-    return module, data, args.steps or 5
+    return module, data, args.steps or 5, 1
 
 
 def grpo_run(args, model_dir: str, phase: list):
-    """GRPO as ``grpo_vs_trl.py --lab real --lit-engine native+padfree --lr 0``: ``(module, datamodule, steps)``,
-    the module's sampling and round tagged as phases."""
+    """GRPO as ``grpo_vs_trl.py --lab real --lit-engine native+padfree --lr 0``: ``(module, datamodule, steps,
+    accumulation)``, the module's sampling and round tagged as phases."""
     import lab
     from grpo_vs_trl import LIT_CHECKPOINTING, REWARD
 
@@ -96,34 +112,56 @@ def grpo_run(args, model_dir: str, phase: list):
         attn_implementation="sdpa", gradient_checkpointing=LIT_CHECKPOINTING[args.checkpointing],
         mmap_activations=args.mmap_activations, disable_dropout=True, num_generations=4, steps_per_generation=2)
 
-    def tagged(name, fn):
-        def call(*a, **kw):
-            before, phase[0] = phase[0], name
-            try:
-                return fn(*a, **kw)
-            finally:
-                phase[0] = before
-        return call
-
     make_round = module.make_round
-    module.rollouts.engine.generate = tagged("sample", module.rollouts.engine.generate)
-    module.make_round = tagged("round", lambda batch: make_round(batch))
+    module.rollouts.engine.generate = tagged(phase, "sample", module.rollouts.engine.generate)
+    module.make_round = tagged(phase, "round", lambda batch: make_round(batch))
     data = PromptDataModule(path=str(lab.chat_rows(model_dir) / "prompts.jsonl"), tokenizer=model_dir, batch_size=8,
                             val_split=None, shuffle=False)
-    return module, data, args.steps or 6
+    return module, data, args.steps or 6, 1
+
+
+def distill_run(args, model_dir: str, phase: list):
+    """Distillation as ``distill_vs_trl.py --lab real``: ``(module, datamodule, steps, accumulation)``, the
+    sampling, the round and the teacher's forward tagged as phases."""
+    import lab
+    from dpo_vs_trl import LIT_CHECKPOINTING
+
+    from lit_align.data import PromptDataModule
+    from lit_align.modules.distill import DistillationModule
+
+    teacher = model_dir if args.teacher is None else lab.real_model(args.teacher)
+    module = DistillationModule(
+        model=model_dir, teacher_model=teacher, beta=1.0, temperature=1.0, top_p=1.0, top_k=0,
+        max_completion_length=64, num_generations=1, steps_per_generation=2, learning_rate=1e-5,
+        lr_scheduler_type="constant", weight_decay=0.0, optim=args.optim, dtype="float32", attn_implementation="sdpa",
+        **({} if args.checkpointing is None else {"gradient_checkpointing": LIT_CHECKPOINTING[args.checkpointing]}),
+        **({} if args.mmap_activations is None else {"mmap_activations": args.mmap_activations}))
+    make_round = module.make_round
+    module.rollouts.engine.generate = tagged(phase, "sample", module.rollouts.engine.generate)
+    module.make_round = tagged(phase, "round", lambda batch: make_round(batch))
+    module.teacher_outputs = tagged(phase, "teacher", module.teacher_outputs)
+    data = PromptDataModule(path=str(lab.chat_rows(model_dir) / "prompts.jsonl"), tokenizer=model_dir, batch_size=8,
+                            val_split=None, shuffle=False)
+    return module, data, args.steps or 3, 2  # a round: one optimizer step of 2 accumulated batches
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", choices=["dpo", "grpo"], default="dpo")
+    parser.add_argument("--recipe", choices=["dpo", "grpo", "distill"], default="dpo")
     parser.add_argument("--model", required=True, help="a real chat model: a .gguf file or an HF directory")
-    parser.add_argument("--checkpointing", choices=["none", "selective", "full"], default="none")
+    parser.add_argument("--teacher", help="distill: the teacher, a .gguf file or an HF directory (default: --model)")
+    parser.add_argument("--checkpointing", choices=["none", "selective", "full"],
+                        help="default: none (distill: lit_align's default, selective)")
     parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch")
-    parser.add_argument("--mmap-activations", action="store_true", help="lit_align's model.mmap_activations")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: DPO 5, GRPO 6: 3 rounds)")
+    parser.add_argument("--mmap-activations", action=argparse.BooleanOptionalAction,
+                        help="lit_align's model.mmap_activations (default: off; distill: lit_align's default, on)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: DPO 5, GRPO 6: 3 rounds, "
+                        "distill 3: 3 rounds)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--trace", help="write a timeline here (CSV, every 10 ms: phase, step, RSS, glibc's counts)")
     args = parser.parse_args()
+    if args.recipe != "distill":  # distillation's own defaults where not given
+        args.checkpointing, args.mmap_activations = args.checkpointing or "none", bool(args.mmap_activations)
 
     import lab
     import lightning as L
@@ -185,7 +223,7 @@ def main() -> None:
             self.parts, self.cpu, saved[0], step[0] = [], time.process_time(), 0, batch_idx
             self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             self.enter("fwd")
-            for name in ("sample", "round"):
+            for name in SUB_PHASES:
                 peaks.pop(name, None)
             seen.clear()
             seen.update(p.untyped_storage().data_ptr() for p in pl_module.parameters())
@@ -193,7 +231,7 @@ def main() -> None:
 
         def on_before_backward(self, trainer, pl_module, loss):
             hooks.__exit__(None, None, None)
-            for name in ("sample", "round"):  # GRPO's round (inside the step's forward): its own phases
+            for name in SUB_PHASES:  # a round (inside the step's forward), the teacher: their own phases
                 if name in peaks:
                     self.parts.append(f"{name} {peaks.pop(name):.0f}")
             self.enter("bwd")
@@ -218,17 +256,21 @@ def main() -> None:
                   f"{(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.faults) / 1000:.0f}k page faults",
                   flush=True)
 
-    module, data, steps = (dpo_run if args.recipe == "dpo" else grpo_run)(args, model_dir, phase)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, precision="32-true", logger=False,
+    runs = {"dpo": dpo_run, "grpo": grpo_run, "distill": distill_run}
+    module, data, steps, accumulate = runs[args.recipe](args, model_dir, phase)
+    trainer = L.Trainer(max_steps=steps, accumulate_grad_batches=accumulate, accelerator="cpu", devices=1,
+                        precision="32-true", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         gradient_clip_val=1.0, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Phases()])
     trainer.fit(module, datamodule=data)
     if trace is not None:
         with open(args.trace, "w") as f:
             f.writelines(trace)
+    settings = module.hparams
+    mapped = "mmap_activations, " if settings.mmap_activations else ""
     print(f"peak RSS {rss('VmHWM'):.0f} MiB (sampled {top[0]:.0f}, in {top[1]}: anonymous {top[2]:.0f}, file-backed "
-          f"{top[3]:.0f}, glibc in use {top[4]:.0f}); {args.recipe}, checkpointing {args.checkpointing}, {args.optim}, "
-          f"{'mmap_activations, ' if args.mmap_activations else ''}{args.threads} thread(s), "
+          f"{top[3]:.0f}, glibc in use {top[4]:.0f}); {args.recipe}, checkpointing "
+          f"{settings.gradient_checkpointing}, {args.optim}, {mapped}{args.threads} thread(s), "
           f"load {os.getloadavg()[0]:.1f}")
 
 

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from lit_align.logps import Projection, _accumulate, _autocast_dtype, _Head, compute_dtype
 
 DISTILL_REDUCTIONS = ("batchmean", "sum", "none")
-DISTILL_CHUNK_LOGITS = 2**24  # logits per chunk (positions x vocabulary): 64 MB per fp32 temporary; 110 rows at 152k
+DISTILL_CHUNK_LOGITS = 2**22  # logits per chunk (positions x vocabulary): 16 MB per fp32 temporary; 27 rows at 152k
 
 
 def check_divergence(beta: float, temperature: float, reduction: str) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -127,6 +127,12 @@ class DistillationModule(OnlineModule):
             runs in every round.
         num_generations: completions per prompt (TRL's ``DistillationTrainer``: 1).
         disable_dropout: zero the student's dropout (TRL's ``DistillationConfig`` default: off).
+        gradient_checkpointing: ``OnlineModule``'s, here ``selective`` by default (TRL's default is on, transformers'
+            full recomputation): only the elementwise ops run again in backward, every value and gradient bitwise
+            the same, about half the student's activations held (``lit_align.recompute``).
+        mmap_activations: ``OnlineModule``'s, here on by default (CPU under glibc; nothing elsewhere): a step's
+            forward maps its large tensors instead of growing glibc's heap (``lit_align.host_memory``). With the
+            selective checkpointing, peak RSS on SmolLM2-135M 5.6 -> 4.3 GB (``docs/distill.md``); the same values.
         reward_funcs: optional here: with them, rounds and validation are scored and logged (``train/reward``,
             ``val/reward``) to watch the task; they never enter the loss.
     """
@@ -138,10 +144,11 @@ class DistillationModule(OnlineModule):
                  teacher_model_init_kwargs: dict | None = None, teacher_id_column: str = TEACHER_ID,
                  beta: float = 1.0, lmbda: float = 1.0, seq_kd: bool = False,
                  teacher_topk_cache: int | None = None, num_generations: int = 1, disable_dropout: bool = False,
+                 gradient_checkpointing: bool | Literal["selective"] = "selective", mmap_activations: bool = True,
                  **kwargs):
         check_distillation(teacher_model, beta, lmbda, seq_kd, teacher_topk_cache, kwargs)
         super().__init__(model=model, num_generations=num_generations, beta=0.0, disable_dropout=disable_dropout,
-                         **kwargs)
+                         gradient_checkpointing=gradient_checkpointing, mmap_activations=mmap_activations, **kwargs)
         self.beta, self.lmbda, self.seq_kd = beta, lmbda, seq_kd
         self.teachers = Teachers(teacher_model, teacher_model_init_kwargs, teacher_id_column)
         self.teacher_topk = None if teacher_topk_cache is None else TeacherTopK(teacher_topk_cache)
@@ -290,39 +297,41 @@ class DistillationModule(OnlineModule):
         """``[n, C]``: the per-token divergence of the completions ``sequences`` (prompt ids and mask, completion ids
         and mask) at every loss token, 0 elsewhere (the student's gradient with it), each row's from its teacher
         (``teacher_ids``; None: the one teacher), or from the teacher's ``cached`` top-k ``[n, C, k]`` (no teacher
-        forward); with ``with_entropy`` the student's tempered entropy there too (no gradient)."""
+        forward); with ``with_entropy`` the student's tempered entropy there too (no gradient). The teachers run
+        first: their forwards' temporaries come and go before the student's activations are held for backward."""
         scored = sequences[3].bool()  # the completion tokens: the outputs come in their order
         trained = loss_mask.bool()[scored]
-        student = self.outputs(self.network, sequences)
         if cached is not None:
-            per_token = self.token_divergence(student, TopK(cached.ids[scored], cached.logps[scored]), trained)
+            teachers = [(None, TopK(cached.ids[scored], cached.logps[scored]))]
         else:
-            per_token = self.teacher_divergence(student, sequences, trained, teacher_ids)
+            teachers = self.teacher_outputs(sequences, teacher_ids)
+        student = self.outputs(self.network, sequences)
+        if len(teachers) == 1 and teachers[0][0] is None:
+            per_token = self.token_divergence(student, teachers[0][1], trained)
+        else:  # each teacher's tokens: the student's outputs there (indexing keeps their gradient), back in order
+            values = torch.cat([self.token_divergence(tokens_of(student, tokens), teacher, trained[tokens])
+                                for tokens, teacher in teachers])
+            places = torch.cat([tokens for tokens, _ in teachers])
+            per_token = values.new_zeros(len(trained)).index_put((places,), values)
         values = on_grid(per_token, scored)
         if not with_entropy:
             return values, None
         return values, on_grid(student_entropy(student, sequences[2][scored], self.temperature) * trained, scored)
 
-    def teacher_divergence(self, student: Projection | torch.Tensor, sequences: tuple, trained: torch.Tensor,
-                           teacher_ids: list[str] | None) -> torch.Tensor:
-        """``[S]``: each scored token's divergence from its row's teacher at the ``trained`` tokens. With several
-        teachers each runs (no gradient) on its own rows only; the student's outputs at those rows' tokens are
-        picked out of its one forward (indexing keeps their gradient), and the values go back in the tokens' order."""
+    @torch.no_grad()
+    def teacher_outputs(self, sequences: tuple, teacher_ids: list[str] | None) -> list[tuple]:
+        """``[(tokens, outputs)]``: the teachers' outputs at the scored tokens (``outputs``), each teacher's at its
+        own rows' tokens ``tokens`` (their places in the scored tokens' order; None: the one teacher, at all of
+        them). With several teachers each runs on its own rows only."""
         if teacher_ids is None:
-            with torch.no_grad():
-                teacher = self.outputs(self.teacher.model, sequences)
-            return self.token_divergence(student, teacher, trained)
+            return [(None, self.outputs(self.teacher.model, sequences))]
         token_rows = sequences[3].bool().nonzero()[:, 0]  # each scored token's row, in the outputs' order
-        parts, places = [], []
+        parts = []
         for teacher_id, rows in self.teachers.rows_by_teacher(teacher_ids).items():
             rows = torch.tensor(rows, device=token_rows.device)
             tokens = torch.isin(token_rows, rows).nonzero()[:, 0]  # rows ascending: the teacher's outputs' order
-            with torch.no_grad():
-                teacher = self.outputs(self.teachers[teacher_id].model, tuple(s[rows] for s in sequences))
-            parts.append(self.token_divergence(tokens_of(student, tokens), teacher, trained[tokens]))
-            places.append(tokens)
-        values = torch.cat(parts)
-        return values.new_zeros(len(token_rows)).index_put((torch.cat(places),), values)
+            parts.append((tokens, self.outputs(self.teachers[teacher_id].model, tuple(s[rows] for s in sequences))))
+        return parts
 
     def outputs(self, network, sequences: tuple) -> Projection | torch.Tensor:
         """``network``'s hidden states and head (or logits) at the completion tokens, laid out as the student's
