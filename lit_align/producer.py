@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import queue
 import signal
 import time
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_align.errors import LitAlignError
@@ -76,6 +78,24 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}{where}"
 
 
+def sampling_copy(policy: torch.nn.Module) -> bytes:
+    """The policy as the producer gets it, pickled: a copy on the CPU without what only training uses (gradient
+    checkpointing, the forward and backward hooks of recomputation, activation mapping and input gradients: local
+    functions, which cannot be pickled)."""
+    copied = copy.deepcopy(policy).cpu()
+    if getattr(copied, "is_gradient_checkpointing", False):
+        copied.gradient_checkpointing_disable()
+    for module in copied.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                      module._backward_pre_hooks):
+            hooks.clear()
+    try:
+        return bytes(ForkingPickler.dumps(copied))
+    except Exception as error:  # noqa: BLE001
+        raise LitAlignError(f"model.async_rollouts: the policy cannot be sent to the producer process ({error}); "
+                            "set model.async_rollouts: false") from error
+
+
 def next_message(requests, parent: int):
     """The trainer's next message; None when it says stop or is gone (checked every second)."""
     while True:
@@ -95,7 +115,7 @@ def produce(spec: dict, staged: list[torch.Tensor], version, lock, requests, res
         policy = next_message(requests, parent)
         if policy is None:
             return
-        policy = policy.to(device).eval()
+        policy = pickle.loads(policy).to(device).eval()
         mine = [p for p in policy.parameters() if p.requires_grad]
         network = policy.get_base_model() if spec["lora"] else policy
         rollouts = Rollouts(**spec["rollouts"])
@@ -138,7 +158,7 @@ class ProducerProcess:
         policy = module.policy
         self.live = [p for p in policy.parameters() if p.requires_grad]  # the others never change
         self.staged = [p.detach().to("cpu", copy=True).share_memory_() for p in self.live]
-        initial = copy.deepcopy(policy).cpu()  # the producer's own copy, sent once
+        initial = sampling_copy(policy)  # the producer's own copy, sent once (pickled here: an error is ours)
         context = mp.get_context("spawn")
         self.lock, self.version = context.Lock(), context.Value("q", int(module.global_step), lock=False)
         self.requests, self.results = context.Queue(), context.Queue()
@@ -150,7 +170,7 @@ class ProducerProcess:
         self.process = context.Process(target=produce, name="lit_align-rollouts", daemon=True, args=(
             spec, self.staged, self.version, self.lock, self.requests, self.results, os.getpid()))
         self.process.start()
-        self.requests.put(initial)  # pickled by the queue's thread, then freed here
+        self.requests.put(initial)
         self.pending: list[tuple[int, int]] = []  # submitted, not taken yet
         self.ready: dict[tuple[int, int], ProducedRound] = {}
         self.busy_s = 0.0  # the producer's time on the rounds received so far
