@@ -196,3 +196,12 @@ def test_epochs_and_an_epoch_cut_short_keep_rounds_and_prompts_in_step(tmp_path,
     assert series(metrics, "train/async/staleness") == [0.0, 1.0, 1.0] * 2 + [0.0]
     assert [r["epoch"] for r in metrics if "train/loss" in r] == [0.0] * 3 + [1.0] * 3 + [2.0]
     assert module.producer is None and module.generation_rounds == 7
+
+
+def test_the_producer_gets_the_policy_without_its_training_hooks(tmp_path, prompts):
+    """Gradient checkpointing hooks a local function onto the input embeddings (unpicklable) and mapped activations
+    hook every layer: the producer's copy goes without them, and the run trains as with none."""
+    module, metrics, _ = run(tmp_path, prompts, 2, async_rollouts=True, gradient_checkpointing=True,
+                             mmap_activations=True, producer_threads=1)
+    assert series(metrics, "train/async/staleness") == [0.0, 1.0]
+    assert module.network.is_gradient_checkpointing  # the trainer's policy keeps them
