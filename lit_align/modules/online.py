@@ -6,7 +6,9 @@ component (``lit_align.rollouts.Rollouts``: engine, rewards, tools), the round's
 step (``round_pos == 0`` in the batch, or no round after a resume without one) ``make_round`` samples, scores, takes
 the old-policy and reference log-probs the recipe needs and the recipe's advantages, and keeps a
 ``lit_align.generation_round.GenerationRound``; every step then trains on ``next_step(batch)``, its slice. The round
-is in checkpoints, so a resume mid-round trains on what the interrupted run sampled.
+is in checkpoints, so a resume mid-round trains on what the interrupted run sampled. With ``async_rollouts`` the
+policy's samples come from a producer process that runs ahead (``sample_round``; ``lit_align.producer``); the rest of
+a round's life is the same.
 
 A recipe (``GRPOModule``, ``RLOOModule``) adds its loss settings in ``__init__``, ``advantages`` (a round's advantages
 from its rewards) and ``training_step`` (a step's loss on ``next_step(batch)``); ``old_logps`` when it reads the
