@@ -274,7 +274,6 @@ class OnlineModule(AlignModule):
         self.rollouts = Rollouts(reward_funcs, reward_weights, self.sampling, engine, vllm, self.weights_version,
                                  tools, max_tool_calling_iterations, environment_factory, rollout_func,
                                  rewards_required=self.rewards_required)
-        self.async_rollouts = async_rollouts
         # what the producer builds its own Rollouts from (``lit_align.producer``)
         self.rollouts_settings = dict(
             reward_funcs=reward_funcs, reward_weights=reward_weights, sampling=self.sampling, engine=engine,
@@ -504,7 +503,7 @@ class OnlineModule(AlignModule):
     def on_train_start(self) -> None:
         if self.round is not None:  # restored from a checkpoint (on the CPU)
             self.round = self.round.to(self.device)
-        if self.async_rollouts:
+        if self.hparams.async_rollouts:
             self.producer = RolloutProducer(self)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
