@@ -13,36 +13,60 @@ from lit_align.generation.cache import SlotCache
 LLAMA_LIKE = frozenset({"llama", "mistral", "qwen2"})
 
 
+# Rows from which MKL's packed GEMM beats oneDNN's prepacked product on a decode step (SmolLM2-135M's shapes, 2
+# threads, the weights streamed from memory: 64 rows 61 vs 80 ms a step, 32 rows 44 vs 50, 16 and 8 rows equal).
+MKL_PACKED_ROWS = 32
+
+
+def _cpu_packs(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu"))  # autocast: F.linear, in autocast's dtype
+
+
 class PackedLinear:
     """``x -> F.linear(x, weight, bias)`` for a decode step's few rows. On CPU in fp32 the weight is reordered once
-    into oneDNN's layout for about ``rows`` rows (any number works; ``torch.ops.mkldnn``, the weight prepacking
-    torch's own compiler does for frozen CPU models): at 1-64 rows MKL's GEMM, behind ``F.linear``, repacks the whole
-    weight at every call, and the prepacked products are 1.3-3x faster at SmolLM2-135M's shapes, the same values up
-    to float rounding. Elsewhere (other devices and dtypes, under autocast) ``F.linear`` as it is."""
+    for ``rows`` rows (the prepacking torch's own compiler does for frozen CPU models): at 1-64 rows ``F.linear``'s
+    GEMM repacks the whole weight at every call. From ``MKL_PACKED_ROWS`` rows MKL's packed GEMM
+    (``torch.ops.mkl``: ``F.linear``'s own kernel, without the repacking; exactly ``rows`` rows, fewer are padded
+    to them), below that oneDNN's prepacked product (any number of rows): 1.1-3x ``F.linear``'s speed at
+    SmolLM2-135M's shapes, the same values up to float rounding. Elsewhere (other devices and dtypes, under
+    autocast) ``F.linear`` as it is. ``kind``: ``"mkl"``, ``"onednn"`` or ``None`` (``F.linear``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
         weight = weight.detach()
-        self.bias = None if bias is None else bias.detach()
-        self.packed = (weight.device.type == "cpu" and weight.dtype == torch.float32
-                       and not torch.is_autocast_enabled("cpu")  # autocast: F.linear, in autocast's dtype
-                       and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), max(rows, 1)) if self.packed
-                       else weight)
+        self.bias, self.rows, self.kind = None if bias is None else bias.detach(), max(rows, 1), None
+        if _cpu_packs(weight):
+            if (rows >= MKL_PACKED_ROWS and torch.backends.mkl.is_available()
+                    and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")):
+                self.kind = "mkl"
+            elif torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+                self.kind = "onednn"
+        if self.kind == "mkl":
+            self.weight = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), self.rows)
+            # the product reads only the shape of its "original weight" argument (used when the rows differ from
+            # the packed count, which ``__call__`` never lets happen): a stride-0 view keeps no copy of it alive
+            self.shape = weight.new_empty(()).expand(weight.shape)
+        elif self.kind == "onednn":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.rows)
+        else:
+            self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.kind == "mkl":
+            rows = x.shape[0]
+            if rows < self.rows:  # a batch that lost rows: computed at the packed count, still the faster
+                x = torch.cat([x, x.new_zeros(self.rows - rows, x.shape[1])])
+            return torch.ops.mkl._mkl_linear(x, self.weight, self.shape, self.bias, self.rows)[:rows]
+        if self.kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm: normalise in fp32, scale in the model's dtype."""
+    """Llama's RMSNorm: normalise in fp32, scale in the model's dtype (in fp32, one operation: the same values)."""
+    if x.dtype == weight.dtype == torch.float32:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class LlamaDecodeStep:
@@ -73,17 +97,26 @@ class LlamaDecodeStep:
 
     def __init__(self, model, cache: SlotCache, positions: torch.Tensor, valid: torch.Tensor):
         base, config = model.model, model.config
-        self.embed, head = base.embed_tokens.weight, model.get_output_embeddings()
-        rows = len(valid)
-        self.head = PackedLinear(head.weight, head.bias, rows)
+        self.embed = base.embed_tokens.weight
+        self.model, self.slots = model, cache.layers
+        self._pack(len(valid))
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         attn = base.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
-        self.layers = [self._fuse(layer, slots, rows) for layer, slots in zip(base.layers, cache.layers)]
         cos, sin = base.rotary_emb(self.embed, positions)  # [N, steps, D] for every step at once
+        # rotary: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = roll(x) * (-1, 1): the sign in sin
+        half = sin.shape[-1] // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
         self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [N, steps, 1, D]
-        self.valid = valid[:, None, None, :]  # [N, 1, 1, prompt + steps]
+        self.hidden = ~valid[:, None, None, :]  # [N, 1, 1, prompt + steps]: the cache columns a row must not see
+
+    def _pack(self, rows: int) -> None:
+        """The LM head and every layer's weights packed for ``rows`` rows (``PackedLinear``)."""
+        self.head = self.layers = None  # the old packs freed before the new ones are made
+        head = self.model.get_output_embeddings()
+        self.head = PackedLinear(head.weight, head.bias, rows)
+        self.layers = [self._fuse(layer, slots, rows) for layer, slots in zip(self.model.model.layers, self.slots)]
 
     @staticmethod
     def _fuse(layer, slots, rows: int) -> tuple:
@@ -103,22 +136,28 @@ class LlamaDecodeStep:
         )
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the rows ``rows`` of the per-row tables (the cache's are kept by ``SlotCache.keep_rows``)."""
-        self.cos, self.sin, self.valid = self.cos[rows], self.sin[rows], self.valid[rows]
+        """Keep only the rows ``rows`` of the per-row tables (the cache's are kept by ``SlotCache.keep_rows``). Once
+        the batch is half the row count MKL's packs were made for, the weights are packed again for the rows left (MKL's
+        packs compute the rows they were made for, padded; oneDNN's, below ``MKL_PACKED_ROWS``, any number)."""
+        self.cos, self.sin, self.hidden = self.cos[rows], self.sin[rows], self.hidden[rows]
+        if self.head.kind == "mkl" and 2 * len(rows) <= self.head.rows:
+            self._pack(len(rows))
 
     def __call__(self, tokens: torch.Tensor, step: int, slot: int) -> torch.Tensor:
         """Logits ``[N, V]`` after feeding ``tokens [N]`` at decode step ``step``, written to cache slot ``slot``."""
-        rows, qk_heads = tokens.shape[0], self.heads + self.kv_heads
-        cos, sin, mask = self.cos[:, step], self.sin[:, step], self.valid[..., : slot + 1]
+        rows, qk_heads, half = tokens.shape[0], self.heads + self.kv_heads, self.head_dim // 2
+        cos, sin, hidden = self.cos[:, step], self.sin[:, step], self.hidden[..., : slot + 1]
         h = F.embedding(tokens, self.embed)
         for norm1, qkv_proj, o_proj, norm2, gate_up_proj, down_proj, act, slots in self.layers:
             qkv = qkv_proj(_rms_norm(h, *norm1)).view(rows, -1, self.head_dim)
-            qk = qkv[:, :qk_heads] * cos + _rotate_half(qkv[:, :qk_heads]) * sin
+            qk = qkv[:, :qk_heads] * cos + qkv[:, :qk_heads].roll(half, -1) * sin
             slots.keys[:, :, slot] = qk[:, self.heads :]
             slots.values[:, :, slot] = qkv[:, qk_heads:]
-            out = F.scaled_dot_product_attention(
-                qk[:, : self.heads, None], slots.keys[:, :, : slot + 1], slots.values[:, :, : slot + 1],
-                attn_mask=mask, scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
+            # one query per row: attention as two products (SDPA's kernels are for many queries: 10% slower here);
+            # the query heads of a key/value head side by side (GQA: head i reads key/value head i // group)
+            q = (qk[:, : self.heads] * self.scaling).view(rows, self.kv_heads, -1, self.head_dim)
+            scores = (q @ slots.keys[:, :, : slot + 1].transpose(-1, -2)).masked_fill_(hidden, float("-inf"))
+            out = scores.softmax(-1, dtype=torch.float32).to(q.dtype) @ slots.values[:, :, : slot + 1]  # as eager
             h = h + o_proj(out.view(rows, -1))
             gate, up = gate_up_proj(_rms_norm(h, *norm2)).chunk(2, dim=-1)
             h = h + down_proj(act(gate) * up)

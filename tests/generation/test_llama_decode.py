@@ -8,7 +8,7 @@ from helpers import left_padded
 from tiny_models import ARCHITECTURES, PROMPTS
 
 from lit_align.generation import NativeEngine
-from lit_align.generation.llama_decode import LlamaDecodeStep, PackedLinear
+from lit_align.generation.llama_decode import MKL_PACKED_ROWS, LlamaDecodeStep, PackedLinear
 from numerics import TINY_TERMS, assert_rounding_close
 
 pytestmark = pytest.mark.numerics  # run again under other CPU kernels by `make test-numerics`
@@ -34,21 +34,54 @@ def test_llama_decode_step_equals_decoding_through_the_forward(arch, tokenizer):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_decode_linear_is_f_linear_prepacked_on_cpu(bias):
-    """The decode step's ``PackedLinear``: in fp32 on CPU the weight prepacked (oneDNN), F.linear's values at any
-    row count (the layout is chosen for 8 rows); in other dtypes F.linear itself."""
+    """The decode step's ``PackedLinear``: in fp32 on CPU the weight prepacked, MKL's packed GEMM from
+    ``MKL_PACKED_ROWS`` rows (fewer rows padded to the packed count), oneDNN's below (any row count): F.linear's
+    values; in other dtypes F.linear itself."""
     torch.manual_seed(0)
     weight, b = torch.randn(96, 48), torch.randn(96) if bias else None
-    linear = PackedLinear(weight, b, rows=8)
-    assert linear.packed == torch.backends.mkldnn.is_available()
-    for rows in (1, 5, 8, 40):
-        x = torch.randn(rows, 48)
-        assert_rounding_close(linear(x), torch.nn.functional.linear(x, weight, b), terms=48)
-    half = PackedLinear(weight.bfloat16(), None if b is None else b.bfloat16(), rows=8)
+    small, large = PackedLinear(weight, b, rows=8), PackedLinear(weight, b, rows=MKL_PACKED_ROWS)
+    assert (small.kind, large.kind) == ("onednn", "mkl")  # this CPU build of torch has both
+    for linear, counts in ((small, (1, 5, 8, 40)), (large, (MKL_PACKED_ROWS, MKL_PACKED_ROWS - 3, 1))):
+        for rows in counts:
+            x = torch.randn(rows, 48)
+            assert_rounding_close(linear(x), torch.nn.functional.linear(x, weight, b), terms=48)
+    half = PackedLinear(weight.bfloat16(), None if b is None else b.bfloat16(), rows=MKL_PACKED_ROWS)
     x = torch.randn(3, 48, dtype=torch.bfloat16)
-    assert not half.packed
+    assert half.kind is None
     assert torch.equal(half(x), torch.nn.functional.linear(x, weight.bfloat16(), None if b is None else b.bfloat16()))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # what bf16-mixed training samples under
-        mixed = PackedLinear(weight, b, rows=8)
+        mixed = PackedLinear(weight, b, rows=MKL_PACKED_ROWS)
         x = torch.randn(3, 48)
-        assert not mixed.packed
+        assert mixed.kind is None
         assert torch.equal(mixed(x), torch.nn.functional.linear(x, weight, b))
+
+
+def test_a_shrinking_batch_is_packed_again(tokenizer):
+    """A batch decoded with MKL's packs (``MKL_PACKED_ROWS`` rows and more) that loses rows as they end: its weights
+    are packed again once it is half its packed size (oneDNN's below ``MKL_PACKED_ROWS``), and the tokens and
+    log-probs equal decoding through the model's forward all along."""
+    model = ARCHITECTURES["llama"](tokenizer, "sdpa")
+    prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)
+    samples = -(-2 * MKL_PACKED_ROWS // len(PROMPTS))  # rows: at least twice MKL_PACKED_ROWS
+    kinds = []
+    keep_rows = LlamaDecodeStep.keep_rows
+
+    def record(step, rows):
+        keep_rows(step, rows)
+        kinds.append((len(rows), step.head.kind, step.head.rows))
+
+    rollouts = {}
+    for fast in (True, False):
+        engine = NativeEngine(max_new_tokens=40, fast_decode=fast, eos_check_every=2)
+        torch.manual_seed(0)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(LlamaDecodeStep, "keep_rows", record)
+            # an EOS the untrained model samples often: rows end all along
+            rollouts[fast] = engine.generate(model, prompt_ids, prompt_mask, samples, eos_token_ids=[5, 6, 7, 8],
+                                             pad_token_id=tokenizer.pad_token_id)
+    rows = len(PROMPTS) * samples
+    assert kinds and all(kind == ("mkl" if packed >= MKL_PACKED_ROWS else "onednn") for _, kind, packed in kinds)
+    assert kinds[-1][0] < MKL_PACKED_ROWS and kinds[-1][1] == "onednn", kinds  # packed again, for oneDNN
+    assert any(kept * 2 > packed for kept, _, packed in kinds if packed == rows), kinds  # padded before that
+    assert rollouts[True].completion_ids.tolist() == rollouts[False].completion_ids.tolist()
+    assert_rounding_close(rollouts[True].logps, rollouts[False].logps, terms=TINY_TERMS)
