@@ -1,10 +1,13 @@
 """lit_align.recompute: ``gradient_checkpointing: selective`` gives bitwise the values and gradients of no
 checkpointing, runs no matmul twice (transformers' full checkpointing does) and recomputes the elementwise ops; a
-DPO run with it logs the same losses; a mode that is none of false / true / selective is refused in one line."""
+DPO run with it logs the same losses; a mode that is none of false / true / selective is refused in one line.
+``lean_mlps``: bitwise the values and gradients, two fewer ``[tokens, intermediate]`` tensors kept a layer, and the
+plain forward wherever it does not apply (LoRA, autocast, no gradient)."""
 
 from __future__ import annotations
 
 import collections
+import copy
 
 import lightning as L
 import pytest
@@ -16,7 +19,7 @@ from helpers import fit
 from lit_align.data import PreferenceDataModule
 from lit_align.errors import LitAlignError
 from lit_align.modules import DPOModule
-from lit_align.recompute import enable_checkpointing
+from lit_align.recompute import enable_checkpointing, lean_mlps
 
 
 class OpCounts(TorchDispatchMode):
@@ -89,3 +92,65 @@ def test_unknown_mode_is_refused(mode):
     with pytest.raises(LitAlignError) as info:
         DPOModule(gradient_checkpointing=mode)
     assert str(info.value) == f"model.gradient_checkpointing {mode!r}: expected false, true or 'selective'"
+
+
+def saved_bytes_and_gradients(model, ids) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
+    """The bytes autograd keeps for backward (each storage once, parameters left out), the loss and the gradients."""
+    model.zero_grad(set_to_none=True)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return sum(kept.values()), loss.detach(), grads
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_mlps_are_bitwise_plain_and_keep_two_tensors_less(arch, tokenizer):
+    plain = ARCHITECTURES[arch](tokenizer, "sdpa")
+    lean = copy.deepcopy(plain)
+    layers, width = plain.config.num_hidden_layers, plain.config.intermediate_size
+    assert lean_mlps(lean) == layers
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    (plain_bytes, plain_loss, plain_grads), (lean_bytes, lean_loss, lean_grads) = (
+        saved_bytes_and_gradients(m, ids) for m in (plain, lean))
+    assert torch.equal(lean_loss, plain_loss)
+    assert plain_grads.keys() == lean_grads.keys() and all(torch.equal(lean_grads[n], g) for n, g in plain_grads.items())
+    assert plain_bytes - lean_bytes == layers * 2 * ids.numel() * width * 4  # silu(gate) and the product, fp32
+
+
+def test_lean_mlps_step_aside_for_lora_autocast_and_inference(tokenizer):
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain = ARCHITECTURES["llama"](tokenizer, "sdpa")
+    lean = copy.deepcopy(plain)
+    lean_mlps(lean)
+    with torch.no_grad():
+        assert torch.equal(lean(input_ids=ids).logits, plain(input_ids=ids).logits)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(lean(input_ids=ids).logits, plain(input_ids=ids).logits)
+    config = LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False)
+    adapted = {}
+    for name, model in (("plain", plain), ("lean", lean)):
+        torch.manual_seed(0)  # the same adapter weights
+        adapted[name] = saved_bytes_and_gradients(get_peft_model(model, copy.deepcopy(config)), ids)[1:]
+    assert torch.equal(adapted["lean"][0], adapted["plain"][0])
+    assert {n for n in adapted["lean"][1] if "lora_" in n} and all(
+        torch.equal(adapted["lean"][1][n], g) for n, g in adapted["plain"][1].items())
+
+
+@pytest.mark.parametrize("mode", [False, "selective"])
+def test_a_module_leans_its_mlps_without_checkpointing(mode, tiny_path):
+    module = DPOModule(model="builtin:tiny", gradient_checkpointing=mode)
+    module.configure_model()
+    forwards = {type(m.forward).__name__ for m in module.policy.modules() if type(m).__name__ == "LlamaMLP"}
+    assert forwards == ({"partial"} if mode is False else {"method"})

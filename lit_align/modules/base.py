@@ -25,7 +25,7 @@ from lit_align.data.base import AlignDataModule
 from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
 from lit_align.optimizers import DEFAULT_OPTIM, build_optimizer, check_optimizer_choice
 from lit_align.pretrained import gguf_path
-from lit_align.recompute import check_mode, enable_checkpointing
+from lit_align.recompute import check_mode, enable_checkpointing, lean_mlps
 from lit_align.reference import Reference, RefModelSync
 
 
@@ -186,6 +186,9 @@ class AlignModule(L.LightningModule):
         self.policy = self.load(self.model_name).train()  # from_pretrained returns eval mode; Lightning keeps modes
         self.policy.config.use_cache = False
         enable_checkpointing(self.policy, self.hparams.gradient_checkpointing)
+        if self.hparams.gradient_checkpointing is False and not (self._trainer is not None
+                                                                  and sharded_strategy(self._trainer)):
+            lean_mlps(self.policy)  # (sharded: the weight is gathered only in down_proj's own forward)
         if self.lora_config is not None:
             from peft import get_peft_model
 
