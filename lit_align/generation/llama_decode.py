@@ -28,15 +28,15 @@ class PackedLinear:
     for ``rows`` rows (the prepacking torch's own compiler does for frozen CPU models): at 1-64 rows ``F.linear``'s
     GEMM repacks the whole weight at every call. From ``MKL_PACKED_ROWS`` rows MKL's packed GEMM
     (``torch.ops.mkl``: ``F.linear``'s own kernel, without the repacking; exactly ``rows`` rows, fewer are padded
-    to them), below that oneDNN's prepacked product (any number of rows): 1.1-3x ``F.linear``'s speed at
+    to them), below that or without ``mkl`` oneDNN's prepacked product (any number of rows): 1.1-3x ``F.linear``'s speed at
     SmolLM2-135M's shapes, the same values up to float rounding. Elsewhere (other devices and dtypes, under
     autocast) ``F.linear`` as it is. ``kind``: ``"mkl"``, ``"onednn"`` or ``None`` (``F.linear``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, mkl: bool = True):
         weight = weight.detach()
         self.bias, self.rows, self.kind = None if bias is None else bias.detach(), max(rows, 1), None
         if _cpu_packs(weight):
-            if (rows >= MKL_PACKED_ROWS and torch.backends.mkl.is_available()
+            if (mkl and rows >= MKL_PACKED_ROWS and torch.backends.mkl.is_available()
                     and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")):
                 self.kind = "mkl"
             elif torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
@@ -111,15 +111,15 @@ class LlamaDecodeStep:
         self.cos, self.sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [N, steps, 1, D]
         self.hidden = ~valid[:, None, None, :]  # [N, 1, 1, prompt + steps]: the cache columns a row must not see
 
-    def _pack(self, rows: int) -> None:
+    def _pack(self, rows: int, mkl: bool = True) -> None:
         """The LM head and every layer's weights packed for ``rows`` rows (``PackedLinear``)."""
         self.head = self.layers = None  # the old packs freed before the new ones are made
         head = self.model.get_output_embeddings()
-        self.head = PackedLinear(head.weight, head.bias, rows)
-        self.layers = [self._fuse(layer, slots, rows) for layer, slots in zip(self.model.model.layers, self.slots)]
+        self.head = PackedLinear(head.weight, head.bias, rows, mkl)
+        self.layers = [self._fuse(layer, slots, rows, mkl) for layer, slots in zip(self.model.model.layers, self.slots)]
 
     @staticmethod
-    def _fuse(layer, slots, rows: int) -> tuple:
+    def _fuse(layer, slots, rows: int, mkl: bool) -> tuple:
         """One decoder layer's weights as ``__call__`` reads them: q/k/v and gate/up concatenated, each a
         ``PackedLinear`` for ``rows`` rows."""
         a, m = layer.self_attn, layer.mlp
@@ -127,21 +127,23 @@ class LlamaDecodeStep:
         return (
             (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
             PackedLinear(torch.cat([p.weight for p in qkv]),
-                         None if a.q_proj.bias is None else torch.cat([p.bias for p in qkv]), rows),
-            PackedLinear(a.o_proj.weight, a.o_proj.bias, rows),
+                         None if a.q_proj.bias is None else torch.cat([p.bias for p in qkv]), rows, mkl),
+            PackedLinear(a.o_proj.weight, a.o_proj.bias, rows, mkl),
             (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
             PackedLinear(torch.cat([m.gate_proj.weight, m.up_proj.weight]),
-                         None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]), rows),
-            PackedLinear(m.down_proj.weight, m.down_proj.bias, rows), m.act_fn, slots,
+                         None if m.gate_proj.bias is None else torch.cat([m.gate_proj.bias, m.up_proj.bias]), rows,
+                         mkl),
+            PackedLinear(m.down_proj.weight, m.down_proj.bias, rows, mkl), m.act_fn, slots,
         )
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the rows ``rows`` of the per-row tables (the cache's are kept by ``SlotCache.keep_rows``). Once
-        the batch is half the row count MKL's packs were made for, the weights are packed again for the rows left (MKL's
-        packs compute the rows they were made for, padded; oneDNN's, below ``MKL_PACKED_ROWS``, any number)."""
+        """Keep only the rows ``rows`` of the per-row tables (the cache's are kept by ``SlotCache.keep_rows``). MKL's
+        packs compute the rows they were made for: at the batch's first drop the weights are packed again, for
+        oneDNN's product, which takes any number of rows (a long tail of rows ending one by one follows; padded to
+        the packed count, MKL's product would cost a full batch's at every step of it)."""
         self.cos, self.sin, self.hidden = self.cos[rows], self.sin[rows], self.hidden[rows]
-        if self.head.kind == "mkl" and 2 * len(rows) <= self.head.rows:
-            self._pack(len(rows))
+        if self.head.kind == "mkl":
+            self._pack(len(rows), mkl=False)
 
     def __call__(self, tokens: torch.Tensor, step: int, slot: int) -> torch.Tensor:
         """Logits ``[N, V]`` after feeding ``tokens [N]`` at decode step ``step``, written to cache slot ``slot``."""
