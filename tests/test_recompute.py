@@ -123,7 +123,8 @@ def test_lean_mlps_are_bitwise_plain_and_keep_two_tensors_less(arch, tokenizer):
     (plain_bytes, plain_loss, plain_grads), (lean_bytes, lean_loss, lean_grads) = (
         saved_bytes_and_gradients(m, ids) for m in (plain, lean))
     assert torch.equal(lean_loss, plain_loss)
-    assert plain_grads.keys() == lean_grads.keys() and all(torch.equal(lean_grads[n], g) for n, g in plain_grads.items())
+    assert plain_grads.keys() == lean_grads.keys()
+    assert all(torch.equal(lean_grads[n], g) for n, g in plain_grads.items())
     assert plain_bytes - lean_bytes == layers * 2 * ids.numel() * width * 4  # silu(gate) and the product, fp32
 
 

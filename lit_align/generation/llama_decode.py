@@ -28,8 +28,8 @@ class PackedLinear:
     for ``rows`` rows (the prepacking torch's own compiler does for frozen CPU models): at 1-64 rows ``F.linear``'s
     GEMM repacks the whole weight at every call. From ``MKL_PACKED_ROWS`` rows MKL's packed GEMM
     (``torch.ops.mkl``: ``F.linear``'s own kernel, without the repacking; exactly ``rows`` rows, fewer are padded
-    to them), below that or without ``mkl`` oneDNN's prepacked product (any number of rows): 1.1-3x ``F.linear``'s speed at
-    SmolLM2-135M's shapes, the same values up to float rounding. Elsewhere (other devices and dtypes, under
+    to them), below that or without ``mkl`` oneDNN's prepacked product (any number of rows): 1.1-3x ``F.linear``'s
+    speed at SmolLM2-135M's shapes, the same values up to float rounding. Elsewhere (other devices and dtypes, under
     autocast) ``F.linear`` as it is. ``kind``: ``"mkl"``, ``"onednn"`` or ``None`` (``F.linear``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, mkl: bool = True):
