@@ -27,8 +27,8 @@ class PackedLinear:
     """``x -> F.linear(x, weight, bias)`` for a decode step's few rows. On CPU in fp32 the weight is reordered once
     for ``rows`` rows (the prepacking torch's own compiler does for frozen CPU models): at 1-64 rows ``F.linear``'s
     GEMM repacks the whole weight at every call. From ``MKL_PACKED_ROWS`` rows MKL's packed GEMM
-    (``torch.ops.mkl``: ``F.linear``'s own kernel, without the repacking; exactly ``rows`` rows, fewer are padded
-    to them), below that or without ``mkl`` oneDNN's prepacked product (any number of rows): 1.1-3x ``F.linear``'s
+    (``torch.ops.mkl``: ``F.linear``'s own kernel, without the repacking; at most ``rows`` rows, fewer padded to
+    them), below that or without ``mkl`` oneDNN's prepacked product (any number of rows): 1.1-3x ``F.linear``'s
     speed at SmolLM2-135M's shapes, the same values up to float rounding. Elsewhere (other devices and dtypes, under
     autocast) ``F.linear`` as it is. ``kind``: ``"mkl"``, ``"onednn"`` or ``None`` (``F.linear``)."""
 
@@ -54,7 +54,9 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "mkl":
             rows = x.shape[0]
-            if rows < self.rows:  # a batch that lost rows: computed at the packed count, still the faster
+            if rows > self.rows:  # MKL would fall back to the original weight, which is not kept
+                raise ValueError(f"PackedLinear: {rows} rows, packed for at most {self.rows}")
+            if rows < self.rows:  # computed at the packed count (``LlamaDecodeStep`` packs again for oneDNN instead)
                 x = torch.cat([x, x.new_zeros(self.rows - rows, x.shape[1])])
             return torch.ops.mkl._mkl_linear(x, self.weight, self.shape, self.bias, self.rows)[:rows]
         if self.kind == "onednn":

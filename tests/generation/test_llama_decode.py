@@ -45,6 +45,8 @@ def test_decode_linear_is_f_linear_prepacked_on_cpu(bias):
         for rows in counts:
             x = torch.randn(rows, 48)
             assert_rounding_close(linear(x), torch.nn.functional.linear(x, weight, b), terms=48)
+    with pytest.raises(ValueError, match=f"PackedLinear: {MKL_PACKED_ROWS + 1} rows, packed for at most"):
+        large(torch.randn(MKL_PACKED_ROWS + 1, 48))
     half = PackedLinear(weight.bfloat16(), None if b is None else b.bfloat16(), rows=MKL_PACKED_ROWS)
     x = torch.randn(3, 48, dtype=torch.bfloat16)
     assert half.kind is None
