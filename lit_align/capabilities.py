@@ -88,7 +88,13 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def sharded_strategy(trainer) -> bool:
     """Whether ``trainer``'s strategy keeps parameters sharded outside a forward (FSDP, DeepSpeed ZeRO-3)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+    from lightning.pytorch.strategies import FSDPStrategy
 
-    strategy = trainer.strategy
-    return isinstance(strategy, FSDPStrategy) or (isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3)
+    return isinstance(trainer.strategy, FSDPStrategy) or deepspeed_zero3(trainer)
+
+
+def deepspeed_zero3(trainer) -> bool:
+    """Whether ``trainer`` runs DeepSpeed ZeRO-3 (``configure_model`` then creates parameters partitioned)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return trainer is not None and isinstance(trainer.strategy, DeepSpeedStrategy) and trainer.strategy.zero_stage_3

@@ -199,6 +199,8 @@ def load_model(
         model_init_kwargs: more ``from_pretrained`` arguments (TRL's name), e.g. ``device_map``, ``revision``, config
             overrides, ``quantization_config`` (a mapping of ``BitsAndBytesConfig`` arguments, for QLoRA), or
             ``gguf_file`` (a ``.gguf`` file inside the directory ``name_or_path``, the transformers way).
+            ``use_kernels`` is false unless given: transformers would otherwise fetch Hugging Face Hub kernels when
+            the model first runs in train mode on a GPU (no network: the run stops there).
     """
     path = check_loadable(gguf_path(name_or_path, model_init_kwargs), "model")
     if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -211,7 +213,7 @@ def load_model(
             dtype=dtype if dtype == "auto" else getattr(torch, dtype),
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
-            **from_pretrained_kwargs(model_init_kwargs),
+            **{"use_kernels": False, **from_pretrained_kwargs(model_init_kwargs)},
         )
     except Exception as exc:  # noqa: BLE001
         raise LitAlignError(f"could not load model {name_or_path!r}: {one_line(exc)}") from exc

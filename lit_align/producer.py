@@ -131,7 +131,8 @@ def produce(spec: dict, staged: list[torch.Tensor], version, lock, requests, res
                     loaded = version.value
             side.global_step, side._trainer = loaded, SimpleNamespace(max_steps=request.max_steps,
                                                                       current_epoch=request.epoch)
-            gen = rollouts.generate(side, request.batch, request.num_samples, seed=request.seed)
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in request.batch.items()}
+            gen = rollouts.generate(side, batch, request.num_samples, seed=request.seed)  # (as Lightning's batches)
             if gen.logps is None:  # an engine without sampling log-probs: the producer's forward gives them
                 from lit_align.modules.online import completion_token_logps
 

@@ -56,7 +56,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lit_align.capabilities import sharded_strategy
+from lit_align.capabilities import deepspeed_zero3, sharded_strategy
 from lit_align.errors import LitAlignError
 from lit_align.models import cache_dir, check_loadable, from_pretrained_kwargs, load_model, resolve
 from lit_align.pretrained import gguf_path
@@ -189,8 +189,8 @@ class FrozenReference(Reference):
     def setup(self, module) -> None:
         if self.model is not None:
             return
-        if self.name is not None:
-            self.model = frozen(module.load(self.name))
+        if self.name is not None or deepspeed_zero3(module._trainer):  # ZeRO-3's partitioned policy: no deepcopy
+            self.model = frozen(module.load(self.name or module.model_name))
         else:
             model = copy.deepcopy(module.policy)
             if module.hparams.gradient_checkpointing:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from lit_align.capabilities import deepspeed_zero3
 from lit_align.reference import Reference
 
 
@@ -45,6 +46,22 @@ class DecoderLayers:
 
     def __repr__(self) -> str:
         return f"DecoderLayers(wrap_reference={self.wrap_reference}, names={sorted(self.names)})"
+
+
+def zero3_loading(trainer):
+    """Under DeepSpeed ZeRO-3, what lets ``from_pretrained`` fill partitioned parameters; None otherwise.
+
+    Lightning runs ``configure_model`` inside ``deepspeed.zero.Init``: each parameter is partitioned (empty on this
+    rank) as it is created, and a plain ``from_pretrained`` then fails copying the checkpoint into it. Told through
+    ``HfDeepSpeedConfig``, transformers loads the ZeRO-3 way (rank 0 reads the files, each module's parameters
+    gathered while filled), and its ``generate`` syncs the ranks. transformers holds it by a weak reference: the
+    caller keeps the returned object for as long as models are loaded and sampled from.
+    """
+    if not deepspeed_zero3(trainer):
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(trainer.strategy.config)
 
 
 def full_policy_state_dict(trainer, policy: torch.nn.Module) -> dict[str, torch.Tensor] | None:

@@ -98,6 +98,14 @@ def test_load_model_builtin(tiny_path):
     assert next(load_model("builtin:tiny", dtype="bfloat16").parameters()).dtype == torch.bfloat16
 
 
+def test_hub_kernels_are_off_unless_asked_for():
+    """transformers kernelizes by default when ``kernels`` is installed: on a GPU the first ``train()`` fetched
+    kernels from the Hub (an offline run stopped there). Off by default; ``model_init_kwargs`` turns it on."""
+    model = load_model("builtin:tiny")
+    assert model.use_kernels is False and model.kernels_mode is None
+    assert load_model("builtin:tiny", model_init_kwargs={"use_kernels": True}).use_kernels is True
+
+
 def test_load_tokenizer_adds_pad_token_when_missing(tmp_path):
     tok = build_tokenizer()
     tok.pad_token = None

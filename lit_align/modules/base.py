@@ -27,6 +27,7 @@ from lit_align.optimizers import DEFAULT_OPTIM, build_optimizer, check_optimizer
 from lit_align.pretrained import gguf_path
 from lit_align.recompute import check_mode, enable_checkpointing, lean_mlps
 from lit_align.reference import Reference, RefModelSync
+from lit_align.strategies import zero3_loading
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
@@ -183,6 +184,7 @@ class AlignModule(L.LightningModule):
             return
         self.tokenizer = load_tokenizer(self.model_name, trust_remote_code=self.hparams.trust_remote_code,
                                         chat_template=self.hparams.chat_template)
+        self._zero3_loading = zero3_loading(self._trainer)  # kept: transformers holds it by a weak reference
         self.policy = self.load(self.model_name).train()  # from_pretrained returns eval mode; Lightning keeps modes
         self.policy.config.use_cache = False
         enable_checkpointing(self.policy, self.hparams.gradient_checkpointing)
