@@ -12,9 +12,10 @@ Three ways in, one formula (``divergence_terms``), one set of reductions (``redu
 - ``generalized_jsd``: both models' full logits (TRL's ``GKDTrainer.generalized_jsd_loss``, ``mask`` in place of its
   ``labels != -100``).
 - ``chunked_generalized_jsd``: the student as final hidden states and LM head (``Projection``), the teacher as logits
-  or as a ``Projection`` too. The heads run ``chunk_size`` positions at a time, and backward makes each chunk's logits
-  again, so the student's ``[positions, V]`` logits and their softmax never exist whole (TRL's ``DistillationTrainer``
-  computes the loss this way, always).
+  or as a ``Projection`` too. The heads run ``chunk_size`` positions at a time and the forward computes the gradients
+  while a chunk's logits exist, so the student's ``[positions, V]`` logits and their softmax never exist whole and
+  are made once (TRL's ``DistillationTrainer`` computes the loss in chunks, always, and makes them again in
+  backward).
 - ``topk_generalized_jsd``: the teacher as its top-k log-probs and their ids (a cached or served teacher);
   ``chunked_topk_generalized_jsd`` the same with the student as a ``Projection``, a chunk of positions at a time
   (activation checkpointing: backward makes each chunk's logits again).
@@ -71,21 +72,30 @@ def _mixture_logps(student_logps: torch.Tensor, teacher_logps: torch.Tensor, bet
     return torch.logaddexp(student_logps + math.log1p(-beta), teacher_logps + math.log(beta))
 
 
-def divergence_grad(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float) -> torch.Tensor:
-    """The per-token divergence's gradient w.r.t. the student's (tempered) logits, the teacher fixed: ``[..., V]``.
+def divergence_and_grad(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float,
+                        entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The per-token divergence ``[...]`` (``divergence_terms`` summed), its gradient w.r.t. the student's (tempered)
+    logits ``[..., V]``, the teacher fixed, and with ``entropy`` the student's entropy ``[...]``, in shared passes over
+    the vocabulary (one ``exp`` of the student's log-probs serves all three).
 
     The softmax turns ``g = d D / d log p_s`` into ``p_s (g - sum p_s g)``: ``p_s - p_t`` for the forward KL,
     ``p_s (log p_s - log p_t - KL)`` for the reverse KL, ``(1 - beta) p_s (log p_s - log m - KL(p_s || m))`` for the
     JSD (the terms through the mixture ``m`` cancel).
     """
     probs = student_logps.exp()
+    spread = -(probs * student_logps).sum(-1) if entropy else None
     if beta == 0.0:
-        return probs - teacher_logps.exp()
+        teacher = teacher_logps.exp()
+        return (teacher * (teacher_logps - student_logps)).sum(-1), probs.sub_(teacher), spread
     if beta == 1.0:
-        gap, weight = student_logps - teacher_logps, 1.0
+        gap = student_logps - teacher_logps
+        value = kl = (probs * gap).sum(-1)
     else:
-        gap, weight = student_logps - _mixture_logps(student_logps, teacher_logps, beta), 1 - beta
-    return probs.mul_(gap - (probs * gap).sum(-1, keepdim=True)).mul_(weight)
+        mixture = _mixture_logps(student_logps, teacher_logps, beta)
+        gap = student_logps - mixture
+        kl = (probs * gap).sum(-1)
+        value = beta * _kl_terms(teacher_logps, mixture).sum(-1) + (1 - beta) * kl
+    return value, probs.mul_(gap.sub_(kl[..., None])).mul_(1.0 if beta == 1.0 else 1 - beta), spread
 
 
 def reduce_divergence(per_token: torch.Tensor, mask: torch.Tensor | None = None,
@@ -153,47 +163,84 @@ def _chunk_logps(head: _Head, hidden: torch.Tensor, teacher: Callable, rows: sli
 
 
 class _ChunkedJSD(torch.autograd.Function):
-    """``[M, H], [V, H], [V] | None -> [M]``: per-position divergence, the student's logits made ``chunk`` positions
-    at a time (``teacher(rows)`` gives the teacher's); backward makes them again and applies ``divergence_grad``."""
+    """``[M, H], [V, H], [V] | None -> [M], [M]``: per-position divergence and (``entropy``) the student's entropy
+    (else ``[0]``), the student's logits made ``chunk`` positions at a time (``teacher(rows)`` gives the teacher's).
+
+    With ``grads`` the forward also computes the gradients for an upstream gradient of one at every position, while
+    each chunk's logits exist (``divergence_and_grad``): backward only scales them when its upstream gradient is one
+    value everywhere (a sum or mean over the positions, what the losses take); another one (a weighted sum) makes the
+    logits again, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher, scale: float, beta: float, chunk: int, dtype: torch.dtype):
+    def forward(ctx, hidden, weight, bias, teacher, scale: float, beta: float, chunk: int, dtype: torch.dtype,
+                grads: bool, entropy: bool):
         head = _Head(weight, bias, scale, dtype, weight.shape[0])
         out = hidden.new_empty(hidden.shape[0], dtype=head.acc)
+        spread = hidden.new_empty(hidden.shape[0] if entropy else 0, dtype=head.acc)
+        needs = [grads and n for n in ctx.needs_input_grad[:3]]
+        buffers = _grad_buffers(hidden, weight, head.acc, *needs)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, len(hidden), chunk):
                 rows = slice(s, s + chunk)
-                student, teacher_logps = _chunk_logps(head, hidden[rows].to(dtype), teacher, rows)
-                out[rows] = divergence_terms(student, teacher_logps, beta).sum(-1)
+                h = hidden[rows].to(dtype)
+                value, coef, chunk_spread = divergence_and_grad(*_chunk_logps(head, h, teacher, rows), beta, entropy)
+                out[rows] = value
+                if entropy:
+                    spread[rows] = chunk_spread
+                if grads:
+                    _add_grads(buffers, coef.mul_(scale), h, head, rows, dtype)
         ctx.save_for_backward(hidden, weight, bias)
         ctx.teacher, ctx.scale, ctx.beta, ctx.chunk, ctx.dtype = teacher, scale, beta, chunk, dtype
-        return out
+        ctx.buffers = buffers if grads else None
+        ctx.mark_non_differentiable(spread)
+        return out, spread
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _):
         hidden, weight, bias = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        head = _Head(weight, bias, ctx.scale, ctx.dtype, weight.shape[0])
-        acc = head.acc
-        grad_h = torch.empty_like(hidden, dtype=acc) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-        with torch.autocast(hidden.device.type, enabled=False):
-            for s in range(0, len(hidden), ctx.chunk):
-                rows = slice(s, s + ctx.chunk)
-                h = hidden[rows].to(ctx.dtype)
-                student, teacher_logps = _chunk_logps(head, h, ctx.teacher, rows)
-                # d loss / d (h @ W.T + b): the tempered logits' gradient times the upstream gradient and the scale
-                coef = divergence_grad(student, teacher_logps, ctx.beta).mul_(grad_out[rows, None].to(acc) * ctx.scale)
-                if need_b:
-                    grad_b += coef.sum(0)
-                coef = coef.to(ctx.dtype)
-                if need_h:
-                    grad_h[rows] = coef @ head.weight
-                if need_w:
-                    _accumulate(grad_w, coef.T, h)
+        (grad_h, grad_w, grad_b), ctx.buffers = ctx.buffers or (None, None, None), None
+        upstream = grad_out.to(grad_w.dtype if grad_w is not None else hidden.dtype)
+        if ctx.needs_input_grad[1:3] != (grad_w is not None, grad_b is not None) or (
+                len(upstream) and not bool((upstream == upstream[0]).all())):
+            grad_h, grad_w, grad_b = _recomputed_grads(ctx, hidden, weight, bias, upstream)
+        else:  # the forward's gradients, at an upstream gradient of one: scaled (per position for the hidden states)
+            one = upstream[0] if len(upstream) else 0.0
+            grad_h = None if grad_h is None else grad_h.mul_(upstream[:, None].to(grad_h.dtype))
+            grad_w, grad_b = (None if g is None else g.mul_(one) for g in (grad_w, grad_b))
         grads = [None if g is None else g.to(t.dtype) for g, t in ((grad_h, hidden), (grad_w, weight), (grad_b, bias))]
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def _grad_buffers(hidden, weight, acc: torch.dtype, need_h: bool, need_w: bool, need_b: bool) -> tuple:
+    """Zeroed gradients of the hidden states, the head's weight and its bias (None where not needed), in ``acc``."""
+    return (torch.empty_like(hidden, dtype=acc) if need_h else None,
+            torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None,
+            torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None)
+
+
+def _add_grads(buffers: tuple, coef: torch.Tensor, h: torch.Tensor, head: _Head, rows: slice, dtype) -> None:
+    """One chunk's share of the gradients from ``coef``, the loss's gradient w.r.t. its logits ``[rows, V]``."""
+    grad_h, grad_w, grad_b = buffers
+    if grad_b is not None:
+        grad_b += coef.sum(0)
+    coef = coef.to(dtype)
+    if grad_h is not None:
+        grad_h[rows] = coef @ head.weight
+    if grad_w is not None:
+        _accumulate(grad_w, coef.T, h)
+
+
+def _recomputed_grads(ctx, hidden, weight, bias, upstream: torch.Tensor) -> tuple:
+    """The gradients for any upstream gradient: each chunk's logits made again."""
+    head = _Head(weight, bias, ctx.scale, ctx.dtype, weight.shape[0])
+    buffers = _grad_buffers(hidden, weight, head.acc, *ctx.needs_input_grad[:3])
+    with torch.autocast(hidden.device.type, enabled=False):
+        for s in range(0, len(hidden), ctx.chunk):
+            rows = slice(s, s + ctx.chunk)
+            h = hidden[rows].to(ctx.dtype)
+            _, coef, _ = divergence_and_grad(*_chunk_logps(head, h, ctx.teacher, rows), ctx.beta)
+            _add_grads(buffers, coef.mul_(upstream[rows, None].to(head.acc) * ctx.scale), h, head, rows, ctx.dtype)
+    return buffers
 
 
 def chunked_generalized_jsd(
@@ -204,7 +251,8 @@ def chunked_generalized_jsd(
     temperature: float = 1.0,
     reduction: str = "batchmean",
     chunk_size: int | None = None,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``generalized_jsd`` with the student given as hidden states and LM head, ``chunk_size`` positions at a time.
 
     ``student.hidden`` ``[N, T, H]`` (any ``[..., H]``); ``teacher``: its logits ``[N, T, V]`` or a ``Projection``
@@ -213,7 +261,9 @@ def chunked_generalized_jsd(
     ``generalized_jsd(scale * (hidden @ weight.T + bias), teacher logits, ...)`` up to rounding, and no
     vocabulary-wide tensor it makes holds more than ``chunk_size`` positions (default: ``DISTILL_CHUNK_LOGITS // V``).
     The student's matmul runs in the autocast dtype if autocast is on, else in ``hidden``'s; the divergence in fp32
-    (fp64 for fp64).
+    (fp64 for fp64). Each chunk's logits are made once when the loss reduces the positions evenly (``batchmean``,
+    ``sum``, or ``none`` summed or averaged by the caller): the forward computes the gradients too. ``with_entropy``:
+    also return the student's tempered entropy ``[N, T]`` (0 where ``mask`` is 0; no gradient) from the same pass.
     """
     check_divergence(beta, temperature, reduction)
     shape, vocab = student.hidden.shape[:-1], student.weight.shape[0]
@@ -224,10 +274,15 @@ def chunked_generalized_jsd(
     hidden = student.hidden.reshape(-1, student.hidden.shape[-1])[rows]
     teacher_logits = _teacher_logits(teacher, rows, temperature, dtype)
     chunk = int(chunk_size or max(1, DISTILL_CHUNK_LOGITS // vocab))
-    values = _ChunkedJSD.apply(hidden, student.weight, student.bias, teacher_logits, student.scale / temperature,
-                               float(beta), chunk, matmul)
+    inputs = (hidden, student.weight, student.bias)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    values, spread = _ChunkedJSD.apply(*inputs, teacher_logits, student.scale / temperature, float(beta), chunk,
+                                       matmul, grads, with_entropy)
     per_token = values.new_zeros(scored.numel()).index_put((rows,), values).view(shape)
-    return reduce_divergence(per_token, mask, reduction)
+    divergence = reduce_divergence(per_token, mask, reduction)
+    if not with_entropy:
+        return divergence
+    return divergence, spread.new_zeros(scored.numel()).index_put((rows,), spread).view(shape)
 
 
 def topk_generalized_jsd(

@@ -40,6 +40,7 @@ from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
 from lit_align.generation_round import GenerationRound
+from lit_align.host_memory import heap_allocations
 from lit_align.logps import Projection, chunked_token_logps, layout_outputs, plain_token_stats
 from lit_align.losses.distill import (
     chunked_generalized_jsd, chunked_topk_generalized_jsd, generalized_jsd, topk_generalized_jsd,
@@ -306,17 +307,20 @@ class DistillationModule(OnlineModule):
         else:
             teachers = self.teacher_outputs(sequences, teacher_ids)
         student = self.outputs(self.network, sequences)
+        entropy = None
         if len(teachers) == 1 and teachers[0][0] is None:
-            per_token = self.token_divergence(student, teachers[0][1], trained)
+            per_token, entropy = self.token_divergence(student, teachers[0][1], trained, with_entropy)
         else:  # each teacher's tokens: the student's outputs there (indexing keeps their gradient), back in order
-            values = torch.cat([self.token_divergence(tokens_of(student, tokens), teacher, trained[tokens])
+            values = torch.cat([self.token_divergence(tokens_of(student, tokens), teacher, trained[tokens])[0]
                                 for tokens, teacher in teachers])
             places = torch.cat([tokens for tokens, _ in teachers])
             per_token = values.new_zeros(len(trained)).index_put((places,), values)
         values = on_grid(per_token, scored)
         if not with_entropy:
             return values, None
-        return values, on_grid(student_entropy(student, sequences[2][scored], self.temperature) * trained, scored)
+        if entropy is None:  # a path that does not make it on the way: the student's head once more
+            entropy = student_entropy(student, sequences[2][scored], self.temperature) * trained
+        return values, on_grid(entropy, scored)
 
     @torch.no_grad()
     def teacher_outputs(self, sequences: tuple, teacher_ids: list[str] | None) -> list[tuple]:
@@ -339,10 +343,11 @@ class DistillationModule(OnlineModule):
         return layout_outputs(network, layouts.completions(*sequences, self.padding_free, network))
 
     def token_divergence(self, student: Projection | torch.Tensor, teacher: Projection | torch.Tensor | TopK,
-                         mask: torch.Tensor) -> torch.Tensor:
+                         mask: torch.Tensor, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[S]`` per-token divergence at the ``mask`` tokens (0 elsewhere) from the teacher's outputs or its
         top-k (``TopK``, ``[S, k]``): chunked through the student's head, or from full logits where its head is not
-        chunkable."""
+        chunkable; with ``with_entropy``, the student's tempered entropy there too where the chunked full divergence
+        makes it on the way (else None)."""
         settings = {"mask": mask, "beta": self.beta, "temperature": self.temperature, "reduction": "none"}
         if isinstance(teacher, TopK):
             plain, chunked = topk_generalized_jsd, chunked_topk_generalized_jsd
@@ -351,10 +356,13 @@ class DistillationModule(OnlineModule):
             plain, chunked, teacher_args = generalized_jsd, chunked_generalized_jsd, (teacher,)
         if not isinstance(student, Projection):
             teacher_args = [t.logits() if isinstance(t, Projection) else t for t in teacher_args]
-            return plain(student, *teacher_args, **settings)
+            return plain(student, *teacher_args, **settings), None
         fp32 = getattr(self.network.get_output_embeddings(), "fp32_matmul", False)  # cast_lm_head_to_fp32
-        with torch.autocast(self.device.type, enabled=False) if fp32 else nullcontext():
-            return chunked(student, *teacher_args, **settings)
+        # the chunks' [positions, V] temporaries live only inside the call: from the heap, not mapped one by one
+        with torch.autocast(self.device.type, enabled=False) if fp32 else nullcontext(), heap_allocations():
+            if chunked is chunked_generalized_jsd and with_entropy:
+                return chunked(student, *teacher_args, **settings, with_entropy=True)
+            return chunked(student, *teacher_args, **settings), None
 
     def log_teacher_losses(self, divergence: torch.Tensor, loss_mask: torch.Tensor, teacher_ids: list[str]) -> None:
         """``train/teacher/<id>/loss``: each teacher's mean per-token divergence over its rows' loss tokens in the

@@ -284,6 +284,54 @@ def test_chunked_makes_no_tensor_of_all_positions_by_vocabulary(teacher_kind):
     assert 0 < chunked.most_rows_of_vocabulary_width() <= 4
 
 
+class LogitsMade(TorchDispatchMode):
+    """How many vocabulary-wide products the heads make (matmuls whose output is ``[..., V]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm) and out.shape[-1] == V:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_chunked_makes_each_chunks_logits_once_and_again_only_for_a_weighted_sum(beta):
+    """The forward computes the gradients for an even reduction (a mean: each chunk's logits made once); a weighted
+    sum of the per-position values makes them again in backward, with the plain path's gradients either way."""
+    hidden, weight, b = student_head()
+    teacher, teacher_logits = teacher_of("projection")
+    mask = logits_and_labels()[2] != -100  # 12 scored positions: 3 chunks of 4
+    weights = torch.rand(N, T, generator=torch.Generator().manual_seed(3))
+    for reduce, made in ((lambda x: x.sum() / mask.sum(), 2 * 3), (lambda x: (x * weights).sum(), 2 * 3 * 2)):
+        with LogitsMade() as counted:
+            chunked = reduce(chunked_generalized_jsd(Projection(hidden, weight, b, SCALE), teacher, mask, beta,
+                                                     TEMPERATURE, "none", chunk_size=4))
+            got = grads(chunked, hidden, weight, b)
+        assert counted.count == made  # student and teacher, per chunk: once, or twice under the weighted sum
+        logits = F.linear(hidden, weight, b) * SCALE
+        plain = reduce(generalized_jsd(logits, teacher_logits, mask, beta, TEMPERATURE, "none"))
+        assert_rounding_close(chunked, plain, scale=logits.detach().abs().max(), terms=max(H, V), msg="loss")
+        for g, w, name in zip(got, grads(plain, hidden, weight, b), ("hidden", "weight", "bias")):
+            assert_rounding_close(g, w, terms=max(V, N * T), msg=name)
+
+
+def test_chunked_entropy_is_the_students_tempered_entropy_on_the_mask():
+    hidden, weight, b = student_head(torch.float64)
+    teacher, _ = teacher_of("projection", torch.float64)
+    mask = logits_and_labels()[2] != -100
+    loss, spread = chunked_generalized_jsd(Projection(hidden, weight, b, SCALE), teacher, mask, 0.5, TEMPERATURE,
+                                           chunk_size=4, with_entropy=True)
+    logps = F.log_softmax(F.linear(hidden, weight, b) * SCALE / TEMPERATURE, -1)
+    want = -(logps.exp() * logps).sum(-1) * mask
+    assert spread.shape == mask.shape and not spread.requires_grad and loss.requires_grad
+    assert_rounding_close(spread, want, scale=logps.detach().abs().max(), terms=V, dtype=torch.float64)
+    assert (spread[~mask] == 0).all() and (spread[mask] > 0).all()
+
+
 def test_default_chunks_hold_distill_chunk_logits(monkeypatch):
     import lit_align.losses.distill as distill
 

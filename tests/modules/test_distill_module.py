@@ -107,7 +107,8 @@ class Rounds(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps.append({"round": pl_module.round, "step": outputs["step"], "loss": float(outputs["loss"]),
-                           "on_policy": float(pl_module.round.stats["on_policy"])})
+                           "on_policy": float(pl_module.round.stats["on_policy"]),
+                           "entropy": float(trainer.callback_metrics["train/entropy"])})
 
 
 def distill(teacher_model: str, rows: str, max_steps: int = 1, callbacks=(), data: dict | None = None, **settings):
@@ -161,6 +162,12 @@ def test_a_steps_loss_is_the_generalized_jsd_of_both_models_full_logits(beta, te
     logps = torch.cat([student, teacher_logits]).div(temperature).log_softmax(-1)
     assert_rounding_close(first["loss"], expected, scale=logps.abs().max(), terms=TINY_TERMS, msg="loss")
     assert expected > 1e-3  # the two models differ: the comparison is not of zeros
+    # train/entropy: the student's tempered entropy, per loss token (the chunked path makes it with the divergence)
+    student_logps = student.div(temperature).log_softmax(-1)
+    entropy = -(student_logps.exp() * student_logps).sum(-1)
+    mask = step.loss_mask.bool()
+    assert_rounding_close(first["entropy"], entropy[mask].mean(), scale=logps.abs().max(), terms=TINY_TERMS,
+                          msg="entropy")
 
 
 def held_out_divergence(student, teacher, rows: str, beta: float) -> float:
