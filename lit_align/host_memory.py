@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
-from contextlib import contextmanager
 from functools import cache
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
@@ -66,19 +65,3 @@ def mapped_forward(active: bool) -> bool:
     libc.mallopt(M_MMAP_THRESHOLD, FORWARD_THRESHOLD if active else HEAP_THRESHOLD)
     libc.mallopt(M_TRIM_THRESHOLD, 2 * HEAP_THRESHOLD)
     return True
-
-
-@contextmanager
-def heap_allocations():
-    """Inside a mapped forward (``mapped_forward``), serve requests from the heap again for a while: for a stretch
-    whose large temporaries are freed before it ends (a loss computed chunk by chunk), which would otherwise each get
-    a mapping of their own and pay its page faults again at every chunk. Nothing changes outside a mapped forward."""
-    libc = _glibc()
-    if libc is None or not _forward_mapped:
-        yield
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD)
-    try:
-        yield
-    finally:
-        libc.mallopt(M_MMAP_THRESHOLD, FORWARD_THRESHOLD)

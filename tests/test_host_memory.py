@@ -73,24 +73,6 @@ def test_the_forward_maps_large_tensors_and_the_heap_takes_them_back_after():
     assert in_fresh_process("t.probes()") == [True, False]
 
 
-def heap_probes() -> list:
-    """In a forward's setting: mapped before ``heap_allocations``, inside it, after it; then outside a forward,
-    inside it."""
-    host_memory.mapped_forward(True)
-    found = [new_tensor_mapped()]
-    with host_memory.heap_allocations():
-        found.append(new_tensor_mapped())
-    found.append(new_tensor_mapped())
-    host_memory.mapped_forward(False)
-    with host_memory.heap_allocations():
-        found.append(new_tensor_mapped())
-    return found
-
-
-def test_heap_allocations_serve_a_stretch_of_the_forward_from_the_heap():
-    assert in_fresh_process("t.heap_probes()") == [True, False, True, False]
-
-
 class WhereTensorsGo(L.Callback):
     """In each training forward (a hook on the policy's decoder) and after each backward: whether a new large tensor
     is mapped (``new_tensor_mapped``)."""

@@ -76,26 +76,31 @@ def divergence_and_grad(student_logps: torch.Tensor, teacher_logps: torch.Tensor
                         entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The per-token divergence ``[...]`` (``divergence_terms`` summed), its gradient w.r.t. the student's (tempered)
     logits ``[..., V]``, the teacher fixed, and with ``entropy`` the student's entropy ``[...]``, in shared passes over
-    the vocabulary (one ``exp`` of the student's log-probs serves all three).
+    the vocabulary (one ``exp`` of the student's log-probs serves all three). ``student_logps`` is overwritten.
 
     The softmax turns ``g = d D / d log p_s`` into ``p_s (g - sum p_s g)``: ``p_s - p_t`` for the forward KL,
     ``p_s (log p_s - log p_t - KL)`` for the reverse KL, ``(1 - beta) p_s (log p_s - log m - KL(p_s || m))`` for the
     JSD (the terms through the mixture ``m`` cancel).
     """
     probs = student_logps.exp()
-    spread = -(probs * student_logps).sum(-1) if entropy else None
+    spread = -_dot(probs, student_logps) if entropy else None
     if beta == 0.0:
         teacher = teacher_logps.exp()
-        return (teacher * (teacher_logps - student_logps)).sum(-1), probs.sub_(teacher), spread
+        return _dot(teacher, teacher_logps - student_logps), probs.sub_(teacher), spread
     if beta == 1.0:
-        gap = student_logps - teacher_logps
-        value = kl = (probs * gap).sum(-1)
+        gap = student_logps.sub_(teacher_logps)
+        value = kl = _dot(probs, gap)
     else:
         mixture = _mixture_logps(student_logps, teacher_logps, beta)
-        gap = student_logps - mixture
-        kl = (probs * gap).sum(-1)
-        value = beta * _kl_terms(teacher_logps, mixture).sum(-1) + (1 - beta) * kl
+        gap = student_logps.sub_(mixture)
+        kl = _dot(probs, gap)
+        value = beta * _dot(teacher_logps.exp(), teacher_logps.sub(mixture)) + (1 - beta) * kl
     return value, probs.mul_(gap.sub_(kl[..., None])).mul_(1.0 if beta == 1.0 else 1 - beta), spread
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)`` as batched dot products: no ``[..., V]`` temporary."""
+    return (a.unsqueeze(-2) @ b.unsqueeze(-1)).reshape(a.shape[:-1])
 
 
 def reduce_divergence(per_token: torch.Tensor, mask: torch.Tensor | None = None,

@@ -40,7 +40,6 @@ from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
 from lit_align.generation import Rollout
 from lit_align.generation_round import GenerationRound
-from lit_align.host_memory import heap_allocations
 from lit_align.logps import Projection, chunked_token_logps, layout_outputs, plain_token_stats
 from lit_align.losses.distill import (
     chunked_generalized_jsd, chunked_topk_generalized_jsd, generalized_jsd, topk_generalized_jsd,
@@ -358,8 +357,7 @@ class DistillationModule(OnlineModule):
             teacher_args = [t.logits() if isinstance(t, Projection) else t for t in teacher_args]
             return plain(student, *teacher_args, **settings), None
         fp32 = getattr(self.network.get_output_embeddings(), "fp32_matmul", False)  # cast_lm_head_to_fp32
-        # the chunks' [positions, V] temporaries live only inside the call: from the heap, not mapped one by one
-        with torch.autocast(self.device.type, enabled=False) if fp32 else nullcontext(), heap_allocations():
+        with torch.autocast(self.device.type, enabled=False) if fp32 else nullcontext():
             if chunked is chunked_generalized_jsd and with_entropy:
                 return chunked(student, *teacher_args, **settings, with_entropy=True)
             return chunked(student, *teacher_args, **settings), None
