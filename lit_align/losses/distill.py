@@ -203,21 +203,22 @@ class _ChunkedJSD(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _):
         hidden, weight, bias = ctx.saved_tensors
-        (grad_h, grad_w, grad_b), ctx.buffers = ctx.buffers or (None, None, None), None
-        upstream = grad_out.to(grad_w.dtype if grad_w is not None else hidden.dtype)
-        if ctx.needs_input_grad[1:3] != (grad_w is not None, grad_b is not None) or (
-                len(upstream) and not bool((upstream == upstream[0]).all())):
+        buffers, ctx.buffers = ctx.buffers, None
+        upstream = grad_out.to(compute_dtype(ctx.dtype))
+        if buffers is None or (len(upstream) and not bool((upstream == upstream[0]).all())):
             grad_h, grad_w, grad_b = _recomputed_grads(ctx, hidden, weight, bias, upstream)
         else:  # the forward's gradients, at an upstream gradient of one: scaled (per position for the hidden states)
+            grad_h, grad_w, grad_b = buffers
             one = upstream[0] if len(upstream) else 0.0
-            grad_h = None if grad_h is None else grad_h.mul_(upstream[:, None].to(grad_h.dtype))
+            grad_h = None if grad_h is None else grad_h.mul_(upstream[:, None])
             grad_w, grad_b = (None if g is None else g.mul_(one) for g in (grad_w, grad_b))
         grads = [None if g is None else g.to(t.dtype) for g, t in ((grad_h, hidden), (grad_w, weight), (grad_b, bias))]
         return (*grads, None, None, None, None, None, None, None)
 
 
 def _grad_buffers(hidden, weight, acc: torch.dtype, need_h: bool, need_w: bool, need_b: bool) -> tuple:
-    """Zeroed gradients of the hidden states, the head's weight and its bias (None where not needed), in ``acc``."""
+    """Gradients of the hidden states (filled chunk by chunk), the head's weight and its bias (zeros, summed into),
+    in ``acc``; None where not needed."""
     return (torch.empty_like(hidden, dtype=acc) if need_h else None,
             torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None,
             torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None)
