@@ -71,7 +71,7 @@ def full_policy_state_dict(trainer, policy: torch.nn.Module) -> dict[str, torch.
     rank must call it. None also where no gathering is needed (single device, DDP, ZeRO-1/2): the policy's own
     ``state_dict`` is complete.
     """
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+    from lightning.pytorch.strategies import FSDPStrategy
 
     strategy = trainer.strategy
     if isinstance(strategy, FSDPStrategy):
@@ -83,7 +83,7 @@ def full_policy_state_dict(trainer, policy: torch.nn.Module) -> dict[str, torch.
             state = strategy.model.state_dict()  # keys as in the LightningModule: policy.<...>
         prefix = "policy."
         return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)} if trainer.is_global_zero else None
-    if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
+    if deepspeed_zero3(trainer):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(policy.parameters()), modifier_rank=None):
