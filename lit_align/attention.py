@@ -68,11 +68,16 @@ def _keys(x: torch.Tensor, tile: Tile) -> torch.Tensor:
 
 
 class SparseAttention(torch.autograd.Function):
-    """``softmax(q k^T * scale + mask) v`` tile by tile (``plan``), in torch's CPU flash-attention kernels."""
+    """``softmax(q k^T * scale + mask) v`` tile by tile (``plan``), in torch's CPU flash-attention kernels, which
+    take grouped keys and values as they are (GQA: fewer key/value heads than query heads; none repeated, nor kept
+    repeated for backward). The output is laid out ``[R, Q, H, D]`` in memory (a ``[R, H, Q, D]`` view of it), the
+    layout attention's callers transpose it to: that transpose copies nothing, and the output projection keeps the
+    storage this keeps for backward."""
 
     @staticmethod
     def forward(ctx, query, key, value, tiles, scale):
-        out = torch.empty_like(query)
+        rows, heads, queries, dim = query.shape
+        out = query.new_empty(rows, queries, heads, dim).transpose(1, 2)
         logsumexp = query.new_empty(query.shape[:3], dtype=torch.float32)
         for tile in tiles:
             mask = None if tile.mask is None else tile.mask.to(query.dtype)
@@ -88,7 +93,6 @@ class SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         query, key, value, out, logsumexp = ctx.saved_tensors
-        grad = grad.contiguous()
         grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
         for tile in ctx.tiles:
             queries = (slice(tile.row, tile.row + 1), slice(None), slice(tile.start, tile.stop))
@@ -111,19 +115,23 @@ def sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """``F.scaled_dot_product_attention(query, key, value, attn_mask=<the mask of tiles>, scale=scale)`` computing
     only the tiles' keys: ``query [R, H, Q, D]``, ``key``/``value [R, H_kv, K, D]`` (``H_kv < H`` with
     ``enable_gqa``, each key head serving ``H // H_kv`` query heads)."""
-    if key.shape[1] != query.shape[1]:
-        if not enable_gqa:
-            raise ValueError(f"key has {key.shape[1]} heads and query {query.shape[1]}: pass enable_gqa=True")
-        key = key.repeat_interleave(query.shape[1] // key.shape[1], 1)
-        value = value.repeat_interleave(query.shape[1] // value.shape[1], 1)
+    if key.shape[1] != query.shape[1] and not enable_gqa:
+        raise ValueError(f"key has {key.shape[1]} heads and query {query.shape[1]}: pass enable_gqa=True")
     return SparseAttention.apply(query, key, value, tiles, query.shape[-1] ** -0.5 if scale is None else scale)
 
 
 class SparseMask(torch.Tensor):
     """A bool ``[R, 1, Q, K]`` attention mask with its ``tiles``: ``F.scaled_dot_product_attention`` given it computes
-    only what it lets through (``sparse_attention``), where it can; everything else sees the plain tensor."""
+    only what it lets through (``sparse_attention``), where it can; everything else sees the plain tensor.
+
+    ``kv_groups``: the query heads per key/value head of the model it is made for. transformers repeats a grouped
+    model's keys and values to every query head before ``sdpa`` under a mask; given repeated ones (as many heads as
+    the query, with ``kv_groups`` > 1), the attention takes every ``kv_groups``-th head, the model's own, so that
+    backward keeps those and not the repeated copies (their gradient reaches the model's heads through the repeat's
+    own backward)."""
 
     tiles: list[Tile]
+    kv_groups: int = 1
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -139,15 +147,19 @@ class SparseMask(torch.Tensor):
                     and query.dtype == key.dtype == value.dtype
                     and not call.get("dropout_p") and not call.get("is_causal")
                     and (query.shape[0], query.shape[2], key.shape[2]) == tuple(mask.shape[i] for i in (0, 2, 3))):
-                return sparse_attention(query, key, value, mask.tiles, call.get("scale"), bool(call.get("enable_gqa")))
+                gqa, groups = bool(call.get("enable_gqa")), mask.kv_groups
+                if groups > 1 and key.shape[1] == query.shape[1] and query.shape[1] % groups == 0:
+                    key, value, gqa = key[:, ::groups].contiguous(), value[:, ::groups].contiguous(), True
+                return sparse_attention(query, key, value, mask.tiles, call.get("scale"), gqa)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
 
-def sparse_mask(allowed: torch.Tensor) -> SparseMask:
-    """``allowed`` (bool ``[R, 1, Q, K]``, every query seeing some key) as a ``SparseMask``."""
+def sparse_mask(allowed: torch.Tensor, kv_groups: int = 1) -> SparseMask:
+    """``allowed`` (bool ``[R, 1, Q, K]``, every query seeing some key) as a ``SparseMask`` for a model with
+    ``kv_groups`` query heads per key/value head."""
     mask = allowed.as_subclass(SparseMask)
-    mask.tiles = plan(allowed)
+    mask.tiles, mask.kv_groups = plan(allowed), kv_groups
     return mask
 
 

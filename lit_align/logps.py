@@ -313,7 +313,9 @@ def attention_mask_4d(model: torch.nn.Module, allowed: torch.Tensor) -> torch.Te
     takes it: bool for sdpa (on CPU a ``lit_align.attention.SparseMask``, whose attention skips what it hides),
     additive for eager (which adds the mask to the scores)."""
     if skips_hidden(model, allowed.device):
-        return sparse_mask(allowed)
+        config = model.config.get_text_config()
+        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+        return sparse_mask(allowed, heads // kv_heads if kv_heads else 1)
     if model.config._attn_implementation == "sdpa":
         return allowed
     dtype = next(model.parameters()).dtype

@@ -128,7 +128,7 @@ def test_layout_logps_equal_with_and_without_sparse_attention(monkeypatch):
     layout = packed_rows(shared_prompt_pairs(batch))
     sparse = layout_logps(model, layout).tokens
     (grad_sparse,) = torch.autograd.grad(sparse.sum(), model.model.layers[0].self_attn.q_proj.weight)
-    monkeypatch.setattr("lit_align.logps.sparse_mask", lambda allowed: allowed)
+    monkeypatch.setattr("lit_align.logps.sparse_mask", lambda allowed, kv_groups=1: allowed)
     plain = layout_logps(model, layout).tokens
     (grad_plain,) = torch.autograd.grad(plain.sum(), model.model.layers[0].self_attn.q_proj.weight)
     assert_rounding_close(sparse, plain, terms=384)
@@ -149,3 +149,42 @@ def test_sparse_attention_under_autocast():
     for f, s in zip(full, sparse):
         assert s.dtype == f.dtype
         assert_rounding_close(s, f, dtype=torch.bfloat16)
+
+
+def test_a_grouped_models_keys_reach_the_kernel_unrepeated(monkeypatch):
+    """transformers repeats a GQA model's keys and values to every query head before ``sdpa`` under a mask; the
+    sparse path takes the model's own heads back (``kv_groups``), and its output's memory is laid out as the
+    callers transpose it (no copy there): the packed log-probs and their gradients are the plain path's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).train()
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(3, 64, (4, 40))
+    attention = torch.ones_like(ids)
+    attention[1, 30:] = attention[3, 25:] = 0
+    completion = attention.clone()
+    completion[:, :12] = 0
+    batch = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+    batch["input_ids"][2:, :12] = batch["input_ids"][:2, :12]  # pairs share their prompt
+    layout = packed_rows(shared_prompt_pairs(batch))
+    seen, apply = [], SparseAttention.apply
+
+    def recording(query, key, value, tiles, scale):
+        out = apply(query, key, value, tiles, scale)
+        seen.append((query.shape[1], key.shape[1], value.shape[1], out.transpose(1, 2).is_contiguous()))
+        return out
+
+    monkeypatch.setattr(SparseAttention, "apply", recording)
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    sparse = layout_logps(model, layout).tokens
+    (grad_sparse,) = torch.autograd.grad(sparse.sum(), weight)
+    assert seen == [(4, 2, 2, True)] * 2
+    monkeypatch.setattr("lit_align.logps.sparse_mask", lambda allowed, kv_groups=1: allowed)
+    plain = layout_logps(model, layout).tokens
+    (grad_plain,) = torch.autograd.grad(plain.sum(), weight)
+    assert len(seen) == 2  # the plain mask: torch's own attention
+    assert_rounding_close(sparse, plain, terms=64)
+    assert_rounding_close(grad_sparse, grad_plain, scale=grad_plain.abs().max() * 40, terms=64)
