@@ -1,7 +1,8 @@
 """The native engine: lit_align's own batched decode loop over the model's forward.
 
 ``NativeEngine`` returns what ``HFEngine`` does, faster: one prefill per prompt shared by its samples, and one of
-the prefix all prompts share (a preallocated ``SlotCache``), sampling on tensors (``sample_next``: temperature,
+the prefix all prompts share (a preallocated ``SlotCache``), the prompts packed without padding where the attention
+skips what its mask hides (sdpa on CPU), sampling on tensors (``sample_next``: temperature,
 ``filter_logits`` for top-k/top-p, an inverse-CDF draw in blocks), rows that ended dropped from the batch, and
 Llama-like models decoded by ``LlamaDecodeStep``.
 """
@@ -13,12 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lit_align.attention import skips_hidden
 from lit_align.capabilities import (
     attention_implementation, cache_keyword, full_attention_only, is_sharded, takes_custom_mask,
 )
 from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
-from lit_align.generation.cache import SlotCache
+from lit_align.generation.cache import PackedWrite, SlotCache
 from lit_align.generation.llama_decode import LlamaDecodeStep
 from lit_align.logps import attention_mask_4d
 
@@ -212,13 +214,16 @@ def shared_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
     return int(differs.int().argmax()) if differs.any() else shortest - 1
 
 
-def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-             cache: SlotCache) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Each prompt once (its cache copied into its rows), and the prefix every prompt shares once before that:
-    ``(logits [B, V] after each prompt's last token, the cache's prompt columns' mask [B, P], the shared length)``.
+def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache: SlotCache,
+             copies: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Each prompt once (its cache copied into its ``copies`` rows), and the prefix every prompt shares once before
+    that: ``(logits [B, V] after each prompt's last token, the cache's prompt columns' mask [B, P], the shared
+    length)``.
 
     With a shared prefix of ``k`` tokens, the cache holds it in columns ``0 .. k - 1`` and each prompt's remaining
-    tokens, left-padded, after it (same width ``P``, same positions: attention only sees real tokens)."""
+    tokens, left-padded, after it (same width ``P``, same positions: attention only sees real tokens). Where the
+    attention computes only what a mask lets through (``skips_hidden``: sdpa on CPU), the prompts run packed, side
+    by side in one row (``_packed_forward``): no padding position is computed."""
     k = shared_prefix(prompt_ids, prompt_mask)
     cache_mask = prompt_mask
     if k:
@@ -228,7 +233,31 @@ def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
         own = torch.arange(width, device=prompt_ids.device) >= width - (prompt_mask.sum(1, keepdim=True) - k)
         cache_mask = torch.cat([torch.ones_like(prompt_mask[:, :k]), own], 1)
         prompt_ids, prompt_mask = prompt_ids[:, k:], own
+    if len(prompt_ids) > 1 and skips_hidden(model, prompt_ids.device) and not bool(prompt_mask.all()):
+        return _packed_forward(model, prompt_ids, prompt_mask, cache, k, copies), cache_mask, k
     return _forward(model, prompt_ids, prompt_mask, cache, start=k), cache_mask, k
+
+
+def _packed_forward(model, ids: torch.Tensor, mask: torch.Tensor, cache: SlotCache, start: int,
+                    copies: int) -> torch.Tensor:
+    """``_forward``'s logits and cache from the prompts' real tokens side by side in one row: each token at its
+    position, seeing the ``start`` cached prefix columns and its own prompt's earlier tokens, written into its
+    prompt's ``copies`` cache rows at its column (``SlotCache.packed``); logits at each prompt's last token only."""
+    device = ids.device
+    rows, columns = mask.nonzero(as_tuple=True)  # each prompt's tokens in order, prompt after prompt
+    allowed = (rows[:, None] == rows[None, :]) & (columns[None, :] <= columns[:, None])
+    if start:
+        allowed = torch.cat([allowed.new_ones(len(rows), start), allowed], 1)
+    positions = start + (mask.long().cumsum(1) - 1)[rows, columns]
+    last = mask.sum(1).cumsum(0) - 1  # each prompt's last token in the packed row
+    copy = torch.arange(copies, device=device)
+    write = PackedWrite(rows=(rows[:, None] * copies + copy).flatten(),
+                        columns=(start + columns).repeat_interleave(copies),
+                        tokens=torch.arange(len(rows), device=device).repeat_interleave(copies), width=ids.shape[1])
+    with cache.packed(write):
+        out = model(input_ids=ids[rows, columns][None], attention_mask=attention_mask_4d(model, allowed[None, None]),
+                    position_ids=positions[None], use_cache=True, logits_to_keep=last, **{cache_keyword(model): cache})
+    return out.logits[0]
 
 
 def _forward(model, ids: torch.Tensor, mask: torch.Tensor, cache: SlotCache, start: int) -> torch.Tensor:
@@ -252,7 +281,8 @@ class NativeEngine:
 
     - each prompt is run once and its KV cache copied into its ``G`` rows (``HFEngine`` repeats the prompts first),
       and the first tokens every prompt shares (a chat template's system prompt and header) are run once before
-      that, for all of them (``shared_prefix``);
+      that, for all of them (``shared_prefix``); with sdpa on CPU the prompts' own tokens run side by side in one
+      row, no padding computed (``_packed_forward``: 1.5 -> 1.0 s for 16 SmolLM2 chat prompts of 62-131 tokens);
     - the KV cache is preallocated (``SlotLayer``): a decode step writes one slot, no cache grows by concatenation;
     - the left-padding mask is built once as a 4D mask and sliced per step, positions follow the prompt mask (as
       ``completion_token_logps`` computes them), so transformers builds no mask in the loop;
@@ -316,7 +346,7 @@ class NativeEngine:
         rows, steps = len(prompt_ids) * num_samples, config.max_new_tokens
         prompt_mask = prompt_mask.bool()
         cache = SlotCache(rows, prompt_ids.shape[1] + steps)
-        logits, cache_mask, prefix = _prefill(model, prompt_ids, prompt_mask, cache)
+        logits, cache_mask, prefix = _prefill(model, prompt_ids, prompt_mask, cache, num_samples)
         logits = logits.repeat_interleave(num_samples, 0)
         batch = _LiveRows(model, cache, cache_mask, num_samples, steps, self.fast_decode)
         ids = torch.full((rows, steps), pad_token_id, dtype=torch.long, device=device)

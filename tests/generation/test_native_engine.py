@@ -14,7 +14,8 @@ from tiny_models import ARCHITECTURES, PROMPTS, tiny_random
 
 from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
-from lit_align.generation import ENGINES, HFEngine, NativeEngine
+from lit_align.generation import ENGINES, HFEngine, NativeEngine, native
+from lit_align.generation.cache import SlotCache
 from lit_align.modules.grpo import GRPOModule
 from lit_align.modules.online import completion_token_logps
 from numerics import TINY_TERMS, assert_rounding_close
@@ -98,7 +99,8 @@ def _prefilled_tokens(model) -> list[int]:
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_a_prefix_every_prompt_shares_is_prefilled_once(arch, num_samples, tokenizer):
     """Chat prompts start alike (system prompt, template header): that prefix goes through the model once, its keys
-    and values copied into every row; greedy tokens still equal ``generate``'s, sampled log-probs a fresh forward's."""
+    and values copied into every row, then the prompts' own tokens packed in one row (sdpa on CPU: no padding
+    computed); greedy tokens still equal ``generate``'s, sampled log-probs a fresh forward's."""
     model = ARCHITECTURES[arch](tokenizer, "sdpa")
     prompt_ids, prompt_mask = left_padded(tokenizer, SHARED)
     kwargs = dict(eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
@@ -110,7 +112,8 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once(arch, num_samples, token
     shared = len(tokenizer("sort ")["input_ids"])  # BOS (if any) and "sort "
     width = prompt_ids.shape[1]
     assert native.last_stats.shared_prefix == shared
-    assert fed[:2] == [shared, len(SHARED) * (width - shared)]  # the prefix once, then each prompt's own tokens
+    assert fed[:2] == [shared, int(prompt_mask.sum()) - len(SHARED) * shared]  # the prefix once, then the rest
+    assert width - shared > min(len(tokenizer(p)["input_ids"]) for p in SHARED) - shared  # (there was padding)
 
     torch.manual_seed(0)
     rollout = NativeEngine(max_new_tokens=8).generate(model, prompt_ids, prompt_mask, num_samples, **kwargs)
@@ -121,13 +124,42 @@ def test_a_prefix_every_prompt_shares_is_prefilled_once(arch, num_samples, token
     assert_rounding_close(rollout.logps[mask], logps[mask], terms=TINY_TERMS)
 
 
-def test_prompts_sharing_no_prefix_are_prefilled_in_one_forward(tokenizer):
-    model = ARCHITECTURES["llama"](tokenizer, "sdpa")
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_prompts_sharing_no_prefix_are_prefilled_in_one_forward(attn, tokenizer):
+    """Packed, the real tokens only, where the attention computes only what its mask lets through (sdpa on CPU);
+    padded elsewhere."""
+    model = ARCHITECTURES["llama"](tokenizer, attn)
     prompt_ids, prompt_mask = left_padded(tokenizer, PROMPTS)  # "s" is a whole prompt: nothing left to share
     fed = _prefilled_tokens(model)
     engine = NativeEngine(max_new_tokens=2, temperature=0.0)
     engine.generate(model, prompt_ids, prompt_mask, 2, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=0)
-    assert engine.last_stats.shared_prefix == 0 and fed == [prompt_ids.numel()]
+    expected = int(prompt_mask.sum()) if attn == "sdpa" else prompt_ids.numel()
+    assert engine.last_stats.shared_prefix == 0 and fed == [expected] and prompt_mask.sum() < prompt_ids.numel()
+
+
+@pytest.mark.parametrize("prompts", [SHARED, PROMPTS])
+def test_a_packed_prefill_fills_the_cache_as_the_padded_one(prompts, monkeypatch, tokenizer):
+    """The same logits after each prompt and the same keys and values in each of a prompt's rows as the padded
+    prefill, up to float rounding; zeros where the padded one put its padding tokens' (never attended to)."""
+    model = tiny_random("qwen2", len(tokenizer), init=0.05, num_key_value_heads=2).eval()  # GQA, biased q/k/v
+    prompt_ids, prompt_mask = left_padded(tokenizer, prompts)
+    runs = {}
+    for packed in (True, False):
+        if not packed:
+            monkeypatch.setattr(native, "skips_hidden", lambda model, device: False)
+        cache = SlotCache(len(prompts) * 2, prompt_ids.shape[1] + 4)
+        with torch.no_grad():
+            logits, cache_mask, shared = native._prefill(model, prompt_ids, prompt_mask.bool(), cache, copies=2)
+        runs[packed] = logits, cache_mask, [(layer.keys[:, :, :layer.length], layer.values[:, :, :layer.length])
+                                            for layer in cache.layers]
+    (logits, cache_mask, layers), (padded_logits, padded_mask, padded_layers) = runs[True], runs[False]
+    assert torch.equal(cache_mask, padded_mask)
+    assert_rounding_close(logits, padded_logits, terms=TINY_TERMS)
+    real = cache_mask.repeat_interleave(2, 0)[:, None, :, None]  # [rows, 1, columns, 1]
+    for (keys, values), (padded_keys, padded_values) in zip(layers, padded_layers):
+        for ours, theirs in ((keys, padded_keys), (values, padded_values)):
+            assert_rounding_close(ours * real, theirs * real, terms=TINY_TERMS)
+            assert (ours * ~real == 0).all()
 
 
 # -- EOS and the rows that ended ---------------------------------------------------------------------------------------
