@@ -13,12 +13,20 @@ SmolLM2-135M (Llama layers, hidden 576, MLP 1536) from ~12.5k to ~6.3k floats pe
 Without checkpointing, ``lean_mlps`` still recomputes one thing, always: a SwiGLU MLP's ``silu(gate) * up`` (two
 elementwise ops) in backward instead of keeping it and ``silu(gate)`` (autograd keeps ``gate``, ``silu(gate)``,
 ``up`` and the product): 3k fewer floats per token and layer there (~12.5k to ~9.4k), the same values and gradients
-bit for bit (``_SwiGLUDown``'s backward runs autograd's own operations on the same tensors).
+bit for bit (``_SwiGLUDown``'s backward runs autograd's own operations on the same tensors). ``lean_norms`` does the
+same for the RMSNorms inside the layers: a norm keeps its input and ``r = rsqrt(mean(x^2) + eps)``, and the
+projections after it keep how to make its output rather than the output (a ``saved_tensors_hooks`` pair around each
+layer's forward): backward makes each norm output again, once (one elementwise op), and nothing else of the layer
+is recomputed. With the attention keeping the model's own grouped keys and values (``lit_align.attention``), a
+SmolLM2-135M layer keeps ~5.8k floats per token, less than ``selective``'s ~6.3k, without its per-op dispatch:
+distillation's micro-step on that model 6.0 s against 6.3-6.7 s (``docs/distill.md``).
 """
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +89,7 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(gate, up, weight)
-        return F.linear(F.silu(gate) * up, weight)
+        return F.linear(F.silu(gate).mul_(up), weight)  # in place: one [tokens, intermediate] temporary fewer
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -119,4 +127,112 @@ def lean_mlps(model: torch.nn.Module) -> int:
         if type(module).__name__ in SWIGLU_MLPS and _is_silu(getattr(module, "act_fn", None)):
             module.forward = partial(_lean_mlp_forward, module)
             count += 1
+    return count
+
+
+# the RMSNorm classes whose forward is Llama's: ``weight * (x * rsqrt(mean(x^2) + eps))``, computed in fp32
+LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``weight * (x * r)``, ``r = rsqrt(mean(x^2) + eps)`` given (made without gradient by the caller), keeping ``x``,
+    ``r`` and ``weight`` for backward, where autograd would keep ``x * r`` besides ``x``. The gradient w.r.t. ``x``
+    includes its path through ``r``: ``r * (g w - x r * mean(g w * x r))``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, r, weight)
+        return (x * r).mul_(weight)  # weight * (x * r), as the plain forward: products commute bit for bit
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, r, weight = ctx.saved_tensors
+        normed = x * r
+        grad_weight = (grad * normed).sum(tuple(range(grad.dim() - 1))) if ctx.needs_input_grad[2] else None
+        grad_normed = grad * weight
+        return r * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)), None, grad_weight
+
+
+class _NormOutput:
+    """A lean norm's output in a layer's forward, by what makes it: the ops of the layer that keep it for backward
+    keep this instead (``_Kept``), and it is made again once, at the first of them to need it."""
+
+    __slots__ = ("x", "r", "weight", "alive", "again")
+
+    def __init__(self, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, output: torch.Tensor):
+        self.x, self.r, self.weight, self.again = x, r, weight, None
+        self.alive = weakref.ref(output)  # while the output lives, no other tensor has its storage
+
+    def value(self) -> torch.Tensor:
+        if self.again is None:
+            self.again = (self.x * self.r).mul_(self.weight)  # the forward's operations: the same values
+        return self.again
+
+
+class _Kept(NamedTuple):
+    """What a layer keeps for backward instead of a view of a lean norm's output: the norm output and the view."""
+
+    output: _NormOutput
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+_layer_norms: dict[int, _NormOutput] | None = None  # the running lean layer's norm outputs by storage address
+
+
+def _pack(tensor: torch.Tensor):
+    output = _layer_norms.get(tensor.untyped_storage().data_ptr()) if _layer_norms else None
+    if output is None or output.alive() is None:
+        return tensor
+    return _Kept(output, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+
+def _unpack(kept):
+    if isinstance(kept, _Kept):
+        return kept.output.value().as_strided(kept.size, kept.stride, kept.offset)
+    return kept
+
+
+def _lean_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    weight = norm.weight
+    if not (torch.is_grad_enabled() and x.dtype == weight.dtype == torch.float32 and x.is_contiguous()):
+        return type(norm).forward(norm, x)
+    with torch.no_grad():
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)  # the forward's operations
+    output = _RMSNorm.apply(x, r, weight)
+    if _layer_norms is not None and output.is_contiguous():
+        _layer_norms[output.untyped_storage().data_ptr()] = _NormOutput(x.detach(), r, weight, output)
+    return output
+
+
+def _lean_layer_forward(forward, *args, **kwargs):
+    global _layer_norms
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    outer, _layer_norms = _layer_norms, {}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            return forward(*args, **kwargs)
+    finally:
+        _layer_norms = outer
+
+
+def lean_norms(model: torch.nn.Module) -> int:
+    """Give ``model``'s Llama-like RMSNorms (``LLAMA_NORMS``) a forward that keeps its input and ``r`` for backward,
+    not ``x * r``, and have the decoder layers around them keep no norm output either: an op that keeps one (the
+    q/k/v projections keep the input norm's, gate/up the post-attention norm's) keeps how to make it, and backward
+    makes it again, once per norm (one elementwise op). Values are the plain forward's bit for bit, gradients equal
+    up to float rounding; 2 x hidden fewer floats kept per token and layer (4 x, counting ``x * r``). Steps aside
+    (the plain forward) without gradient and outside fp32; how many norms it leaned."""
+    count = 0
+    for layer in model.modules():
+        norms = [m for m in layer.children() if type(m).__name__ in LLAMA_NORMS]
+        norms += [m for child in layer.children() for m in child.children() if type(m).__name__ in LLAMA_NORMS]
+        if not norms or not type(layer).__name__.endswith("DecoderLayer"):
+            continue
+        for norm in norms:
+            norm.forward = partial(_lean_norm_forward, norm)
+        layer.forward = partial(_lean_layer_forward, layer.forward)
+        count += len(norms)
     return count

@@ -2,7 +2,9 @@
 checkpointing, runs no matmul twice (transformers' full checkpointing does) and recomputes the elementwise ops; a
 DPO run with it logs the same losses; a mode that is none of false / true / selective is refused in one line.
 ``lean_mlps``: bitwise the values and gradients, two fewer ``[tokens, intermediate]`` tensors kept a layer, and the
-plain forward wherever it does not apply (LoRA, autocast, no gradient)."""
+plain forward wherever it does not apply (LoRA, autocast, no gradient). ``lean_norms``: the values bit for bit, the
+gradients up to rounding, four fewer ``[tokens, hidden]`` tensors kept a layer; the plain forward without gradient
+or outside fp32."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from generation.tiny_models import ARCHITECTURES
 from helpers import fit
+from numerics import assert_rounding_close
 from lit_align.data import PreferenceDataModule
 from lit_align.errors import LitAlignError
 from lit_align.modules import DPOModule
-from lit_align.recompute import enable_checkpointing, lean_mlps
+from lit_align import recompute
+from lit_align.recompute import enable_checkpointing, lean_mlps, lean_norms
 
 
 class OpCounts(TorchDispatchMode):
@@ -84,7 +88,10 @@ def test_dpo_with_selective_checkpointing_logs_the_same_losses(tiny_path):
         data = PreferenceDataModule(path="builtin:sort", batch_size=4, max_length=32, val_split=None, shuffle=False)
         fit(module, data, max_steps=3, callbacks=[record])
         losses[mode] = record.values
-    assert losses["selective"] == losses[False] and len(set(losses[False])) == 3
+    # the first step's loss bit for bit; then the parameters differ by the lean norms' gradient rounding (no
+    # checkpointing leans the norms, lean_norms; selective is bitwise the plain layers)
+    assert losses["selective"][0] == losses[False][0] and len(set(losses[False])) == 3
+    assert losses["selective"] == pytest.approx(losses[False], rel=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["full", "yes", 1.0])
@@ -150,8 +157,52 @@ def test_lean_mlps_step_aside_for_lora_autocast_and_inference(tokenizer):
 
 
 @pytest.mark.parametrize("mode", [False, "selective"])
-def test_a_module_leans_its_mlps_without_checkpointing(mode, tiny_path):
+def test_a_module_leans_its_mlps_and_norms_without_checkpointing(mode, tiny_path):
     module = DPOModule(model="builtin:tiny", gradient_checkpointing=mode)
     module.configure_model()
-    forwards = {type(m.forward).__name__ for m in module.policy.modules() if type(m).__name__ == "LlamaMLP"}
-    assert forwards == ({"partial"} if mode is False else {"method"})
+    for kind in ("LlamaMLP", "LlamaRMSNorm", "LlamaDecoderLayer"):
+        forwards = {type(m.forward).__name__ for m in module.policy.model.layers.modules() if type(m).__name__ == kind}
+        assert forwards == ({"partial"} if mode is False else {"method"}), kind
+    assert type(module.policy.model.norm.forward).__name__ == "method"  # the final norm: outside the layers
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_norms_keep_no_norm_output_and_give_the_plain_values(arch, tokenizer, monkeypatch):
+    """A leaned layer keeps each RMSNorm's input and ``r`` only: neither ``x * r`` nor the norm's output (which the
+    projections after it keep, as how to make it again), 4 x hidden floats fewer per token and layer; the loss is
+    the plain one bit for bit, the gradients equal up to float rounding."""
+    plain = ARCHITECTURES[arch](tokenizer, "sdpa")
+    lean = copy.deepcopy(plain)
+    layers, hidden = plain.config.num_hidden_layers, plain.config.hidden_size
+    assert lean_norms(lean) == 2 * layers
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain_bytes, plain_loss, plain_grads = saved_bytes_and_gradients(plain, ids)
+    params = {p.untyped_storage().data_ptr() for p in lean.parameters()}
+    inside, pack = {}, recompute._pack  # a lean layer keeps what its own hooks let through
+
+    def counting(tensor):
+        packed = pack(tensor)
+        if isinstance(packed, torch.Tensor) and packed.untyped_storage().data_ptr() not in params:
+            inside[packed.untyped_storage().data_ptr()] = packed.untyped_storage().nbytes()
+        return packed
+
+    monkeypatch.setattr(recompute, "_pack", counting)
+    outside, lean_loss, lean_grads = saved_bytes_and_gradients(lean, ids)
+    assert torch.equal(lean_loss, plain_loss)
+    assert plain_grads.keys() == lean_grads.keys()
+    for name, grad in plain_grads.items():
+        assert_rounding_close(lean_grads[name], grad, scale=grad.abs().max() * 8, terms=hidden, msg=name)
+    assert plain_bytes - (outside + sum(inside.values())) == layers * ids.numel() * 4 * hidden * 4
+
+
+def test_lean_norms_step_aside_without_gradient_and_outside_fp32(tokenizer):
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain = ARCHITECTURES["llama"](tokenizer, "sdpa")
+    lean = copy.deepcopy(plain)
+    lean_norms(lean)
+    with torch.no_grad():
+        assert torch.equal(lean(input_ids=ids).logits, plain(input_ids=ids).logits)
+    norm = lean.model.layers[0].input_layernorm
+    x = torch.randn(3, plain.config.hidden_size, dtype=torch.float64, requires_grad=True)
+    assert norm(x).grad_fn.name() == type(norm)(x.shape[-1]).double()(x).grad_fn.name() == "MulBackward0"
+    assert norm(x.float()).grad_fn.name() == "_RMSNormBackward"

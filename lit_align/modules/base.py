@@ -25,7 +25,7 @@ from lit_align.data.base import AlignDataModule
 from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
 from lit_align.optimizers import DEFAULT_OPTIM, build_optimizer, check_optimizer_choice
 from lit_align.pretrained import gguf_path
-from lit_align.recompute import check_mode, enable_checkpointing, lean_mlps
+from lit_align.recompute import check_mode, enable_checkpointing, lean_mlps, lean_norms
 from lit_align.reference import Reference, RefModelSync
 from lit_align.strategies import zero3_loading
 
@@ -50,7 +50,9 @@ class AlignModule(L.LightningModule):
         gradient_checkpointing: recompute activations in backward to save memory (``lit_align.recompute``): true
             (transformers' own: each layer's forward again, about a third more step time) or ``selective`` (only the
             elementwise ops again, matmuls and attention kept: bitwise the same results, about half the activation
-            memory, 5-10% more time on SmolLM2-135M).
+            memory, 5-10% more time on SmolLM2-135M). False (the default) still leans the Llama-like layers
+            (``lean_mlps``, ``lean_norms``): their SwiGLU product and RMSNorm outputs are made again in backward, not
+            kept, about as little memory as ``selective`` without its per-op dispatch.
         mmap_activations: on CPU under glibc (Linux), keep freed heap out of the peak RSS: a training step's forward
             maps the tensors of 1 MiB and more that glibc's free heap blocks cannot hold one by one (returned to the
             system when freed) instead of growing the heap, and the free blocks' pages go back to the system before
@@ -191,6 +193,7 @@ class AlignModule(L.LightningModule):
         if self.hparams.gradient_checkpointing is False and not (self._trainer is not None
                                                                   and sharded_strategy(self._trainer)):
             lean_mlps(self.policy)  # (sharded: the weight is gathered only in down_proj's own forward)
+            lean_norms(self.policy)
         if self.lora_config is not None:
             from peft import get_peft_model
 
