@@ -14,8 +14,9 @@ sampling too, at a round's first step):
   ``FORWARD_THRESHOLD`` (1 MiB): the forward fills the heap's free blocks and maps the rest, so the heap does not
   grow with the activations. From backward on it is ``HEAP_THRESHOLD``, where glibc's own adaptive threshold ends
   (the trim threshold at twice that, as glibc sets it there).
-- at the end of the forward ``malloc_trim`` hands the pages of the heap's free blocks back to the system (the blocks
-  stay; a page comes back when it is written again).
+- at the start and at the end of the forward ``malloc_trim`` hands the pages of the heap's free blocks back to the
+  system (the blocks stay; a page comes back when it is written again): what the previous step's backward and
+  optimizer step freed is not resident under the forward's activations.
 
 The price is page faults, one per 4 KiB page mapped or handed back and then written: on that model about 0.35M more
 a step, some 5% of a training step's CPU time. Setting the threshold turns glibc's adaptation off for the rest of the
@@ -53,13 +54,14 @@ _forward_mapped = False  # whether the thresholds are the forward's (process-wid
 
 def mapped_forward(active: bool) -> bool:
     """Start (``active``) or end the forward's own mappings: glibc's ``M_MMAP_THRESHOLD`` at ``FORWARD_THRESHOLD``,
-    else ``HEAP_THRESHOLD`` (its ``M_TRIM_THRESHOLD`` at twice that, either way); at the end of a forward, first the
-    pages of the heap's free blocks back to the system (``malloc_trim``). Whether glibc is there to take them."""
+    else ``HEAP_THRESHOLD`` (its ``M_TRIM_THRESHOLD`` at twice that, either way); at the start and at the end of a
+    forward, first the pages of the heap's free blocks back to the system (``malloc_trim``). Whether glibc is there
+    to take them."""
     global _forward_mapped
     libc = _glibc()
     if libc is None:
         return False
-    if _forward_mapped and not active:
+    if _forward_mapped != active:
         libc.malloc_trim(0)
     _forward_mapped = active
     libc.mallopt(M_MMAP_THRESHOLD, FORWARD_THRESHOLD if active else HEAP_THRESHOLD)

@@ -109,3 +109,25 @@ def test_mmap_activations_maps_the_forward_only_and_keeps_the_losses():
     assert on["forward"] == [True] * 3 and on["after_backward"] == [False] * 3
     assert off["forward"] == [False] * 3  # glibc's own threshold: the heap grows instead
     assert on["losses"] == off["losses"] and len(set(off["losses"])) == 3
+
+
+def test_a_forward_hands_the_free_heap_back_at_its_start_and_its_end(monkeypatch):
+    """``malloc_trim`` when a forward starts (what the previous backward and optimizer step freed is not resident
+    under its activations) and when it ends; not again for a forward already started or ended."""
+    calls = []
+
+    class Libc:
+        def malloc_trim(self, pad):
+            calls.append("trim")
+
+        def mallopt(self, option, value):
+            calls.append((option, value))
+
+    monkeypatch.setattr(host_memory, "_glibc", Libc)
+    monkeypatch.setattr(host_memory, "_forward_mapped", False)
+    for active in (True, True, False, False):
+        host_memory.mapped_forward(active)
+    forward, heap = host_memory.FORWARD_THRESHOLD, host_memory.HEAP_THRESHOLD
+    settings = {threshold: [(host_memory.M_MMAP_THRESHOLD, threshold), (host_memory.M_TRIM_THRESHOLD, 2 * heap)]
+                for threshold in (forward, heap)}
+    assert calls == ["trim", *settings[forward], *settings[forward], "trim", *settings[heap], *settings[heap]]
