@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -127,12 +127,10 @@ class DistillationModule(OnlineModule):
             runs in every round.
         num_generations: completions per prompt (TRL's ``DistillationTrainer``: 1).
         disable_dropout: zero the student's dropout (TRL's ``DistillationConfig`` default: off).
-        gradient_checkpointing: ``OnlineModule``'s, here ``selective`` by default (TRL's default is on, transformers'
-            full recomputation): only the elementwise ops run again in backward, every value and gradient bitwise
-            the same, about half the student's activations held (``lit_align.recompute``).
         mmap_activations: ``OnlineModule``'s, here on by default (CPU under glibc; nothing elsewhere): a step's
-            forward maps its large tensors instead of growing glibc's heap (``lit_align.host_memory``). With the
-            selective checkpointing, peak RSS on SmolLM2-135M 5.6 -> 4.3 GB (``docs/distill.md``); the same values.
+            forward maps its large tensors instead of growing glibc's heap (``lit_align.host_memory``); with the
+            lean layers of no checkpointing (``lit_align.recompute``: ``lean_mlps``, ``lean_norms``), peak RSS on
+            SmolLM2-135M 4.4 GB against TRL's 7.4 (``docs/distill.md``); the same values.
         reward_funcs: optional here: with them, rounds and validation are scored and logged (``train/reward``,
             ``val/reward``) to watch the task; they never enter the loss.
     """
@@ -144,11 +142,10 @@ class DistillationModule(OnlineModule):
                  teacher_model_init_kwargs: dict | None = None, teacher_id_column: str = TEACHER_ID,
                  beta: float = 1.0, lmbda: float = 1.0, seq_kd: bool = False,
                  teacher_topk_cache: int | None = None, num_generations: int = 1, disable_dropout: bool = False,
-                 gradient_checkpointing: bool | Literal["selective"] = "selective", mmap_activations: bool = True,
-                 **kwargs):
+                 mmap_activations: bool = True, **kwargs):
         check_distillation(teacher_model, beta, lmbda, seq_kd, teacher_topk_cache, kwargs)
         super().__init__(model=model, num_generations=num_generations, beta=0.0, disable_dropout=disable_dropout,
-                         gradient_checkpointing=gradient_checkpointing, mmap_activations=mmap_activations, **kwargs)
+                         mmap_activations=mmap_activations, **kwargs)
         self.beta, self.lmbda, self.seq_kd = beta, lmbda, seq_kd
         self.teachers = Teachers(teacher_model, teacher_model_init_kwargs, teacher_id_column)
         self.teacher_topk = None if teacher_topk_cache is None else TeacherTopK(teacher_topk_cache)

@@ -463,7 +463,7 @@ def test_defaults_are_trls_except_the_ones_the_readme_lists(recipe):
     listed = {"gradient_checkpointing": (False, True)}
     round_defaults = {"disable_dropout": (True, False)}
     listed |= {"grpo": round_defaults, "rloo": round_defaults,
-               "distill": {"gradient_checkpointing": ("selective", True)},  # docs/distill.md: bitwise, half the memory
+               "distill": {},
                "sft": {"completion_only_loss": (True, None),  # None: on for prompt-completion rows
                        "padding_free": (None, False)},  # None: on where exact and cheaper (packs_by_default)
                "dpo": {"padding_free": (None, False)}, "kto": {}, "cpo": {}, "orpo": {}, "reward": {}}[recipe]
