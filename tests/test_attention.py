@@ -115,17 +115,22 @@ def test_sparse_attention_in_bf16():
         assert (s.float() - r).abs().max() <= 2 * (f.float() - r).abs().max() + 1e-6
 
 
-def test_layout_logps_equal_with_and_without_sparse_attention(monkeypatch):
-    torch.manual_seed(0)
-    model = load_model("builtin:tiny")
-    ids = torch.randint(3, model.config.vocab_size, (4, 40))
+def packed_pairs(vocab_size: int):
+    """Two pairs of random tokens, each pair's prompt shared, packed (DPO's padding-free layout)."""
+    ids = torch.randint(3, vocab_size, (4, 40))
     attention = torch.ones_like(ids)
     attention[1, 30:] = attention[3, 25:] = 0
     completion = attention.clone()
     completion[:, :12] = 0
-    batch = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
-    batch["input_ids"][2:, :12] = batch["input_ids"][:2, :12]  # pairs share their prompt
-    layout = packed_rows(shared_prompt_pairs(batch))
+    ids[2:, :12] = ids[:2, :12]  # pairs share their prompt
+    return packed_rows(shared_prompt_pairs({"input_ids": ids, "attention_mask": attention,
+                                            "completion_mask": completion}))
+
+
+def test_layout_logps_equal_with_and_without_sparse_attention(monkeypatch):
+    torch.manual_seed(0)
+    model = load_model("builtin:tiny")
+    layout = packed_pairs(model.config.vocab_size)
     sparse = layout_logps(model, layout).tokens
     (grad_sparse,) = torch.autograd.grad(sparse.sum(), model.model.layers[0].self_attn.q_proj.weight)
     monkeypatch.setattr("lit_align.logps.sparse_mask", lambda allowed, kv_groups=1: allowed)
@@ -162,14 +167,7 @@ def test_a_grouped_models_keys_reach_the_kernel_unrepeated(monkeypatch):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).train()
     model.config._attn_implementation = "sdpa"
-    ids = torch.randint(3, 64, (4, 40))
-    attention = torch.ones_like(ids)
-    attention[1, 30:] = attention[3, 25:] = 0
-    completion = attention.clone()
-    completion[:, :12] = 0
-    batch = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
-    batch["input_ids"][2:, :12] = batch["input_ids"][:2, :12]  # pairs share their prompt
-    layout = packed_rows(shared_prompt_pairs(batch))
+    layout = packed_pairs(config.vocab_size)
     seen, apply = [], SparseAttention.apply
 
     def recording(query, key, value, tiles, scale):
