@@ -223,8 +223,8 @@ def lean_norms(model: torch.nn.Module) -> int:
     not ``x * r``, and have the decoder layers around them keep no norm output either: an op that keeps one (the
     q/k/v projections keep the input norm's, gate/up the post-attention norm's) keeps how to make it, and backward
     makes it again, once per norm (one elementwise op). Values are the plain forward's bit for bit, gradients equal
-    up to float rounding; 2 x hidden fewer floats kept per token and layer (4 x, counting ``x * r``). Steps aside
-    (the plain forward) without gradient and outside fp32; how many norms it leaned."""
+    up to float rounding; per norm 2 x hidden fewer floats kept a token (``x * r`` and the output), 4 x hidden a
+    Llama layer. Steps aside (the plain forward) without gradient and outside fp32; how many norms it leaned."""
     count = 0
     for layer in model.modules():
         norms = [m for m in layer.children() if type(m).__name__ in LLAMA_NORMS]
