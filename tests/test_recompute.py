@@ -135,15 +135,22 @@ def test_lean_mlps_are_bitwise_plain_and_keep_two_tensors_less(arch, tokenizer):
     assert plain_bytes - lean_bytes == layers * 2 * ids.numel() * width * 4  # silu(gate) and the product, fp32
 
 
+def leaned_beside_plain(tokenizer, lean) -> tuple[torch.Tensor, torch.nn.Module, torch.nn.Module]:
+    """Token ids, a tiny Llama and a copy ``lean`` leaned, after checking that without gradient both give the same
+    logits bit for bit."""
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain = ARCHITECTURES["llama"](tokenizer, "sdpa")
+    leaned = copy.deepcopy(plain)
+    lean(leaned)
+    with torch.no_grad():
+        assert torch.equal(leaned(input_ids=ids).logits, plain(input_ids=ids).logits)
+    return ids, plain, leaned
+
+
 def test_lean_mlps_step_aside_for_lora_autocast_and_inference(tokenizer):
     from peft import LoraConfig, get_peft_model
 
-    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
-    plain = ARCHITECTURES["llama"](tokenizer, "sdpa")
-    lean = copy.deepcopy(plain)
-    lean_mlps(lean)
-    with torch.no_grad():
-        assert torch.equal(lean(input_ids=ids).logits, plain(input_ids=ids).logits)
+    ids, plain, lean = leaned_beside_plain(tokenizer, lean_mlps)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(lean(input_ids=ids).logits, plain(input_ids=ids).logits)
     config = LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False)
@@ -196,12 +203,7 @@ def test_lean_norms_keep_no_norm_output_and_give_the_plain_values(arch, tokenize
 
 
 def test_lean_norms_step_aside_without_gradient_and_outside_fp32(tokenizer):
-    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
-    plain = ARCHITECTURES["llama"](tokenizer, "sdpa")
-    lean = copy.deepcopy(plain)
-    lean_norms(lean)
-    with torch.no_grad():
-        assert torch.equal(lean(input_ids=ids).logits, plain(input_ids=ids).logits)
+    ids, plain, lean = leaned_beside_plain(tokenizer, lean_norms)
     norm = lean.model.layers[0].input_layernorm
     x = torch.randn(3, plain.config.hidden_size, dtype=torch.float64, requires_grad=True)
     assert norm(x).grad_fn.name() == type(norm)(x.shape[-1]).double()(x).grad_fn.name() == "MulBackward0"
