@@ -39,6 +39,7 @@ from lit_align.errors import LitAlignError
 
 
 PACKED_WIDTH = 8192  # widest packed row where attention skips what the mask hides: its [W, W] bool mask is 64 MiB
+MIN_SHARED_PREFIX = 16  # fewest first prompt tokens in common that a step's completions run once for all prompts
 
 
 @dataclass
@@ -167,8 +168,21 @@ def _prompts_then_completions(prompt_mask: torch.Tensor, completion_mask: torch.
             and bool((prompt.sum(1) > 0).all()))
 
 
+def shared_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """How many first real tokens every left-padded prompt has in common (a chat template's system prompt and
+    header), leaving each prompt at least one token of its own (its last logits come from its own forward)."""
+    lengths = prompt_mask.sum(1)
+    shortest = int(lengths.min())
+    if len(prompt_ids) < 2 or shortest < 2:
+        return 0
+    columns = prompt_ids.shape[1] - lengths[:, None] + torch.arange(shortest - 1, device=prompt_ids.device)
+    heads = prompt_ids.gather(1, columns)  # each prompt's first real tokens
+    differs = (heads != heads[:1]).any(0)
+    return int(differs.int().argmax()) if differs.any() else shortest - 1
+
+
 def shared_prompt_completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-                              completion_mask: torch.Tensor) -> Layout | None:
+                              completion_mask: torch.Tensor, prefix_width: int | None = None) -> Layout | None:
     """GRPO's completions as one row per distinct prompt, ``[prompt, completion_a, completion_b, ..., padding]``.
 
     Each completion's tokens attend to the prompt and to their own completion only, at the positions they would have
@@ -177,8 +191,13 @@ def shared_prompt_completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     once per completion of it (a step of 8 completions of 4 prompts: about half its prompt tokens). The grid is the
     completions' ``[N, C]``.
 
-    None when no prompt repeats, or the rows are not of that form: a prompt that is not left-padded, or a completion
-    that is not one run from its first column.
+    With ``prefix_width``, the first tokens every distinct prompt has in common (``shared_prefix``: a chat template's
+    system prompt and header, a tool list), when there are at least ``MIN_SHARED_PREFIX`` of them, run once too: all
+    in one row ``[prefix, prompt_a's rest, its completions, prompt_b's rest, ...]`` (if it is at most
+    ``prefix_width`` wide), each prompt's rest attending to the prefix and to itself (``shared_prefix_completions``).
+
+    None when no prompt repeats and no prefix is shared, or the rows are not of that form: a prompt that is not
+    left-padded, or a completion that is not one run from its first column.
     """
     if not _prompts_then_completions(prompt_mask, completion_mask):
         return None
@@ -187,42 +206,61 @@ def shared_prompt_completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     prompt_lengths, completion_lengths = prompt_mask.bool().sum(1), completion_mask.bool().sum(1)
     keys = prompt_ids.masked_fill(~prompt_mask.bool(), -1)  # pad ids may differ between equal prompts
     _, group = torch.unique(keys, dim=0, return_inverse=True)
-    rows = int(group.max()) + 1
-    if rows == n:
-        return None
-    # each completion's first column in its group's row: after the prompt and the group's earlier completions
+    groups = int(group.max()) + 1
     order = torch.arange(n, device=device)
+    first_rows = torch.full((groups,), n, device=device).scatter_reduce_(0, group, order, "amin")
+    member, by_first = first_rows.sort()  # each group's first row; groups numbered in that order
+    group = torch.empty_like(by_first).scatter_(0, by_first, torch.arange(groups, device=device))[group]
+    group_prompt = prompt_lengths[member]
+    spans = group_prompt + torch.zeros_like(group_prompt).index_add_(0, group, completion_lengths)
+    shared = shared_prefix(prompt_ids[member], prompt_mask[member]) if prefix_width else 0
+    if shared < MIN_SHARED_PREFIX or int(spans.sum()) - (groups - 1) * shared > prefix_width:
+        shared = 0
+    if groups == n and not shared:
+        return None
+    own = group_prompt - shared  # each prompt's tokens after the shared prefix
+    if shared:  # one row: the prefix, then each group's prompt rest and completions
+        rows, row_of = 1, torch.zeros(groups, dtype=torch.long, device=device)
+        base = shared + (spans - shared).cumsum(0) - (spans - shared)  # each group's first column
+        row_lengths = (shared + (spans - shared).sum()).reshape(1)
+    else:  # a row per group
+        rows, row_of, base, row_lengths = groups, torch.arange(groups, device=device), torch.zeros_like(spans), spans
+    # each completion's first column in its row: after its prompt and the group's earlier completions
     earlier = (group[:, None] == group[None, :]) & (order[None, :] < order[:, None])  # [i, j]: j before i, same row
-    prompt_of_row = torch.zeros(rows, dtype=torch.long, device=device).scatter_(0, group, prompt_lengths)
-    offset = prompt_lengths + (earlier * completion_lengths[None, :]).sum(1)
-    row_lengths = prompt_of_row + torch.zeros_like(prompt_of_row).index_add_(0, group, completion_lengths)
+    offset = base[group] + own[group] + (earlier * completion_lengths[None, :]).sum(1)
     length = int(row_lengths.max())
     pos = torch.arange(length, device=device)
-    segment = torch.full((rows, length), -2, dtype=torch.long, device=device)  # -1: the prompt, i: completion i
-    member = torch.zeros(rows, dtype=torch.long, device=device).scatter_(0, group, order)
-    in_prompt = pos < prompt_of_row[:, None]
-    prompt_cols = (width - prompt_of_row[:, None] + pos).clamp(max=width - 1)  # a row's prompt, from any of its rows
-    input_ids = torch.where(in_prompt, prompt_ids[member[:, None], prompt_cols], 0)
-    segment[in_prompt] = -1
-    position_ids = torch.where(in_prompt, pos, 0)
-    tokens = completion_mask.bool()
-    token_rows, token_cols = tokens.nonzero(as_tuple=True)
-    target_cols = offset[token_rows] + token_cols
-    input_ids[group[token_rows], target_cols] = completion_ids[token_rows, token_cols]
-    segment[group[token_rows], target_cols] = token_rows
-    position_ids[group[token_rows], target_cols] = prompt_lengths[token_rows] + token_cols
+    input_ids = torch.zeros(rows, length, dtype=prompt_ids.dtype, device=device)
+    position_ids = torch.zeros(rows, length, dtype=torch.long, device=device)
+    team = torch.full((rows, length), -2, dtype=torch.long, device=device)  # each column's group, -1 the prefix
+    segment = torch.full((rows, length), -2, dtype=torch.long, device=device)  # -1 a prompt's, i completion i
+    first = width - group_prompt  # each group's first prompt column in ``prompt_ids``
+    if shared:
+        input_ids[0, :shared] = prompt_ids[member[0], first[0]:first[0] + shared]
+        position_ids[0, :shared], team[0, :shared], segment[0, :shared] = pos[:shared], -1, -1
+    g, k = (torch.arange(int(own.max()), device=device) < own[:, None]).nonzero(as_tuple=True)
+    at = (row_of[g], base[g] + k)
+    input_ids[at] = prompt_ids[member[g], first[g] + shared + k]
+    position_ids[at], team[at], segment[at] = shared + k, g, -1
+    token_rows, token_cols = completion_mask.bool().nonzero(as_tuple=True)
+    at = (row_of[group[token_rows]], offset[token_rows] + token_cols)
+    input_ids[at] = completion_ids[token_rows, token_cols]
+    position_ids[at], team[at], segment[at] = prompt_lengths[token_rows] + token_cols, group[token_rows], token_rows
     valid = pos < row_lengths[:, None]
     causal = pos[None, :] <= pos[:, None]  # [L(query), L(key)]
-    sees = (segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None])
+    key_team, key_segment = team[:, None, :], segment[:, None, :]
+    sees = (key_team == -1) | ((key_team == team[:, :, None])
+                               & ((key_segment == -1) | (key_segment == segment[:, :, None])))
     allowed = (causal & sees & valid[:, None, :]) | torch.eye(length, dtype=torch.bool, device=device)
     # label column c (c >= 1) is predicted by column c - 1, but a completion's first token by its prompt's last one
     source = (pos[1:] - 1).repeat(rows, 1)
-    starts = offset[completion_lengths > 0]
-    source[group[completion_lengths > 0], starts - 1] = prompt_of_row[group[completion_lengths > 0]] - 1
+    scored = completion_lengths > 0
+    source[row_of[group[scored]], offset[scored] - 1] = (base + own - 1)[group[scored]]
     completion_columns = offset[:, None] + torch.arange(completion_ids.shape[1], device=device)
-    index = group[:, None] * (length - 1) + (completion_columns - 1).clamp(0, length - 2)
-    return Layout("shared_prompt_completions", input_ids, 1, tokens, attention_mask=valid.long(),
-                  allowed=allowed[:, None], position_ids=position_ids, source=source, index=index,
+    index = row_of[group][:, None] * (length - 1) + (completion_columns - 1).clamp(0, length - 2)
+    return Layout("shared_prefix_completions" if shared else "shared_prompt_completions", input_ids, 1,
+                  completion_mask.bool(), attention_mask=valid.long(), allowed=allowed[:, None],
+                  position_ids=position_ids, source=source, index=index,
                   window=int((prompt_lengths + completion_lengths).max()))
 
 
@@ -413,8 +451,9 @@ def completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_
     (``shared_prompt_completions``), else ``[prompt, completion]`` rows (``right_aligned``). ``padding_free`` None:
     ``packs_by_default``."""
     if resolve_padding_free(padding_free, model, prompt_ids.device):
-        layout = shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, completion_mask)
+        width = None if model is None else packing_width(model, prompt_ids.device)
+        layout = shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, completion_mask, width)
         if layout is None:
             layout = right_aligned(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        return packed_rows(layout, None if model is None else packing_width(model, prompt_ids.device))
+        return packed_rows(layout, width)
     return prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask)

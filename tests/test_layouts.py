@@ -13,7 +13,7 @@ from lit_align.capabilities import supports_shared_prompt
 from lit_align.data.preference import collate_pairs
 from lit_align.layouts import (
     completions, packed_bins, packed_rows, packs_by_default, padded, pairs, right_aligned,
-    shared_prompt_completions, shared_prompt_pairs,
+    MIN_SHARED_PREFIX, shared_prompt_completions, shared_prompt_pairs,
 )
 from lit_align.logps import layout_logps
 from lit_align.models import load_model
@@ -154,6 +154,62 @@ def test_shared_prompt_completions_refuse_other_rows():
     gap[1, 2] = 0  # a completion that is not one run
     assert shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, gap) is None
     assert shared_prompt_completions(prompt_ids, prompt_mask.flip(1), completion_ids, completion_mask) is None
+
+
+def prefixed_prompts(seed: int = 2, shared: int = MIN_SHARED_PREFIX + 2):
+    """Six completions of four left-padded prompts (rows 4 and 5 repeat rows 0 and 1) that begin with the same
+    ``shared`` tokens (a chat template's system prompt) and go on with 2-10 tokens of their own."""
+    torch.manual_seed(seed)
+    own = torch.tensor([5, 10, 2, 8, 5, 10])
+    width = shared + int(own.max())
+    prompt_ids = torch.randint(10, 90, (6, width))
+    prompt_ids[:, -own.max():] = torch.randint(10, 90, (6, int(own.max())))
+    prompt_mask = (torch.arange(width) >= width - (shared + own)[:, None]).long()
+    prefix = torch.randint(10, 90, (shared,))
+    for i in range(6):
+        prompt_ids[i, width - shared - own[i]:width - own[i]] = prefix
+    prompt_ids[4], prompt_ids[5] = prompt_ids[0], prompt_ids[1]
+    completion_ids = torch.randint(10, 90, (6, 5))
+    completion_mask = (torch.arange(5) < torch.tensor([3, 5, 1, 4, 2, 5])[:, None]).long()
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def test_shared_prefix_completions_run_the_prompts_common_start_once():
+    prompt_ids, prompt_mask, completion_ids, completion_mask = prefixed_prompts()
+    shared = MIN_SHARED_PREFIX + 2
+    layout = shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, completion_mask, prefix_width=4096)
+    assert layout.name == "shared_prefix_completions" and layout.input_ids.shape[0] == 1
+    # the prefix once, then each distinct prompt's own tokens (5, 10, 2, 8) and its completions (3 + 2, 5 + 5, 1, 4)
+    assert layout.attention_mask.sum() == shared + (5 + 3 + 2) + (10 + 5 + 5) + (2 + 1) + (8 + 4)
+    ids, positions, allowed = layout.input_ids[0], layout.position_ids[0], layout.allowed[0, 0]
+    first = prompt_ids.shape[1] - shared - 5  # row 0's prompt: the prefix, 5 tokens of its own, completions 0, 4
+    assert ids[:shared + 5].tolist() == prompt_ids[0, first:].tolist()
+    assert ids[shared + 5:shared + 10].tolist() == completion_ids[0, :3].tolist() + completion_ids[4, :2].tolist()
+    assert positions[:shared + 10].tolist() == list(range(shared + 8)) + [shared + 5, shared + 6]
+    second = shared + 10  # row 1's prompt: its own 10 tokens at positions shared.., seeing the prefix and themselves
+    assert ids[second:second + 10].tolist() == prompt_ids[1, -10:].tolist()
+    assert positions[second:second + 10].tolist() == list(range(shared, shared + 10))
+    assert allowed[second + 3, :shared].all() and allowed[second + 3, second:second + 4].all()
+    assert not allowed[second + 3, shared:second].any() and not allowed[second + 3, second + 4:].any()
+    completion = second + 10 + 5  # row 5's completion: the prefix, its prompt's own tokens and itself
+    assert ids[completion:completion + 5].tolist() == completion_ids[5].tolist()
+    assert allowed[completion + 2, :shared].all() and allowed[completion + 2, second:second + 10].all()
+    assert allowed[completion + 2, completion:completion + 3].all()
+    assert not allowed[completion + 2, shared:second].any() and not allowed[completion + 2, second + 10:completion].any()
+    # too short a prefix, or a row wider than allowed: a row per prompt, no prefix shared
+    for width, shared in ((4096, MIN_SHARED_PREFIX - 1), (60, MIN_SHARED_PREFIX + 2)):
+        rows = shared_prompt_completions(*prefixed_prompts(shared=shared), prefix_width=width)
+        assert rows.name == "shared_prompt_completions" and rows.input_ids.shape[0] == 4
+
+
+@pytest.mark.parametrize("arch,chunk_size", [("llama", None), ("llama", 3), ("qwen2", None)])
+def test_shared_prefix_log_probs_equal_the_padded_ones_with_gradients(arch, chunk_size, tokenizer):
+    """Prompts with a common start, ``padding_free`` under sdpa on CPU: the prefix once for all of them
+    (``shared_prefix_completions``), the padded log-probs, entropy and gradients."""
+    model = grpo_model(arch, "sdpa", tokenizer)
+    rows = prefixed_prompts()
+    assert completions(*rows, True, model).name == "shared_prefix_completions+padding_free"
+    assert_packed_equals_padded(model, *rows, chunk_size)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -22,6 +22,7 @@ from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
 from lit_align.generation.cache import PackedWrite, SlotCache
 from lit_align.generation.llama_decode import LlamaDecodeStep
+from lit_align.layouts import shared_prefix
 from lit_align.logps import attention_mask_4d
 
 
@@ -199,19 +200,6 @@ class _LiveRows:
             return self.fast(tokens, t, self.prompt_len + t)
         return self.model(input_ids=tokens.unsqueeze(1), attention_mask=self.step_mask[..., : self.prompt_len + t + 1],
                           position_ids=self.next_position + t, use_cache=True, **self.cache_kwargs).logits[:, -1]
-
-
-def shared_prefix(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-    """How many first real tokens every left-padded prompt has in common (a chat template's system prompt and
-    header), leaving each prompt at least one token of its own (its last logits come from its own forward)."""
-    lengths = prompt_mask.sum(1)
-    shortest = int(lengths.min())
-    if len(prompt_ids) < 2 or shortest < 2:
-        return 0
-    columns = prompt_ids.shape[1] - lengths[:, None] + torch.arange(shortest - 1, device=prompt_ids.device)
-    heads = prompt_ids.gather(1, columns)  # each prompt's first real tokens
-    differs = (heads != heads[:1]).any(0)
-    return int(differs.int().argmax()) if differs.any() else shortest - 1
 
 
 def _prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache: SlotCache,
