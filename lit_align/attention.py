@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa
 
 TILE = 128  # queries per tile: small enough to follow a mask's blocks, large enough for the kernel's efficiency
 
@@ -124,14 +126,29 @@ class SparseMask(torch.Tensor):
     """A bool ``[R, 1, Q, K]`` attention mask with its ``tiles``: ``F.scaled_dot_product_attention`` given it computes
     only what it lets through (``sparse_attention``), where it can; everything else sees the plain tensor.
 
-    ``kv_groups``: the query heads per key/value head of the model it is made for. transformers repeats a grouped
-    model's keys and values to every query head before ``sdpa`` under a mask; given repeated ones (as many heads as
-    the query, with ``kv_groups`` > 1), the attention takes every ``kv_groups``-th head, the model's own, so that
-    backward keeps those and not the repeated copies (their gradient reaches the model's heads through the repeat's
-    own backward)."""
+    transformers' ``sdpa`` attention meets it first (``sdpa_attention_forward``, registered under that name) and hands
+    a grouped model's keys and values over as the model's own heads. A caller that repeated them to every query head
+    itself (as many heads as the query, with ``kv_groups`` > 1, the query heads per key/value head of the model the
+    mask is made for) has every ``kv_groups``-th head taken back, so that backward keeps those and not the copies."""
 
     tiles: list[Tile]
     kv_groups: int = 1
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+               is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor | None:
+        """``sparse_attention`` under this mask where it covers the call (CPU, fp32/bf16/fp16, no dropout, not
+        causal, this mask's shape; under autocast in its dtype), else None."""
+        if torch.is_autocast_enabled("cpu"):  # what autocast would give the kernel: its lower precision
+            query, key, value = (x.to(torch.get_autocast_dtype("cpu")) for x in (query, key, value))
+        if not (_KERNELS and query.device.type == "cpu"
+                and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and query.dtype == key.dtype == value.dtype and not dropout_p and not is_causal
+                and (query.shape[0], query.shape[2], key.shape[2]) == tuple(self.shape[i] for i in (0, 2, 3))):
+            return None
+        groups = self.kv_groups
+        if groups > 1 and key.shape[1] == query.shape[1] and query.shape[1] % groups == 0:
+            key, value, enable_gqa = key[:, ::groups].contiguous(), value[:, ::groups].contiguous(), True
+        return sparse_attention(query, key, value, self.tiles, scale, enable_gqa)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -139,25 +156,36 @@ class SparseMask(torch.Tensor):
         if func is F.scaled_dot_product_attention:
             call = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
                             args), **kwargs)
-            mask, query, key, value = call.get("attn_mask"), call["query"], call["key"], call["value"]
-            if torch.is_autocast_enabled("cpu"):  # what autocast would give the kernel: its lower precision
-                query, key, value = (x.to(torch.get_autocast_dtype("cpu")) for x in (query, key, value))
-            if (isinstance(mask, SparseMask) and _KERNELS and query.device.type == "cpu"
-                    and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                    and query.dtype == key.dtype == value.dtype
-                    and not call.get("dropout_p") and not call.get("is_causal")
-                    and (query.shape[0], query.shape[2], key.shape[2]) == tuple(mask.shape[i] for i in (0, 2, 3))):
-                gqa, groups = bool(call.get("enable_gqa")), mask.kv_groups
-                if groups > 1 and key.shape[1] == query.shape[1] and query.shape[1] % groups == 0:
-                    key, value, gqa = key[:, ::groups].contiguous(), value[:, ::groups].contiguous(), True
-                return sparse_attention(query, key, value, mask.tiles, call.get("scale"), gqa)
+            mask = call.pop("attn_mask", None)
+            if isinstance(mask, SparseMask):
+                with torch._C.DisableTorchFunctionSubclass():
+                    out = mask.attend(**call)
+                if out is not None:
+                    return out
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+def sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                           **kwargs):
+    """transformers' ``sdpa`` attention function, taking a ``SparseMask`` before it repeats a grouped model's keys
+    and values to every query head (under a mask it does, to reach torch's kernels): ``sparse_attention`` computes
+    the groups as they are. Every other call is transformers' own function's."""
+    if (isinstance(attention_mask, SparseMask) and kwargs.get("softcap") is None
+            and not kwargs.get("output_attentions")):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = attention_mask.attend(query, key, value, dropout, scale=scaling,
+                                        enable_gqa=key.shape[1] != query.shape[1])
+        if out is not None:
+            return out.transpose(1, 2), None  # [R, Q, H, D], contiguous: as transformers' returns it
+    return transformers_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             is_causal=is_causal, **kwargs)
 
 
 def sparse_mask(allowed: torch.Tensor, kv_groups: int = 1) -> SparseMask:
     """``allowed`` (bool ``[R, 1, Q, K]``, every query seeing some key) as a ``SparseMask`` for a model with
     ``kv_groups`` query heads per key/value head."""
+    AttentionInterface.register("sdpa", sdpa_attention_forward)
     mask = allowed.as_subclass(SparseMask)
     mask.tiles, mask.kv_groups = plan(allowed), kv_groups
     return mask

@@ -157,10 +157,15 @@ def test_sparse_attention_under_autocast():
 
 
 def test_a_grouped_models_keys_reach_the_kernel_unrepeated(monkeypatch):
-    """transformers repeats a GQA model's keys and values to every query head before ``sdpa`` under a mask; the
-    sparse path takes the model's own heads back (``kv_groups``), and its output's memory is laid out as the
-    callers transpose it (no copy there): the packed log-probs and their gradients are the plain path's."""
+    """transformers repeats a GQA model's keys and values to every query head before ``sdpa`` under a mask; under a
+    ``SparseMask`` its ``sdpa`` function hands them over unrepeated (``sdpa_attention_forward``), and its output's
+    memory is laid out as the callers transpose it (no copy there): the packed log-probs and their gradients are
+    the plain path's."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.integrations import sdpa_attention
+
+    repeats, repeat_kv = [], sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *args: repeats.append(1) or repeat_kv(*args))
 
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -179,10 +184,10 @@ def test_a_grouped_models_keys_reach_the_kernel_unrepeated(monkeypatch):
     weight = model.model.layers[0].self_attn.k_proj.weight
     sparse = layout_logps(model, layout).tokens
     (grad_sparse,) = torch.autograd.grad(sparse.sum(), weight)
-    assert seen == [(4, 2, 2, True)] * 2
+    assert seen == [(4, 2, 2, True)] * 2 and repeats == []
     monkeypatch.setattr("lit_align.logps.sparse_mask", lambda allowed, kv_groups=1: allowed)
     plain = layout_logps(model, layout).tokens
     (grad_plain,) = torch.autograd.grad(plain.sum(), weight)
-    assert len(seen) == 2  # the plain mask: torch's own attention
+    assert len(seen) == 2 and len(repeats) == 4  # the plain mask: torch's own attention, on repeated keys
     assert_rounding_close(sparse, plain, terms=64)
     assert_rounding_close(grad_sparse, grad_plain, scale=grad_plain.abs().max() * 40, terms=64)
