@@ -95,11 +95,15 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         gate, up, weight = ctx.saved_tensors
         act = F.silu(gate)
-        product = act * up
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_product = rows.mm(weight).view(product.shape)
-        grad_weight = product.reshape(-1, product.shape[-1]).t().mm(rows).t() if ctx.needs_input_grad[2] else None
-        return torch.ops.aten.silu_backward(grad_product * up, gate), grad_product * act, grad_weight
+        rows, grad_weight = grad.reshape(-1, grad.shape[-1]), None
+        if ctx.needs_input_grad[2]:
+            product = act * up
+            grad_weight = product.reshape(-1, product.shape[-1]).t().mm(rows).t()
+            del product
+        grad_product = rows.mm(weight).view(gate.shape)
+        # in place where the operand is done with: two [tokens, intermediate] temporaries fewer, the same products
+        grad_up = act.mul_(grad_product)
+        return torch.ops.aten.silu_backward(grad_product.mul_(up), gate), grad_up, grad_weight
 
 
 def _is_silu(act) -> bool:
