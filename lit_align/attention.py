@@ -23,9 +23,19 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward as transformers_sdpa
 
-TILE = 128  # queries per tile: small enough to follow a mask's blocks, large enough for the kernel's efficiency
+TILE = 256  # most queries per tile: a longer run of them is split evenly
+MIN_RUN = 32  # a shorter run of queries joins its neighbour's tile (padding queries each see only themselves)
 
 _KERNELS = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+@dataclass(frozen=True)
+class Part:
+    """Keys a tile's queries see, for one kernel call."""
+
+    keys: slice | torch.Tensor  # a range of keys, or their columns
+    mask: torch.Tensor | None = None  # [1, 1, queries, keys] additive (0 / -inf) float32; None: all of ``keys``
+    causal: bool = False  # causal from the tile's first query (``keys`` start there, as many as the queries)
 
 
 @dataclass(frozen=True)
@@ -33,48 +43,95 @@ class Tile:
     row: int
     start: int  # queries start .. stop - 1
     stop: int
-    keys: slice | torch.Tensor  # the keys any of them sees: a range, or their columns
-    mask: torch.Tensor | None  # [1, 1, stop - start, keys] additive (0 / -inf) float32; None: all of ``keys``
-    causal: bool = False  # the tile's mask is causal from its first key (``keys`` as long as the tile)
+    parts: tuple[Part, ...]  # the keys they see; several parts' results are merged by their log-sum-exp
 
 
 def plan(allowed: torch.Tensor, tile: int = TILE) -> list[Tile]:
-    """The tiles of a bool ``allowed [R, 1, Q, K]`` mask (query ``q`` sees key ``k``); every query sees some key."""
+    """The tiles of a bool ``allowed [R, 1, Q, K]`` mask (query ``q`` sees key ``k``); every query sees some key.
+
+    A row's queries are cut where one does not see the query before it (a new sequence, a pair's rejected tokens, a
+    completion after another), so that a tile's queries see the same earlier keys and, causally, each other: its
+    keys are then unmasked runs and one causal square, each a kernel call without a mask. Other tiles get their
+    keys' range (or columns) and an additive mask."""
     allowed = allowed.cpu()
     tiles = []
     for row in range(allowed.shape[0]):
-        for start in range(0, allowed.shape[2], tile):
-            stop = min(start + tile, allowed.shape[2])
-            block = allowed[row, 0, start:stop]
-            columns = block.any(0).nonzero().flatten()
-            first, last = int(columns[0]), int(columns[-1]) + 1
-            keys = slice(first, last) if last - first == len(columns) else columns
-            block = block[:, keys]
-            if bool(block.all()):
-                tiles.append(Tile(row, start, stop, keys, None))
-            elif (isinstance(keys, slice) and block.shape[0] == block.shape[1]
-                  and torch.equal(block, torch.ones_like(block).tril_())):
-                tiles.append(Tile(row, start, stop, keys, None, causal=True))
-            else:
-                tiles.append(Tile(row, start, stop, keys, additive(block)))
+        mask = allowed[row, 0]
+        for start, stop in _query_ranges(mask, tile):
+            tiles.append(Tile(row, start, stop, _parts(mask[start:stop], start)))
     return tiles
+
+
+def _query_ranges(mask: torch.Tensor, tile: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges of a ``[Q, K]`` mask's queries: runs that see their predecessor (short ones merged
+    with a neighbour up to ``tile`` queries), each split evenly into at most ``tile``."""
+    length = mask.shape[0]
+    cuts = (~mask.diagonal(-1)).nonzero().flatten().add(1).tolist() if mask.shape[0] == mask.shape[1] else []
+    runs = []
+    for start, stop in zip([0] + cuts, cuts + [length]):
+        if runs and min(stop - start, runs[-1][1] - runs[-1][0]) < MIN_RUN and stop - runs[-1][0] <= tile:
+            runs[-1] = (runs[-1][0], stop)
+        else:
+            runs.append((start, stop))
+    ranges = []
+    for start, stop in runs:
+        size = -(-(stop - start) // -(-(stop - start) // tile))  # the run in equal tiles of at most ``tile``
+        ranges += [(a, min(a + size, stop)) for a in range(start, stop, size)]
+    return ranges
+
+
+def _parts(block: torch.Tensor, start: int) -> tuple[Part, ...]:
+    """The parts of a tile's ``[queries, K]`` mask, its queries ``start ..``: unmasked runs of the earlier keys and a
+    causal square where every query sees the same earlier keys and the tile causally, else one masked part."""
+    stop = start + block.shape[0]
+    own = block[:, start:stop]
+    if (own.shape[0] == own.shape[1] and not block[:, stop:].any() and torch.equal(own, torch.ones_like(own).tril_())
+            and bool((block[:, :start] == block[:1, :start]).all())):
+        return (*(Part(keys) for keys in _runs(block[0, :start].nonzero().flatten())),
+                Part(slice(start, stop), causal=True))
+    columns = block.any(0).nonzero().flatten()
+    runs = _runs(columns)
+    keys = runs[0] if len(runs) == 1 else columns
+    block = block[:, keys]
+    return (Part(keys) if bool(block.all()) else Part(keys, additive(block)),)
+
+
+def _runs(columns: torch.Tensor) -> list[slice]:
+    """Sorted column indices as slices of consecutive ones."""
+    if not len(columns):
+        return []
+    edges = [0, *((columns[1:] != columns[:-1] + 1).nonzero().flatten() + 1).tolist(), len(columns)]
+    return [slice(int(columns[a]), int(columns[b - 1]) + 1) for a, b in zip(edges, edges[1:])]
 
 
 def additive(block: torch.Tensor) -> torch.Tensor:
     return torch.zeros(block.shape, dtype=torch.float32).masked_fill_(~block, float("-inf"))[None, None]
 
 
-def _keys(x: torch.Tensor, tile: Tile) -> torch.Tensor:
-    row = x[tile.row:tile.row + 1]
-    return row[:, :, tile.keys] if isinstance(tile.keys, slice) else row.index_select(2, tile.keys)
+def _keys(x: torch.Tensor, row: int, part: Part) -> torch.Tensor:
+    x = x[row:row + 1]
+    return x[:, :, part.keys] if isinstance(part.keys, slice) else x.index_select(2, part.keys)
+
+
+def _merged(results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attention output and log-sum-exp from those of disjoint key sets: each output weighted by its share of
+    the softmax's total, ``exp(lse_part - lse)``."""
+    if len(results) == 1:
+        return results[0]
+    lses = torch.stack([lse for _, lse in results])
+    lse = torch.logsumexp(lses, 0)
+    weights = (lses - lse).exp_().unsqueeze(-1)
+    out = sum(w * o.float() for w, (o, _) in zip(weights, results))
+    return out.to(results[0][0].dtype), lse
 
 
 class SparseAttention(torch.autograd.Function):
     """``softmax(q k^T * scale + mask) v`` tile by tile (``plan``), in torch's CPU flash-attention kernels, which
     take grouped keys and values as they are (GQA: fewer key/value heads than query heads; none repeated, nor kept
-    repeated for backward). The output is laid out ``[R, Q, H, D]`` in memory (a ``[R, H, Q, D]`` view of it), the
-    layout attention's callers transpose it to: that transpose copies nothing, and the output projection keeps the
-    storage this keeps for backward."""
+    repeated for backward). A tile of several parts merges their outputs in forward; in backward each part's call
+    gets the merged output and log-sum-exp, which makes its keys' share of every gradient exactly. The output is laid
+    out ``[R, Q, H, D]`` in memory (a ``[R, H, Q, D]`` view of it), the layout attention's callers transpose it to:
+    that transpose copies nothing, and the output projection keeps the storage this keeps for backward."""
 
     @staticmethod
     def forward(ctx, query, key, value, tiles, scale):
@@ -82,12 +139,11 @@ class SparseAttention(torch.autograd.Function):
         out = query.new_empty(rows, queries, heads, dim).transpose(1, 2)
         logsumexp = query.new_empty(query.shape[:3], dtype=torch.float32)
         for tile in tiles:
-            mask = None if tile.mask is None else tile.mask.to(query.dtype)
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query[tile.row:tile.row + 1, :, tile.start:tile.stop], _keys(key, tile), _keys(value, tile), 0.0,
-                tile.causal, attn_mask=mask, scale=scale)
-            out[tile.row:tile.row + 1, :, tile.start:tile.stop] = o
-            logsumexp[tile.row:tile.row + 1, :, tile.start:tile.stop] = lse
+            at = (slice(tile.row, tile.row + 1), slice(None), slice(tile.start, tile.stop))
+            out[at], logsumexp[at] = _merged([torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query[at], _keys(key, tile.row, part), _keys(value, tile.row, part), 0.0, part.causal,
+                attn_mask=None if part.mask is None else part.mask.to(query.dtype), scale=scale)
+                for part in tile.parts])
         ctx.save_for_backward(query, key, value, out, logsumexp)
         ctx.tiles, ctx.scale = tiles, scale
         return out
@@ -97,18 +153,21 @@ class SparseAttention(torch.autograd.Function):
         query, key, value, out, logsumexp = ctx.saved_tensors
         grad_query, grad_key, grad_value = torch.empty_like(query), torch.zeros_like(key), torch.zeros_like(value)
         for tile in ctx.tiles:
-            queries = (slice(tile.row, tile.row + 1), slice(None), slice(tile.start, tile.stop))
-            mask = None if tile.mask is None else tile.mask.to(query.dtype)
-            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad[queries], query[queries], _keys(key, tile), _keys(value, tile), out[queries],
-                logsumexp[queries], 0.0, tile.causal, attn_mask=mask, scale=ctx.scale)
-            grad_query[queries] = gq
-            if isinstance(tile.keys, slice):
-                grad_key[tile.row:tile.row + 1, :, tile.keys] += gk
-                grad_value[tile.row:tile.row + 1, :, tile.keys] += gv
-            else:
-                grad_key[tile.row:tile.row + 1].index_add_(2, tile.keys, gk)
-                grad_value[tile.row:tile.row + 1].index_add_(2, tile.keys, gv)
+            at = (slice(tile.row, tile.row + 1), slice(None), slice(tile.start, tile.stop))
+            grad_tile = None
+            for part in tile.parts:
+                gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    grad[at], query[at], _keys(key, tile.row, part), _keys(value, tile.row, part), out[at],
+                    logsumexp[at], 0.0, part.causal, attn_mask=None if part.mask is None else part.mask.to(query.dtype),
+                    scale=ctx.scale)
+                grad_tile = gq if grad_tile is None else grad_tile.add_(gq)
+                if isinstance(part.keys, slice):
+                    grad_key[tile.row:tile.row + 1, :, part.keys] += gk
+                    grad_value[tile.row:tile.row + 1, :, part.keys] += gv
+                else:
+                    grad_key[tile.row:tile.row + 1].index_add_(2, part.keys, gk)
+                    grad_value[tile.row:tile.row + 1].index_add_(2, part.keys, gv)
+            grad_query[at] = grad_tile
         return grad_query, grad_key, grad_value, None, None
 
 

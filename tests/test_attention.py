@@ -70,15 +70,21 @@ def test_sparse_attention_matches_full_mask(name, monkeypatch):
 
 def test_plan_skips_what_the_mask_hides():
     allowed = MASKS["pairs"]()
+    width = allowed.shape[3]
     tiles = plan(allowed, tile=64)
-    computed = sum((t.stop - t.start) * (len(range(allowed.shape[3])[t.keys]) if isinstance(t.keys, slice)
-                                         else len(t.keys)) for t in tiles)
+    computed = sum((t.stop - t.start) * len(torch.arange(width)[p.keys]) for t in tiles for p in t.parts)
     assert allowed.sum() <= computed < 0.6 * allowed[:, 0].numel()  # a fraction of the rows' square, all it lets in
-    assert any(t.causal for t in tiles) and any(not isinstance(t.keys, slice) for t in tiles)  # the rejected tokens
-    for t in tiles:  # each tile's keys hold every key its queries see
-        keys = torch.zeros(allowed.shape[3], dtype=torch.bool)
-        keys[t.keys] = True
-        assert not (allowed[t.row, 0, t.start:t.stop] & ~keys).any()
+    # a pair's rejected tokens: the prompt's keys unmasked, the chosen ones skipped, their own keys causally
+    assert any([p.causal for p in t.parts] == [False, True] and t.parts[0].keys.start == 0
+               and t.parts[0].keys.stop < t.start for t in tiles)
+    for t in tiles:  # each tile's parts hold every key its queries see, once, and a mask only where one is needed
+        seen = torch.zeros(width, dtype=torch.long)
+        for p in t.parts:
+            seen[p.keys] += 1
+            assert p.mask is None or not p.mask.eq(0).all()
+        assert seen.max() <= 1 and not (allowed[t.row, 0, t.start:t.stop] & (seen == 0)).any()
+    unmasked = [t for t in plan(MASKS["causal"]()) if all(p.mask is None for p in t.parts)]
+    assert len(unmasked) == 4 and [len(t.parts) for t in unmasked] == [1, 2] * 2  # 300 causal rows: 150 + 150
 
 
 def test_sparse_mask_is_the_plain_mask_elsewhere():
