@@ -119,13 +119,16 @@ def _lean_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if (torch.is_grad_enabled() and type(down) is torch.nn.Linear and down.bias is None  # not under LoRA
             and gate.dtype == up.dtype == down.weight.dtype and not torch.is_autocast_enabled(x.device.type)):
         return _SwiGLUDown.apply(gate, up, down.weight)
+    if not torch.is_grad_enabled() and gate.dtype == up.dtype and not torch.is_autocast_enabled(x.device.type):
+        return down(F.silu(gate).mul_(up))  # the same product, without gradient: in place
     return down(mlp.act_fn(gate) * up)
 
 
 def lean_mlps(model: torch.nn.Module) -> int:
     """Give ``model``'s SwiGLU MLPs (``SWIGLU_MLPS`` with a SiLU) a forward that keeps two ``[tokens, intermediate]``
-    tensors fewer for backward, the same values and gradients (bit for bit on CPU, tested); how many. It steps aside where it does not apply: no
-    gradient, a LoRA-wrapped or biased ``down_proj``, mixed dtypes or autocast."""
+    tensors fewer for backward, the same values and gradients (bit for bit on CPU, tested); how many. Without
+    gradient the product is made in place (one temporary fewer). It steps aside where it does not apply: a
+    LoRA-wrapped or biased ``down_proj``, mixed dtypes or autocast."""
     count = 0
     for module in model.modules():
         if type(module).__name__ in SWIGLU_MLPS and _is_silu(getattr(module, "act_fn", None)):
@@ -198,12 +201,27 @@ def _unpack(kept):
     return kept
 
 
+NORM_ROWS_BYTES = 1 << 19  # rows of an RMSNorm's input squared at a time: temporaries under 1 MiB, reused
+
+
+def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rsqrt(mean(x^2) + eps)`` over the last dimension, the plain forward's operations row by row (the same
+    values): ``NORM_ROWS_BYTES`` of rows squared at a time, not one temporary of the input's size (a fresh mapping
+    under ``mmap_activations``, page faults and all)."""
+    rows = x.reshape(-1, x.shape[-1])
+    step = max(1, NORM_ROWS_BYTES // (x.shape[-1] * x.element_size()))
+    squares = torch.cat([part.pow(2).mean(-1, keepdim=True) for part in rows.split(step)])
+    return torch.rsqrt(squares.add_(eps)).view(*x.shape[:-1], 1)
+
+
 def _lean_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     weight = norm.weight
-    if not (torch.is_grad_enabled() and x.dtype == weight.dtype == torch.float32 and x.is_contiguous()):
+    if not (x.dtype == weight.dtype == torch.float32 and x.is_contiguous()):
         return type(norm).forward(norm, x)
     with torch.no_grad():
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)  # the forward's operations
+        r = _inverse_rms(x, norm.variance_epsilon)
+    if not torch.is_grad_enabled():
+        return (x * r).mul_(weight)  # weight * (x * r), the plain forward's values, one temporary
     output = _RMSNorm.apply(x, r, weight)
     if _layer_norms is not None and output.is_contiguous():
         _layer_norms[output.untyped_storage().data_ptr()] = _NormOutput(x.detach(), r, weight, output)
@@ -228,7 +246,8 @@ def lean_norms(model: torch.nn.Module) -> int:
     q/k/v projections keep the input norm's, gate/up the post-attention norm's) keeps how to make it, and backward
     makes it again, once per norm (one elementwise op). Values are the plain forward's bit for bit, gradients equal
     up to float rounding; per norm 2 x hidden fewer floats kept a token (``x * r`` and the output), 4 x hidden a
-    Llama layer. Steps aside (the plain forward) without gradient and outside fp32; how many norms it leaned."""
+    Llama layer. Without gradient (a frozen teacher, sampling's prefill) the same values with one temporary, not three;
+    outside fp32 the plain forward; how many norms it leaned."""
     count = 0
     for layer in model.modules():
         norms = [m for m in layer.children() if type(m).__name__ in LLAMA_NORMS]

@@ -60,7 +60,7 @@ from lit_align.capabilities import deepspeed_zero3, sharded_strategy
 from lit_align.errors import LitAlignError
 from lit_align.models import cache_dir, check_loadable, from_pretrained_kwargs, load_model, resolve
 from lit_align.pretrained import gguf_path
-from lit_align.recompute import disable_checkpointing
+from lit_align.recompute import disable_checkpointing, lean_mlps, lean_norms
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -255,6 +255,9 @@ class Teacher(FrozenReference):
         check_loadable(gguf_path(self.name, self.init_kwargs), self.option)
         self.model = frozen(load_model(self.name, hp.dtype, hp.attn_implementation, hp.trust_remote_code,
                                        self.init_kwargs))
+        if not (module._trainer is not None and sharded_strategy(module._trainer)):
+            lean_mlps(self.model)  # its forwards without gradient: the same values, fewer temporaries
+            lean_norms(self.model)
         self.read_identity(self.name, module._trainer)
 
 

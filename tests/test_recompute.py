@@ -202,9 +202,15 @@ def test_lean_norms_keep_no_norm_output_and_give_the_plain_values(arch, tokenize
     assert plain_bytes - (outside + sum(inside.values())) == layers * ids.numel() * 4 * hidden * 4
 
 
-def test_lean_norms_step_aside_without_gradient_and_outside_fp32(tokenizer):
+def test_lean_norms_step_aside_outside_fp32_and_give_the_plain_values_without_gradient(tokenizer, monkeypatch):
     ids, plain, lean = leaned_beside_plain(tokenizer, lean_norms)
     norm = lean.model.layers[0].input_layernorm
     x = torch.randn(3, plain.config.hidden_size, dtype=torch.float64, requires_grad=True)
     assert norm(x).grad_fn.name() == type(norm)(x.shape[-1]).double()(x).grad_fn.name() == "MulBackward0"
     assert norm(x.float()).grad_fn.name() == "_RMSNormBackward"
+    # r from a few rows at a time (no temporary of the input's size): the plain forward's values bit for bit
+    monkeypatch.setattr(recompute, "NORM_ROWS_BYTES", 3 * plain.config.hidden_size * 4)
+    x = torch.randn(2, 11, plain.config.hidden_size)
+    with torch.no_grad():
+        assert torch.equal(norm(x), plain.model.layers[0].input_layernorm(x))
+    assert torch.equal(recompute._inverse_rms(x, 1e-6), torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))

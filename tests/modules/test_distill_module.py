@@ -301,6 +301,9 @@ def test_the_teacher_is_frozen_out_of_checkpoints_and_its_files_are_checked_on_r
     module = distill(teacher, rows, lmbda=1.0)
     assert not module.teacher.model.training
     assert not any(p.requires_grad for p in module.teacher.model.parameters())
+    # its forwards without gradient through the lean layers (the same values, fewer temporaries)
+    assert {type(m.forward).__name__ for m in module.teacher.model.model.layers.modules()
+            if type(m).__name__ in ("LlamaMLP", "LlamaRMSNorm")} == {"partial"}
     assert not any(key.startswith("teacher.") for key in module.state_dict())
     checkpoint = {}
     module.on_save_checkpoint(checkpoint)
