@@ -195,7 +195,8 @@ def test_shared_prefix_completions_run_the_prompts_common_start_once():
     assert ids[completion:completion + 5].tolist() == completion_ids[5].tolist()
     assert allowed[completion + 2, :shared].all() and allowed[completion + 2, second:second + 10].all()
     assert allowed[completion + 2, completion:completion + 3].all()
-    assert not allowed[completion + 2, shared:second].any() and not allowed[completion + 2, second + 10:completion].any()
+    assert not allowed[completion + 2, shared:second].any()
+    assert not allowed[completion + 2, second + 10:completion].any()
     # too short a prefix, or a row wider than allowed: a row per prompt, no prefix shared
     for width, shared in ((4096, MIN_SHARED_PREFIX - 1), (60, MIN_SHARED_PREFIX + 2)):
         rows = shared_prompt_completions(*prefixed_prompts(shared=shared), prefix_width=width)

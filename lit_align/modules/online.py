@@ -136,7 +136,8 @@ class OnlineModule(AlignModule):
             ``vllm_mode: server``; its own environment, see ``docs/grpo.md``).
         padding_free: compute each step's training log-probs with its rows packed without padding, several per row,
             one row on CPU under sdpa, else rows as wide as the longest (``lit_align.layouts.packed_rows``,
-            ``packing_width``), each prompt once for the step's completions of it (``shared_prompt_completions``),
+            ``packing_width``), each prompt once for the step's completions of it (``shared_prompt_completions``;
+            in one row, the prompts' common start once too where they have one),
             the LM head on completion tokens only: the same values, without the cost of completions that ended
             early, of prompt padding and of repeated prompts. sdpa or eager attention. The round-level no-grad passes
             (old and reference log-probs) stay padded. None (the default): on where it is exact and cheaper
