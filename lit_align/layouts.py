@@ -447,9 +447,9 @@ def completions(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_
                 model: torch.nn.Module | None = None) -> Layout:
     """The layout GRPO's completions run in: after their left-padded prompts (``prompt_completion``), or with
     ``padding_free`` packed without padding (``packed_rows``, as wide as ``packing_width`` lets ``model``; None: rows
-    as wide as the longest): one row per prompt, its completions after it, where a prompt repeats
-    (``shared_prompt_completions``), else ``[prompt, completion]`` rows (``right_aligned``). ``padding_free`` None:
-    ``packs_by_default``."""
+    as wide as the longest): one row per prompt, its completions after it, where a prompt repeats, and with a
+    ``packing_width`` the prompts' common start once where they have one (``shared_prompt_completions``), else
+    ``[prompt, completion]`` rows (``right_aligned``). ``padding_free`` None: ``packs_by_default``."""
     if resolve_padding_free(padding_free, model, prompt_ids.device):
         width = None if model is None else packing_width(model, prompt_ids.device)
         layout = shared_prompt_completions(prompt_ids, prompt_mask, completion_ids, completion_mask, width)
