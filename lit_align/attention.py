@@ -113,6 +113,10 @@ def _keys(x: torch.Tensor, row: int, part: Part) -> torch.Tensor:
     return x[:, :, part.keys] if isinstance(part.keys, slice) else x.index_select(2, part.keys)
 
 
+def _mask(part: Part, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if part.mask is None else part.mask.to(dtype)
+
+
 def _merged(results: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention output and log-sum-exp from those of disjoint key sets: each output weighted by its share of
     the softmax's total, ``exp(lse_part - lse)``."""
@@ -142,7 +146,7 @@ class SparseAttention(torch.autograd.Function):
             at = (slice(tile.row, tile.row + 1), slice(None), slice(tile.start, tile.stop))
             out[at], logsumexp[at] = _merged([torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query[at], _keys(key, tile.row, part), _keys(value, tile.row, part), 0.0, part.causal,
-                attn_mask=None if part.mask is None else part.mask.to(query.dtype), scale=scale)
+                attn_mask=_mask(part, query.dtype), scale=scale)
                 for part in tile.parts])
         ctx.save_for_backward(query, key, value, out, logsumexp)
         ctx.tiles, ctx.scale = tiles, scale
@@ -158,8 +162,7 @@ class SparseAttention(torch.autograd.Function):
             for part in tile.parts:
                 gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     grad[at], query[at], _keys(key, tile.row, part), _keys(value, tile.row, part), out[at],
-                    logsumexp[at], 0.0, part.causal, attn_mask=None if part.mask is None else part.mask.to(query.dtype),
-                    scale=ctx.scale)
+                    logsumexp[at], 0.0, part.causal, attn_mask=_mask(part, query.dtype), scale=ctx.scale)
                 grad_tile = gq if grad_tile is None else grad_tile.add_(gq)
                 if isinstance(part.keys, slice):
                     grad_key[tile.row:tile.row + 1, :, part.keys] += gk

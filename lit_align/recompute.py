@@ -141,6 +141,11 @@ def lean_mlps(model: torch.nn.Module) -> int:
 LLAMA_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 
 
+def _normed(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight * (x * r)`` as the plain forward computes it (products commute bit for bit), one temporary."""
+    return (x * r).mul_(weight)
+
+
 class _RMSNorm(torch.autograd.Function):
     """``weight * (x * r)``, ``r = rsqrt(mean(x^2) + eps)`` given (made without gradient by the caller), keeping ``x``,
     ``r`` and ``weight`` for backward, where autograd would keep ``x * r`` besides ``x``. The gradient w.r.t. ``x``
@@ -149,7 +154,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, r, weight)
-        return (x * r).mul_(weight)  # weight * (x * r), as the plain forward: products commute bit for bit
+        return _normed(x, r, weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -172,7 +177,7 @@ class _NormOutput:
 
     def value(self) -> torch.Tensor:
         if self.again is None:
-            self.again = (self.x * self.r).mul_(self.weight)  # the forward's operations: the same values
+            self.again = _normed(self.x, self.r, self.weight)  # the forward's operations: the same values
         return self.again
 
 
@@ -221,7 +226,7 @@ def _lean_norm_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         r = _inverse_rms(x, norm.variance_epsilon)
     if not torch.is_grad_enabled():
-        return (x * r).mul_(weight)  # weight * (x * r), the plain forward's values, one temporary
+        return _normed(x, r, weight)  # without gradient: the same values, one temporary
     output = _RMSNorm.apply(x, r, weight)
     if _layer_norms is not None and output.is_contiguous():
         _layer_norms[output.untyped_storage().data_ptr()] = _NormOutput(x.detach(), r, weight, output)
