@@ -78,6 +78,17 @@ class _Head:
             logits = F.linear(h, w, None if self.bias is None else self.bias[v : v + self.block]).to(self.acc)
             yield v, w, logits if self.scale == 1.0 else logits.mul_(self.scale)
 
+    def logits(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole vocabulary's logits ``[rows, V]`` (a head of one block), written into ``out`` where given and
+        the matmul runs in the compute dtype (else a new tensor): ``F.linear``'s own product, the same values."""
+        if out is None or self.weight.dtype != self.acc:
+            return next(self.tiles(h))[2]
+        if self.bias is None:
+            torch.mm(h, self.weight.T, out=out)
+        else:
+            torch.addmm(self.bias, h, self.weight.T, out=out)
+        return out if self.scale == 1.0 else out.mul_(self.scale)
+
     def log_softmax_tiles(self, h: torch.Tensor, lse: torch.Tensor, kept=None):
         """``tiles(h)`` as log-probs, given the rows' log-sum-exp ``lse``: recomputed, or (``kept``: forward's
         ``(logits - running max, running max)`` tiles, in order) shifted in place, with no matmul."""

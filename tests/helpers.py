@@ -631,3 +631,19 @@ def prefer_token(model, tokenizer, prompts: list[str], text: str, steps: int = 3
         optimizer.step()
         optimizer.zero_grad()
     return target
+
+
+def mapped_resident_kib(module) -> int:
+    """The resident KiB of the file mappings that hold ``module``'s parameters and buffers (``/proc/self/smaps``;
+    other mappings of the same files, other models', are not counted)."""
+    addresses = [t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]]
+    total, holds = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                holds = len(fields) >= 6 and fields[4] != "0" and any(start <= a < end for a in addresses)
+            elif holds and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total

@@ -8,12 +8,13 @@ import ctypes
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 
-from helpers import cli_env, fit
+from helpers import cli_env, fit, mapped_resident_kib
 from lit_align import host_memory
 from lit_align.data import PreferenceDataModule
 from lit_align.modules import DPOModule
@@ -131,3 +132,42 @@ def test_a_forward_hands_the_free_heap_back_at_its_start_and_its_end(monkeypatch
     settings = {threshold: [(host_memory.M_MMAP_THRESHOLD, threshold), (host_memory.M_TRIM_THRESHOLD, 2 * heap)]
                 for threshold in (forward, heap)}
     assert calls == ["trim", *settings[forward], *settings[forward], "trim", *settings[heap], *settings[heap]]
+
+
+# -- a frozen model's file pages out of the resident set between its forwards (release_mapped) ----------------------
+@pytest.fixture
+def mapped_model(tiny_path):
+    """The built-in tiny model loaded from its safetensors file, which its weights are mapped from."""
+    from lit_align.models import load_model
+    model = load_model(str(tiny_path))
+    return model, (Path(tiny_path) / "model.safetensors").resolve()
+
+
+def test_release_mapped_hands_a_models_file_pages_back_and_they_read_back_the_same(mapped_model):
+    model, weights = mapped_model
+    tokens = torch.arange(40).view(2, 20)
+    with torch.no_grad():
+        before = model(tokens).logits
+    assert mapped_resident_kib(model) > 0.9 * weights.stat().st_size / 1024  # every weight read once
+    assert host_memory.release_mapped(model) >= weights.stat().st_size
+    assert mapped_resident_kib(model) == 0
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, before)  # read back from the page cache
+    assert mapped_resident_kib(model) > 0.9 * weights.stat().st_size / 1024
+
+
+def test_release_mapped_leaves_a_written_mapping_alone(mapped_model):
+    model, weights = mapped_model
+    weight = model.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        weight.mul_(2.0)  # a private copy of those pages: the mapping no longer holds only the file's own
+    written = weight.clone()
+    assert host_memory.release_mapped(model) == 0
+    assert torch.equal(weight, written) and mapped_resident_kib(model) > 0
+
+
+def test_release_mapped_releases_nothing_of_tensors_in_memory():
+    model = torch.nn.Linear(256, 256)
+    weight = model.weight.detach().clone()
+    assert host_memory.release_mapped(model) == 0
+    assert torch.equal(model.weight, weight)

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from lit_align.logps import Projection, _accumulate, _autocast_dtype, _Head, compute_dtype
 
 DISTILL_REDUCTIONS = ("batchmean", "sum", "none")
-DISTILL_CHUNK_LOGITS = 2**22  # logits per chunk (positions x vocabulary): 16 MB per fp32 temporary; 27 rows at 152k
+DISTILL_CHUNK_LOGITS = 2**23  # logits per chunk (positions x vocabulary): 32 MB per fp32 buffer; 55 rows at 152k
 
 
 def check_divergence(beta: float, temperature: float, reduction: str) -> None:
@@ -73,16 +73,18 @@ def _mixture_logps(student_logps: torch.Tensor, teacher_logps: torch.Tensor, bet
 
 
 def divergence_and_grad(student_logps: torch.Tensor, teacher_logps: torch.Tensor, beta: float,
-                        entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                        entropy: bool = False, out: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The per-token divergence ``[...]`` (``divergence_terms`` summed), its gradient w.r.t. the student's (tempered)
-    logits ``[..., V]``, the teacher fixed, and with ``entropy`` the student's entropy ``[...]``, in shared passes over
-    the vocabulary (one ``exp`` of the student's log-probs serves all three). ``student_logps`` is overwritten.
+    logits ``[..., V]`` (written into ``out`` where given), the teacher fixed, and with ``entropy`` the student's
+    entropy ``[...]``, in shared passes over the vocabulary (one ``exp`` of the student's log-probs serves all three).
+    ``student_logps`` is overwritten.
 
     The softmax turns ``g = d D / d log p_s`` into ``p_s (g - sum p_s g)``: ``p_s - p_t`` for the forward KL,
     ``p_s (log p_s - log p_t - KL)`` for the reverse KL, ``(1 - beta) p_s (log p_s - log m - KL(p_s || m))`` for the
     JSD (the terms through the mixture ``m`` cancel).
     """
-    probs = student_logps.exp()
+    probs = torch.exp(student_logps, out=out)
     spread = -_dot(probs, student_logps) if entropy else None
     if beta == 0.0:
         teacher = teacher_logps.exp()
@@ -160,15 +162,28 @@ def _teacher_logits(teacher: Projection | torch.Tensor, rows: torch.Tensor, temp
         matmul = _autocast_dtype(hidden.device) or hidden.dtype
         bias = None if teacher.bias is None else teacher.bias.detach()
         head = _Head(teacher.weight.detach(), bias, teacher.scale / temperature, matmul, teacher.weight.shape[0])
-        return lambda s: next(head.tiles(hidden[rows[s]].to(matmul)))[2].to(dtype)
+        return lambda s, out=None: head.logits(hidden[rows[s]].to(matmul), out).to(dtype)
     logits = teacher.detach().reshape(-1, teacher.shape[-1])
-    return lambda s: logits[rows[s]].to(dtype) / temperature
+    return lambda s, out=None: logits[rows[s]].to(dtype) / temperature
 
 
-def _chunk_logps(head: _Head, hidden: torch.Tensor, teacher: Callable, rows: slice):
-    """The student's and the teacher's log-probs ``[rows, V]`` at one chunk of positions."""
-    student = next(head.tiles(hidden))[2]  # one tile: the head's block is the whole vocabulary
-    return student.log_softmax(-1), teacher(rows).log_softmax(-1)
+def _chunk_logps(head: _Head, hidden: torch.Tensor, teacher: Callable, rows: slice, work: tuple | None):
+    """The student's and the teacher's log-probs ``[rows, V]`` at one chunk of positions; with ``work``
+    (``_workspace``) written into its second and third buffers, the logits made in its first."""
+    if work is None:
+        return head.logits(hidden).log_softmax(-1), teacher(rows).log_softmax(-1)
+    logits, student, teacher_logps = (buffer[: len(hidden)] for buffer in work)
+    torch.log_softmax(head.logits(hidden, logits), -1, out=student)
+    return student, torch.log_softmax(teacher(rows, logits), -1, out=teacher_logps)
+
+
+def _workspace(hidden: torch.Tensor, head: _Head, chunk: int) -> tuple | None:
+    """Three ``[chunk, V]`` buffers for a chunk's vocabulary-wide tensors, which every chunk reuses (new ones each
+    chunk would be fresh memory each time: a page fault per 4 KiB, under ``mmap_activations`` a mapping each); None
+    where the matmul's dtype is not the compute dtype (bf16 under autocast: its logits are cast anyway)."""
+    if head.weight.dtype != head.acc:
+        return None
+    return tuple(hidden.new_empty(min(chunk, len(hidden)), head.weight.shape[0], dtype=head.acc) for _ in range(3))
 
 
 class _ChunkedJSD(torch.autograd.Function):
@@ -188,11 +203,13 @@ class _ChunkedJSD(torch.autograd.Function):
         spread = hidden.new_empty(hidden.shape[0] if entropy else 0, dtype=head.acc)
         needs = [grads and n for n in ctx.needs_input_grad[:3]]
         buffers = _grad_buffers(hidden, weight, head.acc, *needs)
+        work = _workspace(hidden, head, chunk)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, len(hidden), chunk):
                 rows = slice(s, s + chunk)
                 h = hidden[rows].to(dtype)
-                value, coef, chunk_spread = divergence_and_grad(*_chunk_logps(head, h, teacher, rows), beta, entropy)
+                logps = _chunk_logps(head, h, teacher, rows, work)
+                value, coef, chunk_spread = divergence_and_grad(*logps, beta, entropy, _first(work, len(h)))
                 out[rows] = value
                 if entropy:
                     spread[rows] = chunk_spread
@@ -220,6 +237,11 @@ class _ChunkedJSD(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None, None)
 
 
+def _first(work: tuple | None, rows: int) -> torch.Tensor | None:
+    """The workspace's first buffer at ``rows`` rows (free once both log-probs are made), or None."""
+    return None if work is None else work[0][:rows]
+
+
 def _grad_buffers(hidden, weight, acc: torch.dtype, need_h: bool, need_w: bool, need_b: bool) -> tuple:
     """Gradients of the hidden states (filled chunk by chunk), the head's weight and its bias (zeros, summed into),
     in ``acc``; None where not needed."""
@@ -244,11 +266,13 @@ def _recomputed_grads(ctx, hidden, weight, bias, upstream: torch.Tensor) -> tupl
     """The gradients for any upstream gradient: each chunk's logits made again."""
     head = _Head(weight, bias, ctx.scale, ctx.dtype, weight.shape[0])
     buffers = _grad_buffers(hidden, weight, head.acc, *ctx.needs_input_grad[:3])
+    work = _workspace(hidden, head, ctx.chunk)
     with torch.autocast(hidden.device.type, enabled=False):
         for s in range(0, len(hidden), ctx.chunk):
             rows = slice(s, s + ctx.chunk)
             h = hidden[rows].to(ctx.dtype)
-            _, coef, _ = divergence_and_grad(*_chunk_logps(head, h, ctx.teacher, rows), ctx.beta)
+            logps = _chunk_logps(head, h, ctx.teacher, rows, work)
+            _, coef, _ = divergence_and_grad(*logps, ctx.beta, out=_first(work, len(h)))
             _add_grads(buffers, coef.mul_(upstream[rows, None].to(head.acc) * ctx.scale), h, head, rows, ctx.dtype)
     return buffers
 

@@ -324,13 +324,17 @@ class DistillationModule(OnlineModule):
         own rows' tokens ``tokens`` (their places in the scored tokens' order; None: the one teacher, at all of
         them). With several teachers each runs on its own rows only."""
         if teacher_ids is None:
-            return [(None, self.outputs(self.teacher.model, sequences))]
+            parts = [(None, self.outputs(self.teacher.model, sequences))]
+            self.release_mapped(self.teacher.model)  # its files' pages out of the student's forward (its head's
+            return parts                             # come back for the divergence: a fifth of SmolLM2's weights)
         token_rows = sequences[3].bool().nonzero()[:, 0]  # each scored token's row, in the outputs' order
         parts = []
         for teacher_id, rows in self.teachers.rows_by_teacher(teacher_ids).items():
             rows = torch.tensor(rows, device=token_rows.device)
             tokens = torch.isin(token_rows, rows).nonzero()[:, 0]  # rows ascending: the teacher's outputs' order
-            parts.append((tokens, self.outputs(self.teachers[teacher_id].model, tuple(s[rows] for s in sequences))))
+            model = self.teachers[teacher_id].model
+            parts.append((tokens, self.outputs(model, tuple(s[rows] for s in sequences))))
+            self.release_mapped(model)
         return parts
 
     def outputs(self, network, sequences: tuple) -> Projection | torch.Tensor:

@@ -22,10 +22,11 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from helpers import LoggedSteps, assert_one_line_error, fit, read_metrics, run_main, trainer
+from helpers import LoggedSteps, assert_one_line_error, fit, read_metrics, mapped_resident_kib, run_main, trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import FSDPStrategy
 
+from lit_align import host_memory
 from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
 from lit_align.losses.distill import generalized_jsd
@@ -295,6 +296,35 @@ def test_reward_funcs_are_optional_here_only_and_the_distillation_settings_are_c
             DistillationModule(model="builtin:tiny", **{"teacher_model": teacher, name: value})
     with pytest.raises(LitAlignError, match="model.seq_kd samples rounds from the teacher, but engine vllm"):
         DistillationModule(model="builtin:tiny", teacher_model=teacher, seq_kd=True, engine="vllm")
+
+
+class TeacherResident(L.Callback):
+    """The teacher's file pages resident (KiB) after each backward, when its forward is long done, and each step's
+    loss."""
+
+    def __init__(self):
+        self.after_backward, self.losses = [], []
+
+    def on_after_backward(self, trainer, pl_module):
+        self.after_backward.append(mapped_resident_kib(pl_module.teacher.model))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+@pytest.mark.skipif(not host_memory.mapped_forward(False), reason="glibc and Linux's /proc")
+def test_the_teachers_file_pages_leave_the_resident_set_after_its_forward(teacher, rows):
+    """Under mmap_activations the teacher's weights, read from its mapped files, are out of the resident set from
+    the end of its forward until its next one (the page cache keeps them); the steps' losses are the same."""
+    weights = (Path(teacher) / "model.safetensors").resolve()
+    seen = {}
+    for mmap_activations in (True, False):
+        seen[mmap_activations] = TeacherResident()
+        torch.manual_seed(0)
+        distill(teacher, rows, max_steps=2, callbacks=[seen[mmap_activations]], mmap_activations=mmap_activations)
+    assert seen[True].after_backward == [0, 0]
+    assert min(seen[False].after_backward) > 0.9 * weights.stat().st_size / 1024
+    assert seen[True].losses == seen[False].losses and len(seen[True].losses) == 2
 
 
 def test_the_teacher_is_frozen_out_of_checkpoints_and_its_files_are_checked_on_resume(teacher, rows):
