@@ -11,9 +11,10 @@ student, teacher, prompts and settings.
 GSM8K-like prompts, 128 new tokens. ``--lab real --model M``: a real chat model (a ``.gguf``, converted once, or an
 HF directory: ``lab.real_model``; after ``make pretrained``, SmolLM2-135M-Instruct is
 ``~/.cache/lit_align/pretrained/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf``) on GSM8K-like chat prompts
-drawn from its own vocabulary (``lab.chat_rows``, ~60-140 tokens through its chat template), 64 new tokens; about 3
-minutes for both sides on 2 quiet cores with SmolLM2-135M (estimated from ``grpo_vs_trl.py --lab real``'s rounds of
-the same size). The realistic and real labs default to 8 prompts a step, 2 steps a round (16 completions), 3 rounds.
+drawn from its own vocabulary (``lab.chat_rows``, ~60-140 tokens through its chat template), 64 new tokens; about 5
+minutes for both sides on 2 quiet cores with SmolLM2-135M. The realistic and real labs default to 8 prompts a step, 2 steps a round (16 completions), 6 rounds:
+5 timed rounds of 16 sampled completions each (with 2, the sides' completion lengths differed by up to 6% by chance,
+and compl/s with them).
 ``--teacher T`` (resolved as ``--model`` is) sets the teacher; by default it is the student's model, which costs
 what any teacher of that shape costs, but then the divergence starts at zero and so does the gradient: give another
 teacher of the same vocabulary to see the student move.
@@ -278,7 +279,7 @@ def parse_args():
     if args.lab in ("realistic", "real"):  # the realistic defaults, where not given
         given = " ".join(sys.argv)
         args.model = args.lab_model if args.lab == "realistic" else args.model
-        for option, value in (("--batch-size", 8), ("--steps-per-generation", 2), ("--rounds", 3),
+        for option, value in (("--batch-size", 8), ("--steps-per-generation", 2), ("--rounds", 6),
                               ("--max-new-tokens", 128 if args.lab == "realistic" else 64)):
             if option not in given:
                 setattr(args, option[2:].replace("-", "_"), value)

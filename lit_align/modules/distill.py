@@ -129,8 +129,9 @@ class DistillationModule(OnlineModule):
         disable_dropout: zero the student's dropout (TRL's ``DistillationConfig`` default: off).
         mmap_activations: ``OnlineModule``'s, here on by default (CPU under glibc; nothing elsewhere): a step's
             forward maps its large tensors instead of growing glibc's heap (``lit_align.host_memory``); with the
-            lean layers of no checkpointing (``lit_align.recompute``: ``lean_mlps``, ``lean_norms``), peak RSS on
-            SmolLM2-135M 4.4 GB against TRL's 7.4 (``docs/distill.md``); the same values.
+            lean layers of no checkpointing (``lit_align.recompute``: ``lean_mlps``, ``lean_norms``) and the
+            teacher's mapped weights out of the resident set after its forward (``host_memory.release_mapped``), peak
+            RSS on SmolLM2-135M 3.9 GB against TRL's 7.4 (``docs/distill.md``); the same values.
         reward_funcs: optional here: with them, rounds and validation are scored and logged (``train/reward``,
             ``val/reward``) to watch the task; they never enter the loss.
     """
