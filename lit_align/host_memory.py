@@ -83,7 +83,7 @@ def mapped_forward(active: bool) -> bool:
 
 MADV_DONTNEED = 4  # Linux's mman.h
 PAGE = 4096
-_PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61  # /proc/<pid>/pagemap's bits for a page
+_SWAPPED, _FILE = 1 << 62, 1 << 61  # /proc/<pid>/pagemap's bits for a page (63, present: the sign bit)
 
 
 def _file_mappings() -> tuple[list[int], list[int]]:
@@ -101,11 +101,14 @@ def _file_mappings() -> tuple[list[int], list[int]]:
 
 def _unwritten(start: int, end: int) -> bool:
     """Whether no page of the file mapping ``[start, end)`` was written since it was mapped: every page resident or
-    swapped is the file's own (``/proc/self/pagemap``), none a private copy."""
-    with open("/proc/self/pagemap", "rb") as pagemap:
-        pagemap.seek(start // PAGE * 8)
-        entries = torch.frombuffer(bytearray(pagemap.read((end - start) // PAGE * 8)), dtype=torch.int64)
-    used = (entries < 0) | (entries & _SWAPPED).ne(0)  # bit 63 (present) is the sign bit
+    swapped is the file's own (``/proc/self/pagemap``), none a private copy. False where that cannot be read."""
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(start // PAGE * 8)
+            entries = torch.frombuffer(bytearray(pagemap.read((end - start) // PAGE * 8)), dtype=torch.int64)
+    except OSError:
+        return False
+    used = (entries < 0) | (entries & _SWAPPED).ne(0)
     return not bool((used & (entries & _FILE).eq(0)).any())
 
 

@@ -326,8 +326,9 @@ class DistillationModule(OnlineModule):
         them). With several teachers each runs on its own rows only."""
         if teacher_ids is None:
             parts = [(None, self.outputs(self.teacher.model, sequences))]
-            self.release_mapped(self.teacher.model)  # its files' pages out of the student's forward (its head's
-            return parts                             # come back for the divergence: a fifth of SmolLM2's weights)
+            # its files' pages out of the student's forward (its head's come back for the divergence)
+            self.release_mapped(self.teacher.model)
+            return parts
         token_rows = sequences[3].bool().nonzero()[:, 0]  # each scored token's row, in the outputs' order
         parts = []
         for teacher_id, rows in self.teachers.rows_by_teacher(teacher_ids).items():
