@@ -57,9 +57,11 @@ class AlignModule(L.LightningModule):
             maps the tensors of 1 MiB and more that glibc's free heap blocks cannot hold one by one (returned to the
             system when freed) instead of growing the heap, and the free blocks' pages go back to the system before
             backward (``lit_align.host_memory``). GRPO on SmolLM2-135M: peak RSS 13% lower (3.8 -> 3.3 GB), about
-            5% more CPU time per training step (page faults). Also the frozen models' weights mapped from their
-            files (a teacher, a named reference) leave the resident set once their forward is done (the page cache
-            keeps them). The same values; process-wide, nothing elsewhere.
+            5% more CPU time per training step (page faults). The same values; process-wide, nothing elsewhere.
+        release_frozen_weights: on CPU (Linux), the frozen models' weights mapped from their files (a teacher, a
+            named reference: safetensors loaded in their checkpoint's dtype) leave the resident set once their
+            forward is done (``host_memory.release_mapped``): the page cache keeps them and the next forward reads
+            them back (~30-40 ms a step for 500 MB). None (the default): with ``mmap_activations``.
         logps_chunk_size: compute log-probs ``logps_chunk_size`` positions at a time from the decoder's hidden states
             instead of from full ``[N, T, V]`` logits (``lit_align.logps``): same values and gradients, a fraction of
             the memory at large vocabularies. None: off. E.g. 1024 (a chunk holds ``chunk * V`` fp32 logits).
@@ -104,7 +106,7 @@ class AlignModule(L.LightningModule):
     # this class's own options a resume may change: how the same numbers are computed or exported, not which numbers.
     # Each subclass declares its own the same way; ``may_change_on_resume`` gathers them.
     resume_may_change: tuple[str, ...] = ("logps_chunk_size", "gradient_checkpointing", "mmap_activations",
-                                          "on_nonfinite_loss", "export_merged")
+                                          "release_frozen_weights", "on_nonfinite_loss", "export_merged")
 
     def __init__(
         self,
@@ -114,6 +116,7 @@ class AlignModule(L.LightningModule):
         trust_remote_code: bool = False,
         gradient_checkpointing: bool | Literal["selective"] = False,
         mmap_activations: bool = False,
+        release_frozen_weights: bool | None = None,
         logps_chunk_size: int | None = None,
         disable_dropout: bool = True,
         learning_rate: float = 1e-6,
@@ -237,9 +240,10 @@ class AlignModule(L.LightningModule):
                 self.release_mapped(frozen.model)
 
     def release_mapped(self, model: torch.nn.Module) -> None:
-        """Under ``mmap_activations`` on CPU: the pages of ``model``'s files out of the resident set until read again
-        (``host_memory.release_mapped``)."""
-        if self.hparams.mmap_activations and self.device.type == "cpu":
+        """Under ``release_frozen_weights`` (None: ``mmap_activations``) on CPU: the pages of ``model``'s files out of
+        the resident set until read again (``host_memory.release_mapped``)."""
+        release = self.hparams.get("release_frozen_weights")
+        if (self.hparams.mmap_activations if release is None else release) and self.device.type == "cpu":
             host_memory.release_mapped(model)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:

@@ -77,8 +77,8 @@ def test_out_of_range_settings_are_refused_when_the_module_is_built(settings, me
     assert str(info.value) == message
 
 
-BASE_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "mmap_activations", "on_nonfinite_loss",
-                   "export_merged")
+BASE_MAY_CHANGE = ("logps_chunk_size", "gradient_checkpointing", "mmap_activations", "release_frozen_weights",
+                   "on_nonfinite_loss", "export_merged")
 
 
 class LooserDPO(DPOModule):
@@ -100,8 +100,8 @@ def test_a_resume_refuses_another_setting_naming_what_this_module_may_change():
     assert str(info.value) == (
         "the checkpoint: model.beta is 0.1 in this run but 0.5 in the checkpoint; a resume continues that run, so only "
         "these model settings may change: logps_chunk_size, gradient_checkpointing, mmap_activations, "
-        "on_nonfinite_loss, export_merged, precompute_ref_batch_size (and trainer settings such as max_steps or "
-        "logging)")
+        "release_frozen_weights, on_nonfinite_loss, export_merged, precompute_ref_batch_size (and trainer settings "
+        "such as max_steps or logging)")
     LooserDPO().check_resume({"hyper_parameters": {**LooserDPO().hparams, "beta": 0.5}})  # declared: allowed
 
 

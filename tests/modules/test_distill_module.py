@@ -314,17 +314,22 @@ class TeacherResident(L.Callback):
 
 @pytest.mark.skipif(not host_memory.mapped_forward(False), reason="glibc and Linux's /proc")
 def test_the_teachers_file_pages_leave_the_resident_set_after_its_forward(teacher, rows):
-    """Under mmap_activations the teacher's weights, read from its mapped files, are out of the resident set from
-    the end of its forward until its next one (the page cache keeps them); the steps' losses are the same."""
+    """By default (release_frozen_weights, with or without mmap_activations) the teacher's weights, read from its
+    mapped files, are out of the resident set from the end of its forward until its next one (the page cache keeps
+    them); release_frozen_weights false keeps them, None follows mmap_activations; the steps' losses are the same."""
     weights = (Path(teacher) / "model.safetensors").resolve()
+    runs = {"default": {}, "unmapped": {"mmap_activations": False}, "kept": {"release_frozen_weights": False},
+            "none": {"release_frozen_weights": None, "mmap_activations": False},
+            "none+mmap": {"release_frozen_weights": None}}
     seen = {}
-    for mmap_activations in (True, False):
-        seen[mmap_activations] = TeacherResident()
+    for name, settings in runs.items():
+        seen[name] = TeacherResident()
         torch.manual_seed(0)
-        distill(teacher, rows, max_steps=2, callbacks=[seen[mmap_activations]], mmap_activations=mmap_activations)
-    assert seen[True].after_backward == [0, 0]
-    assert min(seen[False].after_backward) > 0.9 * weights.stat().st_size / 1024
-    assert seen[True].losses == seen[False].losses and len(seen[True].losses) == 2
+        distill(teacher, rows, max_steps=2, callbacks=[seen[name]], **settings)
+    kept = 0.9 * weights.stat().st_size / 1024
+    assert seen["default"].after_backward == seen["unmapped"].after_backward == seen["none+mmap"].after_backward == [0, 0]
+    assert min(seen["kept"].after_backward) > kept and min(seen["none"].after_backward) > kept
+    assert all(seen[name].losses == seen["default"].losses for name in runs) and len(seen["default"].losses) == 2
 
 
 def test_the_teacher_is_frozen_out_of_checkpoints_and_its_files_are_checked_on_resume(teacher, rows):
