@@ -154,7 +154,7 @@ def main() -> None:
                         help="default: none (distill: lit_align's default, none too)")
     parser.add_argument("--optim", choices=["adamw_torch", "adamw_torch_fused"], default="adamw_torch")
     parser.add_argument("--mmap-activations", action=argparse.BooleanOptionalAction,
-                        help="lit_align's model.mmap_activations (default: off; distill: lit_align's default, off too)")
+                        help="lit_align's model.mmap_activations (default: off; distill: lit_align's default, on)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default: DPO 5, GRPO 6: 3 rounds, "
                         "distill 3: 3 rounds)")
     parser.add_argument("--threads", type=int, default=1)
