@@ -4,6 +4,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+# pytest-xdist workers for `make test` / `make test-numerics`: each test process runs one OpenMP thread
+# (tests/conftest.py), so two workers keep both cores of a 2-core machine busy. Files stay whole on one worker.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
@@ -32,14 +36,14 @@ demo-real: pretrained  ## the main job on a real model: SFT -> DPO -> GRPO of Sm
 demo-real-arith: pretrained  ## the same chain on the plain arith task, where GRPO has no headroom (docs/real_model.md)
 	$(PY) -m lit_align.pipeline --recipe smollm2
 
-test: setup  ## the test suite (no slow end-to-end runs): a few minutes on 2 cores
-	$(PY) -m pytest -q
+test: setup  ## the test suite (no slow end-to-end runs): about 7 minutes on 2 cores
+	$(PY) -m pytest -q $(XDIST)
 
 # Tolerances follow tests/numerics.py; this reruns the numeric comparisons with the generic CPU kernels (as a machine
 # without AVX2 computes), then with AVX2 kernels, so a tolerance that holds only on this CPU fails here, not elsewhere.
 test-numerics: setup  ## the numeric comparisons again under other CPU kernels
-	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -m "numerics and not slow"
-	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m "numerics and not slow"
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q $(XDIST) -m "numerics and not slow"
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q $(XDIST) -m "numerics and not slow"
 
 test-slow: setup pretrained  ## slow end-to-end runs (CI runs these too)
 	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 5 ] && echo "no slow tests" && exit 0; exit $$rc
