@@ -58,8 +58,10 @@ end of the warm-up round's last step to the end of the last one (each side's own
 ``_generate_single_turn``); ``tok/compl`` the mean completion tokens sampled (EOS included), on both sides, so a
 difference in lengths shows. Ratios lit/TRL (for the sampling time TRL/lit, its speed-up; for peak RSS lit/TRL).
 Below it: lit_align's round against its matmul bound (``bench/bound.py``: sampling, the student's forward + backward
-and the teacher's forward, on the real tokens), and per side the last logged loss and how many parameter tensors
-moved, which says each side trained (with ``--lr 0``, none should).
+and the teacher's forward, on the real tokens) and its phases in wall seconds, the timed rounds' mean (sampling, the
+teacher's forward, the student's, the divergence through both heads, backward, clipping and the optimizer step, the
+rest), and per side the last logged loss and how many parameter tensors moved, which says each side trained (with
+``--lr 0``, none should).
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ from pathlib import Path
 from child import GenTimer, check_trl_sampling, child_role, launch, print_rates, round_rates
 
 MODEL_INIT_KWARGS = {"dtype": "float32", "attn_implementation": "sdpa"}  # TRL's student and teacher loading
+# lit_align's round, as the table below the rates shows it (the rest: Lightning's loop, the round's bookkeeping)
+PHASES = ("sampling", "teacher forward", "student forward", "divergence", "backward", "clipping + optimizer")
 
 
 def model_dir(lab_name: str, name: str) -> str:
@@ -147,14 +151,47 @@ def run_lit(args, spec: dict) -> dict:
     torch.manual_seed(0)
 
     class Clock(L.Callback):
+        """Each micro-batch's end; and the round's phases (``PHASES``): wall seconds per round, each call or hook
+        pair timed and counted in the round (the optimizer step) it ran in."""
+
         def __init__(self):
             self.ends: list[tuple[float, float]] = []
             self.threads, self.before = None, None
+            self.phases: dict[str, list[float]] = {name: [0.0] * args.rounds for name in PHASES}
+            self.started: dict[str, float] = {}
+
+        def add(self, name: str, start: float) -> None:
+            self.phases[name][self.round] += time.perf_counter() - start
+
+        def timed(self, fn, name: str, counts=lambda *a: True):
+            def call(*a, **kw):
+                start = time.perf_counter()
+                out = fn(*a, **kw)
+                if counts(*a):
+                    self.add(name, start)
+                return out
+            return call
 
         def on_train_start(self, trainer, pl_module):
-            self.before = parameter_sample(pl_module.policy)
+            self.before, self.trainer = parameter_sample(pl_module.policy), trainer
+
+        @property
+        def round(self) -> int:
+            return self.trainer.global_step
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self.started["backward"] = time.perf_counter()
+
+        def on_after_backward(self, trainer, pl_module):
+            self.add("backward", self.started.pop("backward"))
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            self.started["optimizer"], self.optimizer_round = time.perf_counter(), self.round
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if "optimizer" in self.started:  # clipping, the step and zeroing the gradients, in the round they end
+                self.phases["clipping + optimizer"][self.optimizer_round] += (
+                    time.perf_counter() - self.started.pop("optimizer"))
             self.ends.append((time.perf_counter(), time.process_time()))
             self.threads = torch.get_num_threads()
 
@@ -165,10 +202,13 @@ def run_lit(args, spec: dict) -> dict:
         attn_implementation="sdpa",
     )
     timer = GenTimer(module.rollouts.engine.generate, lambda rollout: int(rollout.completion_mask.sum()))
-    module.rollouts.engine.generate = timer
+    clock = Clock()
+    module.rollouts.engine.generate = clock.timed(timer, "sampling")
+    module.teacher_outputs = clock.timed(module.teacher_outputs, "teacher forward")
+    module.outputs = clock.timed(module.outputs, "student forward", lambda network, *_: network is module.network)
+    module.token_divergence = clock.timed(module.token_divergence, "divergence")
     data = PromptDataModule(path=spec["prompts"], tokenizer=spec["student"], batch_size=args.batch_size,
                             val_split=None, shuffle=False)
-    clock = Clock()
     trainer = L.Trainer(
         max_steps=args.rounds, accumulate_grad_batches=args.steps_per_generation, accelerator="cpu", devices=1,
         precision="32-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -184,7 +224,9 @@ def run_lit(args, spec: dict) -> dict:
     student, teacher = module.policy, module.teacher.model
     flops = distill_round_flops(student.config, teacher.config, [(p, completion) for p in prompt_lengths])
     return {"ends": clock.ends, "threads": clock.threads, "gen_s": timer.seconds, "gen_cpu_s": timer.cpu_seconds,
-            "gen_tokens": timer.tokens, "flops_per_round": flops / (args.rounds - 1), "matmul_peak": matmul_peak(),
+            "gen_tokens": timer.tokens,
+            "phases": {name: sum(seconds[1:]) / (args.rounds - 1) for name, seconds in clock.phases.items()},
+            "flops_per_round": flops / (args.rounds - 1), "matmul_peak": matmul_peak(),
             "attn": one_setting(student.config._attn_implementation, teacher.config._attn_implementation),
             "dtype": one_setting(str(student.dtype), str(teacher.dtype)),
             "loss": float(trainer.callback_metrics["train/loss"]), **parameters_moved(student, clock.before),
@@ -315,6 +357,8 @@ def main() -> None:
 
     if "flops_per_round" in lit:
         print(report("lit, one round (matmul bound)", lit["flops_per_round"], lit["s_per_round"], lit["matmul_peak"]))
+        phases = {**lit["phases"], "the rest": lit["s_per_round"] - sum(lit["phases"].values())}
+        print("lit, a timed round's phases (s): " + ", ".join(f"{name} {s:.2f}" for name, s in phases.items()))
     if spec["teacher"] == spec["student"]:
         print("teacher = student: the divergence and its gradient start at zero (give --teacher to see training)")
     for engine, r in results.items():
