@@ -3,6 +3,7 @@
 - ``$LIT_ALIGN_CACHE`` points at a session tmp dir, so ``builtin:tiny`` is built once per session (not in ~/.cache)
   and every subprocess a test starts reuses that build.
 - One OpenMP thread per process unless ``OMP_NUM_THREADS`` says otherwise (see ``pytest_configure``).
+- A test that writes into the repository (``STRAY``: a run directory, a resolved ``config.yaml``) fails the session.
 - The Hugging Face hub is switched off (tests never download anything) and ``datasets`` caches into a tmp dir; both
   are read when ``datasets`` / ``huggingface_hub`` are imported, so they are set in ``pytest_configure``, before any
   test module imports lit_align.
@@ -47,6 +48,37 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _HF_TMP:
         shutil.rmtree(_HF_TMP, ignore_errors=True)
+
+
+# What a run writes where it starts when not told otherwise: a logger's runs (the shipped configs' ``save_dir: runs``,
+# Lightning's ``lightning_logs``), a resolved ``config.yaml``, checkpoints. Tests write under their ``tmp_path``; one
+# that writes here instead (a CLI run without ``--trainer.logger false`` or a ``save_dir``) fails the session, and
+# under pytest-xdist two of them at once would race for the same version directory.
+STRAY = ("runs", "lightning_logs", "config.yaml", "checkpoints")
+_stray_before: set[Path] = set()
+
+
+def stray_paths() -> set[Path]:
+    found = set()
+    for name in STRAY:
+        path = REPO / name
+        found |= set(path.rglob("*")) | {path} if path.is_dir() else {path} if path.exists() else set()
+    return found
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controlling process (or a run without xdist) checks
+        _stray_before.update(stray_paths())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        return
+    new = sorted(stray_paths() - _stray_before)
+    if new:
+        shown = ", ".join(str(path.relative_to(REPO)) for path in new[:5]) + (" ..." if len(new) > 5 else "")
+        print(f"\ntests wrote into the repository, not under their tmp_path: {shown}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # The user's cache, read before the session's own replaces it: where `make pretrained` put the real models.

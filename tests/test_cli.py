@@ -485,11 +485,11 @@ def test_generation_batch_size_sets_the_rounds_steps_over_the_trainers_devices(t
     code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model",
                              "builtin:tiny", "--model.init_args.generation_batch_size", "96",
                              "--model.init_args.steps_per_generation", "null", "--trainer.default_root_dir",
-                             str(tmp_path)], capfd)
+                             str(tmp_path), "--trainer.logger", "false"], capfd)
     assert assert_one_line_error(code, err) == ("error: model.generation_batch_size 96 must be a positive multiple of "
                                                 "the global batch size (data.batch_size 64 x 1 devices = 64)")
     code, _, err = run_main(["fit", "-c", str(REPO / "configs" / "grpo.yaml"), "--model.init_args.model",
                              "builtin:tiny", "--model.init_args.generation_batch_size", "128",
-                             "--trainer.default_root_dir", str(tmp_path)], capfd)
+                             "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"], capfd)
     assert assert_one_line_error(code, err).startswith(
         "error: model.generation_batch_size and model.steps_per_generation cannot both be set")

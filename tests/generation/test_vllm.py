@@ -103,7 +103,7 @@ def test_a_server_that_does_not_answer_is_one_error_line(capfd, tmp_path):
                              "server", "--model.init_args.vllm_server_port", str(port),
                              "--model.init_args.vllm_server_host", "127.0.0.1",
                              "--model.init_args.vllm_server_timeout", "1", "--trainer.max_steps", "1",
-                             "--trainer.default_root_dir", str(tmp_path)], capfd)
+                             "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"], capfd)
     line = assert_one_line_error(code, err, f"no vLLM server answered at http://127.0.0.1:{port}/health within 1 s",
                                  "model.vllm_server_timeout")
     assert line.startswith("error: model.vllm_mode 'server'")
