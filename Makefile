@@ -36,7 +36,7 @@ demo-real: pretrained  ## the main job on a real model: SFT -> DPO -> GRPO of Sm
 demo-real-arith: pretrained  ## the same chain on the plain arith task, where GRPO has no headroom (docs/real_model.md)
 	$(PY) -m lit_align.pipeline --recipe smollm2
 
-test: setup  ## the test suite (no slow end-to-end runs): about 7 minutes on 2 cores
+test: setup  ## the test suite (no slow end-to-end runs): about 5 minutes on 2 cores
 	$(PY) -m pytest -q $(XDIST)
 
 # Tolerances follow tests/numerics.py; this reruns the numeric comparisons with the generic CPU kernels (as a machine

@@ -151,17 +151,18 @@ def run_lit(args, spec: dict) -> dict:
     torch.manual_seed(0)
 
     class Clock(L.Callback):
-        """Each micro-batch's end; and the round's phases (``PHASES``): wall seconds per round, each call or hook
-        pair timed and counted in the round (the optimizer step) it ran in."""
+        """Each micro-batch's end; and the round's phases after sampling (``PHASES``; sampling is ``GenTimer``'s,
+        one call a round): wall seconds per round, each call or hook pair timed and counted in the round (the
+        optimizer step) it ran in."""
 
         def __init__(self):
             self.ends: list[tuple[float, float]] = []
             self.threads, self.before = None, None
-            self.phases: dict[str, list[float]] = {name: [0.0] * args.rounds for name in PHASES}
+            self.phases: dict[str, list[float]] = {name: [0.0] * args.rounds for name in PHASES[1:]}
             self.started: dict[str, float] = {}
 
-        def add(self, name: str, start: float) -> None:
-            self.phases[name][self.round] += time.perf_counter() - start
+        def add(self, name: str, start: float, round: int | None = None) -> None:
+            self.phases[name][self.round if round is None else round] += time.perf_counter() - start
 
         def timed(self, fn, name: str, counts=lambda *a: True):
             def call(*a, **kw):
@@ -186,12 +187,11 @@ def run_lit(args, spec: dict) -> dict:
             self.add("backward", self.started.pop("backward"))
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            self.started["optimizer"], self.optimizer_round = time.perf_counter(), self.round
+            self.started["optimizer"] = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if "optimizer" in self.started:  # clipping, the step and zeroing the gradients, in the round they end
-                self.phases["clipping + optimizer"][self.optimizer_round] += (
-                    time.perf_counter() - self.started.pop("optimizer"))
+            if "optimizer" in self.started:  # clipping, the step and zeroing the gradients: the round just ended
+                self.add("clipping + optimizer", self.started.pop("optimizer"), self.round - 1)
             self.ends.append((time.perf_counter(), time.process_time()))
             self.threads = torch.get_num_threads()
 
@@ -203,7 +203,7 @@ def run_lit(args, spec: dict) -> dict:
     )
     timer = GenTimer(module.rollouts.engine.generate, lambda rollout: int(rollout.completion_mask.sum()))
     clock = Clock()
-    module.rollouts.engine.generate = clock.timed(timer, "sampling")
+    module.rollouts.engine.generate = timer
     module.teacher_outputs = clock.timed(module.teacher_outputs, "teacher forward")
     module.outputs = clock.timed(module.outputs, "student forward", lambda network, *_: network is module.network)
     module.token_divergence = clock.timed(module.token_divergence, "divergence")
@@ -225,7 +225,8 @@ def run_lit(args, spec: dict) -> dict:
     flops = distill_round_flops(student.config, teacher.config, [(p, completion) for p in prompt_lengths])
     return {"ends": clock.ends, "threads": clock.threads, "gen_s": timer.seconds, "gen_cpu_s": timer.cpu_seconds,
             "gen_tokens": timer.tokens,
-            "phases": {name: sum(seconds[1:]) / (args.rounds - 1) for name, seconds in clock.phases.items()},
+            "phases": {name: sum(seconds[1:]) / (args.rounds - 1)
+                       for name, seconds in {"sampling": timer.seconds, **clock.phases}.items()},
             "flops_per_round": flops / (args.rounds - 1), "matmul_peak": matmul_peak(),
             "attn": one_setting(student.config._attn_implementation, teacher.config._attn_implementation),
             "dtype": one_setting(str(student.dtype), str(teacher.dtype)),

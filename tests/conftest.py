@@ -59,10 +59,9 @@ _stray_before: set[Path] = set()
 
 
 def stray_paths() -> set[Path]:
-    found = set()
-    for name in STRAY:
-        path = REPO / name
-        found |= set(path.rglob("*")) | {path} if path.is_dir() else {path} if path.exists() else set()
+    found = {REPO / name for name in STRAY if (REPO / name).exists()}
+    for path in list(found):
+        found.update(path.rglob("*"))  # nothing below a file
     return found
 
 
