@@ -1,0 +1,333 @@
+"""TRL config files as lit_align configs: ``lit-align from-trl COMMAND FILE [-o OUT]``.
+
+A TRL config file is what ``trl <command> --config FILE`` reads: one flat mapping of the fields of TRL's
+``ScriptArguments`` (the dataset), ``ModelConfig`` (the model, LoRA) and the command's trainer config (a
+``TrainingArguments``: ``DistillationConfig``, ``GRPOConfig``, ...). ``translate`` sorts each field into a
+LightningCLI config for the command's module (``COMMANDS``):
+
+- a field the module or the data module takes under the same name goes there as it is (``beta``, ``learning_rate``,
+  ``num_generations``, ``max_length``, ...: lit_align's recipes take TRL's names, with TRL's meanings);
+- the fields that have a place of another name are moved (``FIELDS``: ``model_name_or_path`` -> ``model.model``,
+  ``per_device_train_batch_size`` -> ``data.batch_size``, ``gradient_accumulation_steps`` ->
+  ``trainer.accumulate_grad_batches``, ...), a few with their value translated too (``_special``: the output
+  directory, precision, evaluation, checkpoints, the logger, LoRA);
+- fields that change nothing here are dropped (``NO_EFFECT``) while they hold a value that needs nothing;
+- anything else is refused, all such fields in one ``error:`` line naming the file: a translation that silently drops
+  a setting would train something else than the user's TRL run.
+
+Where TRL's default for a field the file leaves out would differ from what LightningCLI does without it, the
+translation writes TRL's: three epochs (``num_train_epochs``), seed 42, a log line every 10 steps, bf16 mixed precision
+(``bf16``: true unless ``fp16``), no evaluation (``eval_strategy: no``), and for the online
+recipes a round of ``gradient_accumulation_steps`` steps (TRL's ``steps_per_generation`` default: one generation batch
+per optimizer step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lit_align.errors import LitAlignError
+
+# TRL's command -> lit_align's module and data module (their short names in lit_align.modules / lit_align.data)
+COMMANDS = {
+    "sft": ("SFTModule", "CompletionDataModule"),
+    "dpo": ("DPOModule", "PreferenceDataModule"),
+    "kto": ("KTOModule", "UnpairedPreferenceDataModule"),
+    "reward": ("RewardModule", "RewardDataModule"),
+    "grpo": ("GRPOModule", "PromptDataModule"),
+    "rloo": ("RLOOModule", "PromptDataModule"),
+    "distillation": ("DistillationModule", "PromptDataModule"),
+}
+
+# TRL's field -> its place here (a dotted path into the config), for the fields whose name differs
+FIELDS = {
+    "model_name_or_path": "model.model",
+    "teacher_model_name_or_path": "model.teacher_model",
+    "model_revision": "model.model_init_kwargs.revision",
+    "teacher_model_revision": "model.teacher_model_init_kwargs.revision",
+    "dataset_name": "data.path",
+    "dataset_config": "data.config_name",
+    "dataset_train_split": "data.train_split",
+    "dataset_test_split": "data.val_split",
+    "per_device_train_batch_size": "data.batch_size",
+    "per_device_eval_batch_size": "data.val_batch_size",
+    "dataloader_num_workers": "data.num_workers",
+    "dataset_num_proc": "data.num_proc",
+    "shuffle_dataset": "data.shuffle",
+    "cache_implementation": "model.generation_kwargs.cache_implementation",
+    "max_steps": "trainer.max_steps",
+    "gradient_accumulation_steps": "trainer.accumulate_grad_batches",
+    "max_grad_norm": "trainer.gradient_clip_val",
+    "logging_steps": "trainer.log_every_n_steps",
+    "seed": "seed_everything",
+    "resume_from_checkpoint": "ckpt_path",
+}
+
+# fields that change nothing here, and the values at which dropping them loses nothing (None: any value)
+NO_EFFECT = {
+    "overwrite_output_dir": None, "logging_dir": None, "logging_strategy": None, "logging_first_step": None,
+    "do_train": None, "do_eval": None, "remove_unused_columns": None, "save_only_model": None, "run_name": None,
+    "dataloader_pin_memory": None, "log_level": None, "ignore_bias_buffers": None,
+    "ds3_gather_for_generation": None, "pad_to_multiple_of": None, "log_unique_prompts": None,
+    "log_multimodal": None, "log_completions_hub_repo": None,
+    "push_to_hub": (False,), "dataset_streaming": (False,), "use_bnb_nested_quant": None,
+    "bnb_4bit_quant_type": None, "bnb_4bit_quant_storage": None,  # read under load_in_4bit (``_quantization``)
+    "activation_offloading": (False,), "use_transformers_paged": (False,),
+    "use_transformers_continuous_batching": (False,), "vllm_model_impl": ("vllm",), "loss_type": ("nll",),
+    "dataset_text_field": ("text",), "adam_beta1": (0.9,), "adam_beta2": (0.999,), "adam_epsilon": (1e-8,),
+}
+SPEED_ONLY = {"dataset_num_proc", "dataloader_num_workers"}  # dropped where the data module has no such option
+LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+        "lora_target_modules": "target_modules", "lora_target_parameters": "target_parameters",
+        "lora_modules_to_save": "modules_to_save", "lora_task_type": "task_type", "use_rslora": "use_rslora",
+        "use_dora": "use_dora"}
+LOGGERS = {"tensorboard": "lightning.pytorch.loggers.TensorBoardLogger", "wandb": "lightning.pytorch.loggers.WandbLogger",
+           "mlflow": "lightning.pytorch.loggers.MLFlowLogger", "comet_ml": "lightning.pytorch.loggers.CometLogger"}
+TRL_DEFAULTS = {"num_train_epochs": 3, "seed": 42, "logging_steps": 10}  # TrainingArguments', where Lightning's differ
+ONLINE = {"grpo", "rloo", "distillation"}  # TRL samples steps_per_generation steps at once (default: the accumulation)
+
+
+def _options(class_name: str, package: str) -> set[str]:
+    """Every ``__init__`` parameter of ``package.class_name``, its bases' included."""
+    cls = getattr(importlib.import_module(package), class_name)
+    names = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            names.update(n for n, p in inspect.signature(init).parameters.items()
+                         if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    return names
+
+
+def _put(config: dict, dotted: str, value: Any) -> None:
+    """``config[a][b]... = value`` for ``dotted`` ``"a.b..."``, under ``init_args`` for the model and the data."""
+    keys = dotted.split(".")
+    if keys[0] in ("model", "data"):
+        keys.insert(1, "init_args")
+    node = config
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+
+
+def _whole(fields: dict, name: str) -> int:
+    value = fields[name]
+    if isinstance(value, bool) or not float(value).is_integer():
+        raise LitAlignError(f"field {name!r} is {value!r}: expected a whole number here (lit_align counts whole "
+                            "epochs and steps)")
+    return int(value)
+
+
+def _special(fields: dict, config: dict) -> set[str]:
+    """The fields whose value is translated too: written into ``config``; the names handled."""
+    done = set()
+    out = fields.get("output_dir")
+    if out is not None:  # TRL's run directory; its final model is an HF directory inside it
+        config["trainer"]["default_root_dir"] = out
+        config["export"] = {"path": str(Path(out) / "hf_model")}
+    done.add("output_dir")
+    if fields.get("max_steps", -1) not in (-1, None):  # TRL: max_steps overrides num_train_epochs
+        config["trainer"]["max_epochs"] = -1
+    elif "num_train_epochs" in fields:
+        config["trainer"]["max_epochs"] = _whole(fields, "num_train_epochs")
+    else:
+        config["trainer"]["max_epochs"] = TRL_DEFAULTS["num_train_epochs"]
+    done.add("num_train_epochs")
+    if fields.get("max_steps") == -1:  # TRL's "no limit", Lightning's too
+        fields.pop("max_steps")
+    if fields.get("bf16") and fields.get("fp16"):
+        raise LitAlignError("fields 'bf16' and 'fp16' are both true: expected at most one")
+    if fields.get("bf16", not fields.get("fp16")):  # TRL's default: bf16 unless fp16
+        config["trainer"]["precision"] = "bf16-mixed"
+    elif fields.get("fp16"):
+        config["trainer"]["precision"] = "16-mixed"
+    done |= {"bf16", "fp16"}
+    if fields.get("use_cpu"):
+        config["trainer"]["accelerator"] = "cpu"
+    done.add("use_cpu")
+    if "disable_tqdm" in fields:
+        config["trainer"]["enable_progress_bar"] = not fields["disable_tqdm"]
+    done.add("disable_tqdm")
+    if fields.get("use_vllm"):
+        config["model"]["init_args"]["engine"] = "vllm"
+    done.add("use_vllm")
+    if fields.get("log_completions"):
+        every = {"every_n_steps": int(fields.get("logging_steps", 10))}
+        if "num_completions_to_print" in fields:
+            every["num_completions_to_print"] = fields["num_completions_to_print"]
+        config["trainer"].setdefault("callbacks", []).append(
+            {"class_path": "lit_align.callbacks.CompletionsLogger", "init_args": every})
+    done |= {"log_completions", "num_completions_to_print"}
+    done |= _quantization(fields, config)
+    done |= _evaluation(fields, config)
+    done |= _checkpoints(fields, config)
+    done |= _logger(fields, config, out)
+    if fields.get("use_peft"):
+        config["model"]["init_args"]["peft_config"] = {LORA[k]: fields[k] for k in LORA if k in fields}
+    done |= {"use_peft", *LORA}  # without use_peft TRL reads none of the lora_* fields
+    return done
+
+
+def _quantization(fields: dict, config: dict) -> set[str]:
+    """``load_in_4bit`` / ``load_in_8bit``: the student loaded through bitsandbytes (``model_init_kwargs``'
+    ``quantization_config``, lit_align's QLoRA), with the arguments TRL's ``get_quantization_config`` gives it."""
+    if fields.get("load_in_4bit"):
+        quantization = {"load_in_4bit": True, "bnb_4bit_compute_dtype": fields.get("dtype", "float32"),
+                        "bnb_4bit_quant_type": fields.get("bnb_4bit_quant_type", "nf4"),
+                        "bnb_4bit_use_double_quant": bool(fields.get("use_bnb_nested_quant", False))}
+        if fields.get("bnb_4bit_quant_storage") is not None:
+            quantization["bnb_4bit_quant_storage"] = fields["bnb_4bit_quant_storage"]
+    elif fields.get("load_in_8bit"):
+        quantization = {"load_in_8bit": True}
+    else:
+        return {"load_in_4bit", "load_in_8bit"}
+    _put(config, "model.model_init_kwargs.quantization_config", quantization)
+    return {"load_in_4bit", "load_in_8bit"}
+
+
+def _evaluation(fields: dict, config: dict) -> set[str]:
+    """``eval_strategy`` / ``eval_steps``: TRL evaluates every ``eval_steps`` optimizer steps (``steps``), each
+    epoch, or never (``no``, its default); Lightning's ``val_check_interval`` counts batches, optimizer steps
+    times ``accumulate_grad_batches``."""
+    strategy = fields.get("eval_strategy", "no")
+    trainer = config["trainer"]
+    if strategy == "no":
+        trainer["limit_val_batches"] = 0
+        trainer["num_sanity_val_steps"] = 0
+    elif strategy == "steps":
+        steps = fields.get("eval_steps", fields.get("logging_steps", 10))
+        if steps is None or isinstance(steps, float) and not steps.is_integer():
+            raise LitAlignError(f"field 'eval_steps' is {steps!r}: expected a whole number of steps (TRL's ratio of "
+                                "the run's steps has no equivalent here)")
+        trainer["val_check_interval"] = int(steps) * int(fields.get("gradient_accumulation_steps", 1))
+        trainer["check_val_every_n_epoch"] = None
+    elif strategy == "epoch":
+        trainer["check_val_every_n_epoch"] = 1
+    else:
+        raise LitAlignError(f"field 'eval_strategy' is {strategy!r}: expected 'no', 'steps' or 'epoch'")
+    return {"eval_strategy", "eval_steps"}
+
+
+def _checkpoints(fields: dict, config: dict) -> set[str]:
+    """``save_strategy`` / ``save_steps`` / ``save_total_limit`` as a ``ModelCheckpoint``; left out, Lightning's
+    default checkpoint (the last one)."""
+    strategy = fields.get("save_strategy")
+    if strategy is None and "save_steps" not in fields and "save_total_limit" not in fields:
+        return {"save_strategy"}
+    strategy = strategy or "steps"
+    if strategy == "no":
+        config["trainer"]["enable_checkpointing"] = False
+    elif strategy in ("steps", "epoch"):
+        every = ({"every_n_train_steps": int(fields.get("save_steps", 500))} if strategy == "steps"
+                 else {"every_n_epochs": 1})
+        limit = fields.get("save_total_limit")
+        every["save_top_k"] = -1 if limit is None else int(limit)
+        if limit is not None:
+            every["monitor"] = "step"
+            every["mode"] = "max"
+        config["trainer"].setdefault("callbacks", []).append(
+            {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": every})
+    else:
+        raise LitAlignError(f"field 'save_strategy' is {strategy!r}: expected 'no', 'steps' or 'epoch' ('best' has "
+                            "no equivalent here)")
+    return {"save_strategy", "save_steps", "save_total_limit"}
+
+
+def _logger(fields: dict, config: dict, out: str | None) -> set[str]:
+    """``report_to`` as Lightning loggers (``none``: no logger, TRL's default); ``run_name`` names them."""
+    if "report_to" not in fields:
+        return {"report_to"}
+    names = fields["report_to"]
+    names = [] if names in (None, "none") else [names] if isinstance(names, str) else list(names)
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        raise LitAlignError(f"field 'report_to' names {unknown}: expected 'none' or some of {sorted(LOGGERS)}")
+    loggers = []
+    for name in names:
+        args = {"save_dir": out or "runs"} if name == "tensorboard" else {}
+        if fields.get("run_name") is not None:
+            args["name" if name != "mlflow" else "run_name"] = fields["run_name"]
+        loggers.append({"class_path": LOGGERS[name], "init_args": args} if args else {"class_path": LOGGERS[name]})
+    config["trainer"]["logger"] = False if not loggers else loggers[0] if len(loggers) == 1 else loggers
+    return {"report_to"}
+
+
+def translate(command: str, fields: dict, source: str = "the TRL config") -> dict:
+    """The lit_align config (``lit-align fit -c``) of the TRL config ``fields`` for ``trl <command>``."""
+    if command not in COMMANDS:
+        raise LitAlignError(f"unknown TRL command {command!r}: expected one of {sorted(COMMANDS)}")
+    if not isinstance(fields, dict):
+        got = "an empty file" if fields is None else f"a {type(fields).__name__}"
+        raise LitAlignError(f"{source}: expected a mapping of TRL's fields, got {got}")
+    module, data = COMMANDS[command]
+    config = {"model": {"class_path": f"lit_align.modules.{module}", "init_args": {}},
+              "data": {"class_path": f"lit_align.data.{data}", "init_args": {}}, "trainer": {}}
+    fields = {**{k: v for k, v in TRL_DEFAULTS.items() if k != "num_train_epochs"}, **fields}
+    try:
+        done = _special(fields, config)
+    except LitAlignError as exc:
+        raise LitAlignError(f"{source}: {exc}") from None
+    if (command in ONLINE and "steps_per_generation" not in fields and "generation_batch_size" not in fields
+            and "gradient_accumulation_steps" in fields):  # one round an optimizer step, as TRL's generation batch
+        config["model"]["init_args"]["steps_per_generation"] = fields["gradient_accumulation_steps"]
+    module_options, data_options = _options(module, "lit_align.modules"), _options(data, "lit_align.data")
+    refused = []
+    for name, value in fields.items():
+        if name in done:
+            continue
+        if name in FIELDS:
+            place = FIELDS[name]
+            if place.startswith("data.") and place[5:] not in data_options:
+                if name not in SPEED_ONLY:
+                    refused.append(f"{name!r} ({data} has no {place[5:]!r})")
+                continue
+            if name == "model_revision" and value == "main":
+                continue
+            _put(config, place, value)
+        elif name in module_options:
+            given = config["model"]["init_args"].get(name)  # model_init_kwargs over model_revision's, as TRL
+            config["model"]["init_args"][name] = {**given, **value} if isinstance(given, dict) else value
+        elif name in data_options:
+            config["data"]["init_args"][name] = value
+        elif name in NO_EFFECT and (NO_EFFECT[name] is None or value in NO_EFFECT[name]):
+            continue
+        else:
+            refused.append(repr(name) + (f" (set to {value!r})" if name in NO_EFFECT else ""))
+    if refused:
+        raise LitAlignError(f"{source}: no lit_align equivalent for field(s) {', '.join(refused)} (docs/trl_configs.md "
+                            "lists what translates)")
+    return config
+
+
+def main(argv: list[str]) -> None:
+    """``lit-align from-trl COMMAND FILE [-o OUT]``: the config on standard output, or written to ``OUT``."""
+    parser = argparse.ArgumentParser(prog="lit-align from-trl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=sorted(COMMANDS), help="the trl command the file is for")
+    parser.add_argument("file", help="the TRL config file (YAML, as `trl <command> --config FILE` reads)")
+    parser.add_argument("-o", "--output", help="write the lit_align config here (default: standard output)")
+    args = parser.parse_args(argv)
+    try:
+        try:
+            fields = yaml.safe_load(Path(args.file).read_text())
+        except OSError as exc:
+            raise LitAlignError(f"{args.file}: {exc.strerror or exc}") from None
+        except yaml.YAMLError as exc:
+            raise LitAlignError(f"{args.file}: not YAML ({' '.join(str(exc).split())})") from None
+        config = translate(args.command, fields, args.file)
+    except LitAlignError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    text = (f"# lit-align from-trl {args.command} {args.file}\n"
+            + yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}: lit-align fit -c {args.output}", file=sys.stderr)

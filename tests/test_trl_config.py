@@ -1,0 +1,173 @@
+"""``lit-align from-trl``: a TRL config file (``trl <command> --config FILE``) as a lit_align config."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import yaml
+from helpers import assert_one_line_error, run_main
+from safetensors.torch import load_file
+
+from lit_align.trl_config import COMMANDS, translate
+
+
+def write(path, fields: dict) -> str:
+    path.write_text(yaml.safe_dump(fields))
+    return str(path)
+
+
+def test_a_trl_distillation_config_trains_with_its_settings_and_exports(tmp_path, capfd):
+    """The translated file trains as the TRL file says: its model, teacher, loss settings, batch, accumulation, one
+    round per optimizer step (TRL's steps_per_generation default), steps, seed; the student moves; the final model
+    is an HF directory in the output directory."""
+    out = tmp_path / "run"
+    trl = write(tmp_path / "trl.yaml", {
+        "model_name_or_path": "builtin:tiny", "teacher_model_name_or_path": "builtin:small",
+        "dataset_name": "builtin:sort", "beta": 0.5, "lmbda": 1.0, "temperature": 0.9, "max_completion_length": 6,
+        "learning_rate": 1e-3, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 2,
+        "seed": 5, "bf16": False, "use_cpu": True, "report_to": "none", "output_dir": str(out),
+        "save_strategy": "no", "disable_tqdm": True,
+    })
+    lit = tmp_path / "lit.yaml"
+    code, _, err = run_main(["from-trl", "distillation", trl, "-o", str(lit)], capfd)
+    assert code == 0, err
+    from lit_align.cli import run
+
+    argv, sys.argv = sys.argv, ["lit-align"]
+    try:
+        cli = run(["fit", "-c", str(lit)])
+    finally:
+        sys.argv = argv
+    module, trainer = cli.model, cli.trainer
+    assert type(module).__name__ == "DistillationModule"
+    assert (module.beta, module.lmbda, module.temperature) == (0.5, 1.0, 0.9)
+    assert module.hparams.learning_rate == 1e-3 and module.hparams.max_completion_length == 6
+    assert module.round_shape.steps_per_generation == 2 and trainer.accumulate_grad_batches == 2
+    assert cli.datamodule.batch_size == 4 and trainer.global_step == 2
+    assert trainer.precision == "32-true" and trainer.logger is None and not trainer.checkpoint_callbacks
+    assert cli.config["fit"]["seed_everything"] == 5
+    exported = load_file(out / "hf_model" / "model.safetensors")
+    from lit_align.models import load_model
+
+    fresh = load_model("builtin:tiny").state_dict()
+    moved = [k for k, v in exported.items() if not torch.equal(v, fresh[k])]
+    assert moved, "the student did not move"
+
+
+def test_the_docs_example_is_what_the_translation_writes():
+    """docs/trl_configs.md's TRL file and its translation, as the page shows them."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "trl_configs.md").read_text()
+    trl, lit = (yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", page, re.S)[:2])
+    assert translate("distillation", trl) == lit
+
+
+def test_each_field_lands_where_lit_align_has_it():
+    config = translate("grpo", {
+        "model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct", "model_revision": "v1", "dataset_name": "trl-lib/x",
+        "dataset_config": "main", "dataset_train_split": "train", "dataset_test_split": "validation",
+        "reward_funcs": ["my.rewards.f"], "num_generations": 8, "beta": 0.04, "loss_type": "dapo",
+        "use_vllm": True, "vllm_mode": "colocate", "learning_rate": 1e-6, "per_device_train_batch_size": 8,
+        "per_device_eval_batch_size": 16, "gradient_accumulation_steps": 4, "num_train_epochs": 1,
+        "max_grad_norm": 0.5, "logging_steps": 5, "log_completions": True, "num_completions_to_print": 2,
+        "eval_strategy": "steps", "eval_steps": 50, "save_steps": 100, "save_total_limit": 2,
+        "report_to": ["tensorboard"], "run_name": "r", "output_dir": "runs/q", "use_peft": True, "lora_r": 32,
+        "lora_alpha": 16, "lora_target_modules": "all-linear", "push_to_hub": False, "shuffle_dataset": False,
+        "resume_from_checkpoint": "runs/q/last.ckpt", "gradient_checkpointing": True,
+    }, "f.yaml")
+    model, data, trainer = config["model"]["init_args"], config["data"]["init_args"], config["trainer"]
+    assert config["model"]["class_path"] == "lit_align.modules.GRPOModule"
+    assert model == {
+        "engine": "vllm", "peft_config": {"r": 32, "lora_alpha": 16, "target_modules": "all-linear"},
+        "steps_per_generation": 4, "model": "Qwen/Qwen2.5-0.5B-Instruct", "model_init_kwargs": {"revision": "v1"},
+        "reward_funcs": ["my.rewards.f"], "num_generations": 8, "beta": 0.04, "loss_type": "dapo",
+        "vllm_mode": "colocate", "learning_rate": 1e-6, "gradient_checkpointing": True,
+    }
+    assert data == {"path": "trl-lib/x", "config_name": "main", "train_split": "train", "val_split": "validation",
+                    "batch_size": 8, "val_batch_size": 16, "shuffle": False}
+    assert trainer["max_epochs"] == 1 and trainer["precision"] == "bf16-mixed"
+    assert trainer["accumulate_grad_batches"] == 4 and trainer["gradient_clip_val"] == 0.5
+    assert trainer["log_every_n_steps"] == 5 and trainer["default_root_dir"] == "runs/q"
+    assert trainer["val_check_interval"] == 200  # 50 optimizer steps of 4 batches
+    assert trainer["callbacks"] == [
+        {"class_path": "lit_align.callbacks.CompletionsLogger",
+         "init_args": {"every_n_steps": 5, "num_completions_to_print": 2}},
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"every_n_train_steps": 100, "save_top_k": 2, "monitor": "step", "mode": "max"}}]
+    assert trainer["logger"] == {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                                 "init_args": {"save_dir": "runs/q", "name": "r"}}
+    assert config["export"] == {"path": "runs/q/hf_model"} and config["ckpt_path"] == "runs/q/last.ckpt"
+
+
+def test_quantized_loading_is_a_bitsandbytes_config_as_trls():
+    """ModelConfig's load_in_4bit / load_in_8bit: the student loaded quantized (QLoRA with use_peft), the arguments
+    TRL's get_quantization_config gives BitsAndBytesConfig."""
+    four = translate("sft", {"load_in_4bit": True, "dtype": "bfloat16", "use_bnb_nested_quant": True,
+                             "bnb_4bit_quant_type": "nf4", "model_revision": "main"})["model"]["init_args"]
+    assert four == {"dtype": "bfloat16", "model_init_kwargs": {"quantization_config": {
+        "load_in_4bit": True, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True}}}
+    eight = translate("sft", {"load_in_8bit": True})["model"]["init_args"]
+    assert eight == {"model_init_kwargs": {"quantization_config": {"load_in_8bit": True}}}
+
+
+def test_trl_defaults_are_written_where_lightnings_differ():
+    """A file that leaves them out trains as TRL would: 3 epochs, seed 42, a log every 10 steps, bf16 (unless fp16),
+    no evaluation; the steps TRL does not set stay lit_align's."""
+    config = translate("dpo", {"model_name_or_path": "m"})
+    assert config["trainer"] == {"max_epochs": 3, "precision": "bf16-mixed", "limit_val_batches": 0,
+                                 "num_sanity_val_steps": 0, "log_every_n_steps": 10}
+    assert config["seed_everything"] == 42 and "steps_per_generation" not in config["model"]["init_args"]
+    assert translate("sft", {"fp16": True})["trainer"]["precision"] == "16-mixed"
+    assert "precision" not in translate("sft", {"bf16": False})["trainer"]
+    # TRL's max_steps overrides num_train_epochs: no epoch limit then
+    assert translate("sft", {"max_steps": 10, "num_train_epochs": 1})["trainer"]["max_epochs"] == -1
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_translated_config_of_each_command_parses(command, tmp_path, capfd):
+    """Every place the translation writes exists: LightningCLI parses and validates the whole config."""
+    fields = {"model_name_or_path": "builtin:tiny", "dataset_name": "builtin:sort", "learning_rate": 1e-5,
+              "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 3,
+              "dataset_num_proc": 2, "dataloader_num_workers": 0, "output_dir": str(tmp_path / "run"),
+              "eval_strategy": "steps", "eval_steps": 2, "save_steps": 1, "report_to": "none",
+              "use_peft": True, "lora_r": 4}
+    fields |= {"distillation": {"teacher_model_name_or_path": "builtin:tiny"},
+               "grpo": {"reward_funcs": ["lit_align.rewards.sort_accuracy"], "num_generations": 2},
+               "rloo": {"reward_funcs": ["lit_align.rewards.sort_accuracy"], "num_generations": 2}}.get(command, {})
+    code, _, err = run_main(["from-trl", command, write(tmp_path / "trl.yaml", fields),
+                             "-o", str(tmp_path / "lit.yaml")], capfd)
+    assert code == 0, err
+    code, out, err = run_main(["fit", "-c", str(tmp_path / "lit.yaml"), "--print_config"], capfd)
+    assert code == 0, err
+    printed = yaml.safe_load(out)
+    assert printed["trainer"]["accumulate_grad_batches"] == 2 and printed["data"]["init_args"]["batch_size"] == 4
+
+
+@pytest.mark.parametrize("fields, needles", [
+    ({"model_name_or_path": "m", "torch_compile": True, "dataset_streaming": True},
+     ["trl.yaml", "'torch_compile'", "'dataset_streaming' (set to True)"]),
+    ({"num_train_epochs": 1.5}, ["trl.yaml", "'num_train_epochs' is 1.5", "whole number"]),
+    ({"eval_strategy": "steps", "eval_steps": 0.1}, ["'eval_steps' is 0.1"]),
+    ({"save_strategy": "best"}, ["'save_strategy' is 'best'"]),
+    ({"report_to": ["trackio"]}, ["'report_to' names ['trackio']"]),
+    ({"bf16": True, "fp16": True}, ["'bf16' and 'fp16'"]),
+])
+def test_what_does_not_translate_is_one_error_line(fields, needles, tmp_path, capfd):
+    out = tmp_path / "lit.yaml"
+    code, _, err = run_main(["from-trl", "dpo", write(tmp_path / "trl.yaml", fields), "-o", str(out)], capfd)
+    assert_one_line_error(code, err, *needles)
+    assert not out.exists()
+
+
+def test_a_file_that_is_not_a_trl_config_is_one_error_line(tmp_path, capfd):
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n")
+    code, _, err = run_main(["from-trl", "sft", str(listing)], capfd)
+    assert_one_line_error(code, err, "list.yaml", "expected a mapping")
+    code, _, err = run_main(["from-trl", "sft", str(tmp_path / "missing.yaml")], capfd)
+    assert_one_line_error(code, err, "missing.yaml", "No such file")
