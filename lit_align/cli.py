@@ -3,7 +3,7 @@
     lit-align fit -c configs/dpo.yaml
     lit-align fit -c configs/dpo.yaml --trainer.max_steps 50 --model.beta 0.2
     lit-align fit -c configs/dpo.yaml --print_config
-    lit-align from-trl dpo trl_dpo.yaml -o my_dpo.yaml   # a TRL config file, translated
+    lit-align from-trl dpo --config trl_dpo.yaml -o my_dpo.yaml   # a TRL config file, translated
 
 A mistake in the user's data or settings prints one ``error:`` line and exits with status 2.
 """
@@ -188,7 +188,7 @@ def check_checkpoint_file(path: str) -> None:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point: ``lit-align {fit,validate,test} -c CONFIG [--key value ...]``, or ``lit-align from-trl COMMAND
-    FILE`` (a TRL config file as a lit_align config: ``lit_align.trl_config``)."""
+    --config FILE`` (a TRL config file as a lit_align config: ``lit_align.trl_config``)."""
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["from-trl"]:
         from lit_align.trl_config import main as from_trl

@@ -1,4 +1,5 @@
-"""TRL config files as lit_align configs: ``lit-align from-trl COMMAND FILE [-o OUT]``.
+"""TRL config files as lit_align configs: ``lit-align from-trl COMMAND --config FILE [--field value ...] [-o OUT]``,
+TRL's own command line with ``trl`` replaced.
 
 A TRL config file is what ``trl <command> --config FILE`` reads: one flat mapping of the fields of TRL's
 ``ScriptArguments`` (the dataset), ``ModelConfig`` (the model, LoRA) and the command's trainer config (a
@@ -10,16 +11,17 @@ LightningCLI config for the command's module (``COMMANDS``):
 - the fields that have a place of another name are moved (``FIELDS``: ``model_name_or_path`` -> ``model.model``,
   ``per_device_train_batch_size`` -> ``data.batch_size``, ``gradient_accumulation_steps`` ->
   ``trainer.accumulate_grad_batches``, ...), a few with their value translated too (``_special``: the output
-  directory, precision, evaluation, checkpoints, the logger, LoRA);
+  directory, precision, evaluation, checkpoints, the logger, LoRA, quantization; ``_recipe``: what one command reads
+  differently, e.g. GRPO's evaluation batch counting completions);
 - fields that change nothing here are dropped (``NO_EFFECT``) while they hold a value that needs nothing;
 - anything else is refused, all such fields in one ``error:`` line naming the file: a translation that silently drops
   a setting would train something else than the user's TRL run.
 
-Where TRL's default for a field the file leaves out would differ from what LightningCLI does without it, the
-translation writes TRL's: three epochs (``num_train_epochs``), seed 42, a log line every 10 steps, bf16 mixed precision
-(``bf16``: true unless ``fp16``), no evaluation (``eval_strategy: no``), and for the online
-recipes a round of ``gradient_accumulation_steps`` steps (TRL's ``steps_per_generation`` default: one generation batch
-per optimizer step).
+Where TRL's default for a field the file leaves out would differ from what lit_align does without it, the
+translation writes TRL's (``TRL_DEFAULTS``, ``_recipe``): three epochs, seed 42, a log line every 10 steps, clipping
+at 1.0, bf16 mixed precision (unless ``fp16``), no evaluation (and no test split read); for the online recipes a round
+of ``gradient_accumulation_steps`` steps (TRL's ``steps_per_generation`` default) and uncut prompts; GRPO's and RLOO's
+dropout left on. docs/trl_configs.md is the user's table of all of it.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ FIELDS = {
 NO_EFFECT = {
     "overwrite_output_dir": None, "logging_dir": None, "logging_strategy": None, "logging_first_step": None,
     "do_train": None, "do_eval": None, "remove_unused_columns": None, "save_only_model": None, "run_name": None,
-    "dataloader_pin_memory": None, "log_level": None, "ignore_bias_buffers": None,
+    "dataloader_pin_memory": None, "log_level": None, "ignore_bias_buffers": None, "ddp_timeout": None,
+    "gradient_checkpointing_kwargs": None, "hub_model_id": None, "hub_strategy": None, "hub_private_repo": None,
+    "hub_token": None,  # push_to_hub: true is refused
     "ds3_gather_for_generation": None, "pad_to_multiple_of": None, "log_unique_prompts": None,
     "log_multimodal": None, "log_completions_hub_repo": None,
     "push_to_hub": (False,), "dataset_streaming": (False,), "use_bnb_nested_quant": None,
@@ -82,15 +86,22 @@ NO_EFFECT = {
     "activation_offloading": (False,), "use_transformers_paged": (False,),
     "use_transformers_continuous_batching": (False,), "vllm_model_impl": ("vllm",), "loss_type": ("nll",),
     "dataset_text_field": ("text",), "adam_beta1": (0.9,), "adam_beta2": (0.999,), "adam_epsilon": (1e-8,),
+    "use_liger_kernel": (False,), "eval_on_start": (False,), "load_best_model_at_end": (False,),
+    "average_tokens_across_devices": (True,), "truncation_mode": ("keep_start",),
+    "train_sampling_strategy": ("random",),
 }
+REFUSED = {"env": "set those environment variables in the shell, before lit-align fit"}  # why, where it helps
 SPEED_ONLY = {"dataset_num_proc", "dataloader_num_workers"}  # dropped where the data module has no such option
 LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
         "lora_target_modules": "target_modules", "lora_target_parameters": "target_parameters",
         "lora_modules_to_save": "modules_to_save", "lora_task_type": "task_type", "use_rslora": "use_rslora",
         "use_dora": "use_dora"}
+TRL_LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05}  # ModelConfig's lora_r, lora_alpha, lora_dropout
 LOGGERS = {"tensorboard": "lightning.pytorch.loggers.TensorBoardLogger", "wandb": "lightning.pytorch.loggers.WandbLogger",
            "mlflow": "lightning.pytorch.loggers.MLFlowLogger", "comet_ml": "lightning.pytorch.loggers.CometLogger"}
-TRL_DEFAULTS = {"num_train_epochs": 3, "seed": 42, "logging_steps": 10}  # TrainingArguments', where Lightning's differ
+# TrainingArguments' defaults where LightningCLI's differ, written when the file leaves them out
+TRL_DEFAULTS = {"num_train_epochs": 3, "seed": 42, "logging_steps": 10, "max_grad_norm": 1.0}
+TRL_GENERATIONS = {"grpo": 8, "rloo": 2}  # num_generations (num_generations_eval's default too)
 ONLINE = {"grpo", "rloo", "distillation"}  # TRL samples steps_per_generation steps at once (default: the accumulation)
 
 
@@ -169,9 +180,43 @@ def _special(fields: dict, config: dict) -> set[str]:
     done |= _evaluation(fields, config)
     done |= _checkpoints(fields, config)
     done |= _logger(fields, config, out)
-    if fields.get("use_peft"):
-        config["model"]["init_args"]["peft_config"] = {LORA[k]: fields[k] for k in LORA if k in fields}
+    if fields.get("use_peft"):  # ModelConfig's LoRA defaults, not peft's (r 8, alpha 8, no dropout)
+        given = {LORA[k]: fields[k] for k in LORA if k in fields}
+        config["model"]["init_args"]["peft_config"] = {**TRL_LORA, **given}
     done |= {"use_peft", *LORA}  # without use_peft TRL reads none of the lora_* fields
+    return done
+
+
+def _recipe(command: str, fields: dict, config: dict) -> set[str]:
+    """What one command's TRL fields mean here beyond their names: the fields handled."""
+    model, data, done = config["model"]["init_args"], config["data"]["init_args"], set()
+    if command == "sft":  # SFTTrainer shuffles the dataset once before training; its sampler shuffles anyway
+        done.add("shuffle_dataset")
+    if command in ONLINE and "max_length" not in fields:  # TRL 1.16 does not cut the prompts of online recipes
+        data["max_length"] = None
+    if command in TRL_GENERATIONS:
+        if "disable_dropout" not in fields:
+            model["disable_dropout"] = False  # TRL's default (lit_align's own is true)
+        if fields.get("reward_model_name_or_path") is not None:  # TRL puts the reward model first
+            funcs = fields.get("reward_funcs") or []
+            model["reward_funcs"] = [fields["reward_model_name_or_path"], *([funcs] if isinstance(funcs, str)
+                                                                            else funcs)]
+            done |= {"reward_model_name_or_path", "reward_funcs"}
+        if fields.get("eval_strategy", "no") != "no":  # TRL samples num_generations_eval per prompt, its eval
+            group = (fields.get("num_generations_eval") or fields.get("num_generations")  # batch counts them
+                     or TRL_GENERATIONS[command])
+            per_device = fields.get("per_device_eval_batch_size", 8)
+            if per_device % group:
+                raise LitAlignError(f"field 'per_device_eval_batch_size' is {per_device}: expected a multiple of the "
+                                    f"{group} completions sampled per evaluation prompt (num_generations_eval)")
+            model["num_generations_eval"], data["val_batch_size"] = group, per_device // group
+            done |= {"num_generations_eval", "per_device_eval_batch_size"}
+    warmup = fields.get("warmup_steps")
+    if isinstance(warmup, float) and 0 < warmup < 1:  # transformers: a warmup_steps below 1 is a ratio
+        model["warmup_ratio"] = warmup
+        done.add("warmup_steps")
+    if "logging_steps" in fields:
+        fields["logging_steps"] = _whole(fields, "logging_steps")
     return done
 
 
@@ -198,12 +243,14 @@ def _evaluation(fields: dict, config: dict) -> set[str]:
     times ``accumulate_grad_batches``."""
     strategy = fields.get("eval_strategy", "no")
     trainer = config["trainer"]
-    if strategy == "no":
+    trainer["num_sanity_val_steps"] = 0  # TRL evaluates before training only with eval_on_start
+    if strategy == "no":  # nor is the test split read
         trainer["limit_val_batches"] = 0
-        trainer["num_sanity_val_steps"] = 0
+        _put(config, "data.val_split", None)
     elif strategy == "steps":
-        steps = fields.get("eval_steps", fields.get("logging_steps", 10))
-        if steps is None or isinstance(steps, float) and not steps.is_integer():
+        steps = fields.get("eval_steps")
+        steps = fields.get("logging_steps", 10) if steps is None else steps  # TRL: None is logging_steps
+        if isinstance(steps, float) and not steps.is_integer():
             raise LitAlignError(f"field 'eval_steps' is {steps!r}: expected a whole number of steps (TRL's ratio of "
                                 "the run's steps has no equivalent here)")
         trainer["val_check_interval"] = int(steps) * int(fields.get("gradient_accumulation_steps", 1))
@@ -212,7 +259,7 @@ def _evaluation(fields: dict, config: dict) -> set[str]:
         trainer["check_val_every_n_epoch"] = 1
     else:
         raise LitAlignError(f"field 'eval_strategy' is {strategy!r}: expected 'no', 'steps' or 'epoch'")
-    return {"eval_strategy", "eval_steps"}
+    return {"eval_strategy", "eval_steps"} | ({"dataset_test_split"} if strategy == "no" else set())
 
 
 def _checkpoints(fields: dict, config: dict) -> set[str]:
@@ -225,8 +272,8 @@ def _checkpoints(fields: dict, config: dict) -> set[str]:
     if strategy == "no":
         config["trainer"]["enable_checkpointing"] = False
     elif strategy in ("steps", "epoch"):
-        every = ({"every_n_train_steps": int(fields.get("save_steps", 500))} if strategy == "steps"
-                 else {"every_n_epochs": 1})
+        every = ({"every_n_train_steps": _whole(fields, "save_steps") if "save_steps" in fields else 500}
+                 if strategy == "steps" else {"every_n_epochs": 1})
         limit = fields.get("save_total_limit")
         every["save_top_k"] = -1 if limit is None else int(limit)
         if limit is not None:
@@ -245,7 +292,7 @@ def _logger(fields: dict, config: dict, out: str | None) -> set[str]:
     if "report_to" not in fields:
         return {"report_to"}
     names = fields["report_to"]
-    names = [] if names in (None, "none") else [names] if isinstance(names, str) else list(names)
+    names = [n for n in ([names] if isinstance(names, str) else names or []) if n != "none"]
     unknown = [n for n in names if n not in LOGGERS]
     if unknown:
         raise LitAlignError(f"field 'report_to' names {unknown}: expected 'none' or some of {sorted(LOGGERS)}")
@@ -277,7 +324,13 @@ def translate(command: str, fields: dict, source: str = "the TRL config") -> dic
     if (command in ONLINE and "steps_per_generation" not in fields and "generation_batch_size" not in fields
             and "gradient_accumulation_steps" in fields):  # one round an optimizer step, as TRL's generation batch
         config["model"]["init_args"]["steps_per_generation"] = fields["gradient_accumulation_steps"]
+    try:
+        done |= _recipe(command, fields, config)
+    except LitAlignError as exc:
+        raise LitAlignError(f"{source}: {exc}") from None
     module_options, data_options = _options(module, "lit_align.modules"), _options(data, "lit_align.data")
+    if "seed" in data_options:  # TRL's seed orders the data too
+        config["data"]["init_args"]["seed"] = fields["seed"]
     refused = []
     for name, value in fields.items():
         if name in done:
@@ -299,32 +352,79 @@ def translate(command: str, fields: dict, source: str = "the TRL config") -> dic
         elif name in NO_EFFECT and (NO_EFFECT[name] is None or value in NO_EFFECT[name]):
             continue
         else:
-            refused.append(repr(name) + (f" (set to {value!r})" if name in NO_EFFECT else ""))
+            why = f" ({REFUSED[name]})" if name in REFUSED else f" (set to {value!r})" if name in NO_EFFECT else ""
+            refused.append(repr(name) + why)
     if refused:
         raise LitAlignError(f"{source}: no lit_align equivalent for field(s) {', '.join(refused)} (docs/trl_configs.md "
                             "lists what translates)")
     return config
 
 
-def main(argv: list[str]) -> None:
-    """``lit-align from-trl COMMAND FILE [-o OUT]``: the config on standard output, or written to ``OUT``."""
-    parser = argparse.ArgumentParser(prog="lit-align from-trl", description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=sorted(COMMANDS), help="the trl command the file is for")
-    parser.add_argument("file", help="the TRL config file (YAML, as `trl <command> --config FILE` reads)")
-    parser.add_argument("-o", "--output", help="write the lit_align config here (default: standard output)")
-    args = parser.parse_args(argv)
-    try:
+def _value(text: str) -> Any:
+    """A command-line value typed as TRL's parser would for its field: a bool, an int, a float, None, a YAML list or
+    mapping (``--model_init_kwargs '{"revision": "v2"}'``), else the string."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    if text in ("None", "null"):
+        return None
+    for kind in (int, float):
         try:
-            fields = yaml.safe_load(Path(args.file).read_text())
-        except OSError as exc:
-            raise LitAlignError(f"{args.file}: {exc.strerror or exc}") from None
-        except yaml.YAMLError as exc:
-            raise LitAlignError(f"{args.file}: not YAML ({' '.join(str(exc).split())})") from None
-        config = translate(args.command, fields, args.file)
+            return kind(text)
+        except ValueError:
+            pass
+    if text[:1] in "[{":
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            pass
+    return text
+
+
+def command_line_fields(tokens: list[str]) -> dict:
+    """TRL's command-line fields: ``--name value``, ``--name=value``, ``--name a b c`` (a list, TRL's ``nargs="+"``
+    fields), a bare ``--name`` (true, as TRL's boolean flags)."""
+    fields, name = {}, None
+    for token in tokens:
+        if token.startswith("--"):
+            name, _, value = token[2:].partition("=")
+            fields[name] = [_value(value)] if value else []
+        elif name is None:
+            raise LitAlignError(f"command line: {token!r} follows no --field (TRL's fields are --name value)")
+        else:
+            fields[name].append(_value(token))
+    return {k: True if not v else v[0] if len(v) == 1 else v for k, v in fields.items()}
+
+
+def main(argv: list[str]) -> None:
+    """``lit-align from-trl COMMAND [--config FILE] [--field value ...] [-o OUT]``: TRL's command line, the fields
+    given after the file overriding it (as in TRL); the config on standard output, or written to ``OUT``."""
+    parser = argparse.ArgumentParser(
+        prog="lit-align from-trl", usage="lit-align from-trl COMMAND [--config FILE] [--field value ...] [-o OUT]",
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=sorted(COMMANDS), help="the trl command")
+    parser.add_argument("--config", help="the TRL config file (YAML), as `trl COMMAND --config FILE` reads it")
+    parser.add_argument("-o", "--output", help="write the lit_align config here (default: standard output)")
+    args, rest = parser.parse_known_args(argv)
+    source = args.config or "the command line"
+    try:
+        fields = {}
+        if args.config is not None:
+            try:
+                fields = yaml.safe_load(Path(args.config).read_text())
+            except OSError as exc:
+                raise LitAlignError(f"{args.config}: {exc.strerror or exc}") from None
+            except yaml.YAMLError as exc:
+                raise LitAlignError(f"{args.config}: not YAML ({' '.join(str(exc).split())})") from None
+        given = command_line_fields(rest)
+        if isinstance(fields, dict):
+            fields = {**fields, **given}
+            if given and args.config is not None:
+                source = f"{args.config} with the command line"
+        config = translate(args.command, fields, source)
     except LitAlignError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    text = (f"# lit-align from-trl {args.command} {args.file}\n"
+    text = (f"# lit-align from-trl {' '.join(argv)}\n"
             + yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
     if args.output is None:
         sys.stdout.write(text)

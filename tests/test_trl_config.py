@@ -31,7 +31,7 @@ def test_a_trl_distillation_config_trains_with_its_settings_and_exports(tmp_path
         "save_strategy": "no", "disable_tqdm": True,
     })
     lit = tmp_path / "lit.yaml"
-    code, _, err = run_main(["from-trl", "distillation", trl, "-o", str(lit)], capfd)
+    code, _, err = run_main(["from-trl", "distillation", "--config", trl, "-o", str(lit)], capfd)
     assert code == 0, err
     from lit_align.cli import run
 
@@ -82,13 +82,17 @@ def test_each_field_lands_where_lit_align_has_it():
     model, data, trainer = config["model"]["init_args"], config["data"]["init_args"], config["trainer"]
     assert config["model"]["class_path"] == "lit_align.modules.GRPOModule"
     assert model == {
-        "engine": "vllm", "peft_config": {"r": 32, "lora_alpha": 16, "target_modules": "all-linear"},
+        "engine": "vllm",
+        "peft_config": {"r": 32, "lora_alpha": 16, "lora_dropout": 0.05, "target_modules": "all-linear"},
         "steps_per_generation": 4, "model": "Qwen/Qwen2.5-0.5B-Instruct", "model_init_kwargs": {"revision": "v1"},
         "reward_funcs": ["my.rewards.f"], "num_generations": 8, "beta": 0.04, "loss_type": "dapo",
         "vllm_mode": "colocate", "learning_rate": 1e-6, "gradient_checkpointing": True,
+        "disable_dropout": False,  # TRL's default, not lit_align's
+        "num_generations_eval": 8,  # TRL samples num_generations per evaluation prompt ...
     }
     assert data == {"path": "trl-lib/x", "config_name": "main", "train_split": "train", "val_split": "validation",
-                    "batch_size": 8, "val_batch_size": 16, "shuffle": False}
+                    "batch_size": 8, "val_batch_size": 2,  # ... and its eval batch counts them: 16 / 8 prompts
+                    "shuffle": False, "max_length": None, "seed": 42}
     assert trainer["max_epochs"] == 1 and trainer["precision"] == "bf16-mixed"
     assert trainer["accumulate_grad_batches"] == 4 and trainer["gradient_clip_val"] == 0.5
     assert trainer["log_every_n_steps"] == 5 and trainer["default_root_dir"] == "runs/q"
@@ -116,11 +120,12 @@ def test_quantized_loading_is_a_bitsandbytes_config_as_trls():
 
 
 def test_trl_defaults_are_written_where_lightnings_differ():
-    """A file that leaves them out trains as TRL would: 3 epochs, seed 42, a log every 10 steps, bf16 (unless fp16),
-    no evaluation; the steps TRL does not set stay lit_align's."""
+    """A file that leaves them out trains as TRL would: 3 epochs, seed 42 (the data's order too), a log every 10
+    steps, clipping at 1.0, bf16 (unless fp16), no evaluation; the steps TRL does not set stay lit_align's."""
     config = translate("dpo", {"model_name_or_path": "m"})
     assert config["trainer"] == {"max_epochs": 3, "precision": "bf16-mixed", "limit_val_batches": 0,
-                                 "num_sanity_val_steps": 0, "log_every_n_steps": 10}
+                                 "num_sanity_val_steps": 0, "log_every_n_steps": 10, "gradient_clip_val": 1.0}
+    assert config["data"]["init_args"] == {"val_split": None, "seed": 42}  # no evaluation: no test split read
     assert config["seed_everything"] == 42 and "steps_per_generation" not in config["model"]["init_args"]
     assert translate("sft", {"fp16": True})["trainer"]["precision"] == "16-mixed"
     assert "precision" not in translate("sft", {"bf16": False})["trainer"]
@@ -139,7 +144,7 @@ def test_a_translated_config_of_each_command_parses(command, tmp_path, capfd):
     fields |= {"distillation": {"teacher_model_name_or_path": "builtin:tiny"},
                "grpo": {"reward_funcs": ["lit_align.rewards.sort_accuracy"], "num_generations": 2},
                "rloo": {"reward_funcs": ["lit_align.rewards.sort_accuracy"], "num_generations": 2}}.get(command, {})
-    code, _, err = run_main(["from-trl", command, write(tmp_path / "trl.yaml", fields),
+    code, _, err = run_main(["from-trl", command, "--config", write(tmp_path / "trl.yaml", fields),
                              "-o", str(tmp_path / "lit.yaml")], capfd)
     assert code == 0, err
     code, out, err = run_main(["fit", "-c", str(tmp_path / "lit.yaml"), "--print_config"], capfd)
@@ -156,10 +161,15 @@ def test_a_translated_config_of_each_command_parses(command, tmp_path, capfd):
     ({"save_strategy": "best"}, ["'save_strategy' is 'best'"]),
     ({"report_to": ["trackio"]}, ["'report_to' names ['trackio']"]),
     ({"bf16": True, "fp16": True}, ["'bf16' and 'fp16'"]),
+    ({"env": {"HF_HOME": "/x"}}, ["'env' (set those environment variables in the shell"]),
+    ({"save_steps": 0.1}, ["'save_steps' is 0.1"]),
+    ({"logging_steps": 0.5}, ["'logging_steps' is 0.5"]),
+    ({"eval_on_start": True}, ["'eval_on_start' (set to True)"]),
 ])
 def test_what_does_not_translate_is_one_error_line(fields, needles, tmp_path, capfd):
     out = tmp_path / "lit.yaml"
-    code, _, err = run_main(["from-trl", "dpo", write(tmp_path / "trl.yaml", fields), "-o", str(out)], capfd)
+    code, _, err = run_main(["from-trl", "dpo", "--config", write(tmp_path / "trl.yaml", fields), "-o", str(out)],
+                              capfd)
     assert_one_line_error(code, err, *needles)
     assert not out.exists()
 
@@ -167,7 +177,43 @@ def test_what_does_not_translate_is_one_error_line(fields, needles, tmp_path, ca
 def test_a_file_that_is_not_a_trl_config_is_one_error_line(tmp_path, capfd):
     listing = tmp_path / "list.yaml"
     listing.write_text("- a\n")
-    code, _, err = run_main(["from-trl", "sft", str(listing)], capfd)
+    code, _, err = run_main(["from-trl", "sft", "--config", str(listing)], capfd)
     assert_one_line_error(code, err, "list.yaml", "expected a mapping")
-    code, _, err = run_main(["from-trl", "sft", str(tmp_path / "missing.yaml")], capfd)
+    code, _, err = run_main(["from-trl", "sft", "--config", str(tmp_path / "missing.yaml")], capfd)
     assert_one_line_error(code, err, "missing.yaml", "No such file")
+
+
+def test_trls_command_line_fields_override_the_file_as_in_trl(tmp_path, capfd):
+    """``trl dpo --config FILE --field value ...`` with ``trl`` replaced: values typed as TRL's parser types them
+    (bool flags bare or spelled, numbers, lists of several values, YAML mappings), later ones over the file's."""
+    trl = write(tmp_path / "trl.yaml", {"model_name_or_path": "a", "beta": 0.1, "learning_rate": 1e-6})
+    code, out, err = run_main(["from-trl", "dpo", "--config", trl, "--beta", "0.2", "--max_steps=7", "--use_peft",
+                               "--lora_target_modules", "q_proj", "v_proj", "--bf16", "false",
+                               "--model_init_kwargs", '{"revision": "v2"}', "--loss_type", "sigmoid"], capfd)
+    assert code == 0, err
+    config = yaml.safe_load(out)
+    model = config["model"]["init_args"]
+    assert model == {"peft_config": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05,  # ModelConfig's defaults
+                                     "target_modules": ["q_proj", "v_proj"]}, "model": "a", "beta": 0.2,
+                     "learning_rate": 1e-6, "model_init_kwargs": {"revision": "v2"}, "loss_type": "sigmoid"}
+    assert config["trainer"]["max_steps"] == 7 and "precision" not in config["trainer"]
+    code, out, err = run_main(["from-trl", "sft", "--model_name_or_path", "m", "--num_train_epochs", "2"], capfd)
+    assert code == 0, err
+    assert yaml.safe_load(out)["trainer"]["max_epochs"] == 2
+    code, _, err = run_main(["from-trl", "sft", "stray", "--model_name_or_path", "m"], capfd)
+    assert_one_line_error(code, err, "'stray' follows no --field")
+
+
+def test_what_trl_reads_differently_per_command():
+    """SFT's shuffle_dataset only pre-shuffles (dropped); GRPO's reward model goes first among the rewards, as TRL
+    orders them; an online recipe's prompts are not cut; a warmup_steps below 1 is a ratio; a per-device
+    evaluation batch that is not whole groups is refused."""
+    assert "shuffle" not in translate("sft", {"shuffle_dataset": False})["data"]["init_args"]
+    grpo = translate("grpo", {"reward_model_name_or_path": "org/rm", "reward_funcs": "my.f", "warmup_steps": 0.1})
+    assert grpo["model"]["init_args"]["reward_funcs"] == ["org/rm", "my.f"]
+    assert grpo["model"]["init_args"]["warmup_ratio"] == 0.1 and grpo["data"]["init_args"]["max_length"] is None
+    assert translate("dpo", {"warmup_steps": 10})["model"]["init_args"]["warmup_steps"] == 10
+    rloo = translate("rloo", {"eval_strategy": "epoch", "per_device_eval_batch_size": 8})  # RLOO's 2 samples
+    assert (rloo["model"]["init_args"]["num_generations_eval"], rloo["data"]["init_args"]["val_batch_size"]) == (2, 4)
+    with pytest.raises(ValueError, match="'per_device_eval_batch_size' is 6: expected a multiple of the 4"):
+        translate("grpo", {"eval_strategy": "epoch", "per_device_eval_batch_size": 6, "num_generations": 4})
