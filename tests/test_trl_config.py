@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,7 +60,6 @@ def test_a_trl_distillation_config_trains_with_its_settings_and_exports(tmp_path
 def test_the_docs_example_is_what_the_translation_writes():
     """docs/trl_configs.md's TRL file and its translation, as the page shows them."""
     import re
-    from pathlib import Path
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "trl_configs.md").read_text()
     trl, lit = (yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", page, re.S)[:2])
@@ -131,6 +131,18 @@ def test_trl_defaults_are_written_where_lightnings_differ():
     assert "precision" not in translate("sft", {"bf16": False})["trainer"]
     # TRL's max_steps overrides num_train_epochs: no epoch limit then
     assert translate("sft", {"max_steps": 10, "num_train_epochs": 1})["trainer"]["max_epochs"] == -1
+
+
+SHIPPED = sorted((Path(__file__).resolve().parents[1] / "configs" / "trl").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("trl", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_the_shipped_trl_files_translate_to_configs_that_parse(trl, tmp_path, capfd):
+    command = trl.name.split("_")[0]
+    code, _, err = run_main(["from-trl", command, "--config", str(trl), "-o", str(tmp_path / "lit.yaml")], capfd)
+    assert code == 0, err
+    code, _, err = run_main(["fit", "-c", str(tmp_path / "lit.yaml"), "--print_config"], capfd)
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
