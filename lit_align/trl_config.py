@@ -27,8 +27,9 @@ dropout left on. docs/trl_configs.md is the user's table of all of it.
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
+import copy
+import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ from typing import Any
 import yaml
 
 from lit_align.errors import LitAlignError
+from lit_align.hub import recipe_defaults
+from lit_align.imports import import_object
 
 # TRL's command -> lit_align's module and data module (their short names in lit_align.modules / lit_align.data)
 COMMANDS = {
@@ -48,7 +51,9 @@ COMMANDS = {
     "distillation": ("DistillationModule", "PromptDataModule"),
 }
 
-# TRL's field -> its place here (a dotted path into the config), for the fields whose name differs
+# TRL's field -> its place here (a dotted path into the config), for the fields whose name differs; a place inside
+# a mapping option (``model_init_kwargs.revision``) yields to the same key in that option given whole, as TRL's
+# scripts let ``model_init_kwargs`` override ``model_revision``
 FIELDS = {
     "model_name_or_path": "model.model",
     "teacher_model_name_or_path": "model.teacher_model",
@@ -101,36 +106,36 @@ LOGGERS = {"tensorboard": "lightning.pytorch.loggers.TensorBoardLogger", "wandb"
            "mlflow": "lightning.pytorch.loggers.MLFlowLogger", "comet_ml": "lightning.pytorch.loggers.CometLogger"}
 # TrainingArguments' defaults where LightningCLI's differ, written when the file leaves them out
 TRL_DEFAULTS = {"num_train_epochs": 3, "seed": 42, "logging_steps": 10, "max_grad_norm": 1.0}
-TRL_GENERATIONS = {"grpo": 8, "rloo": 2}  # num_generations (num_generations_eval's default too)
+GROUPED = {"grpo": 8, "rloo": 2}  # the recipes sampling groups: TRL's num_generations (num_generations_eval's too)
+LIST_FIELDS = {"lora_target_modules", "lora_target_parameters", "lora_modules_to_save", "reward_funcs",
+               "reward_weights", "report_to"}  # TRL's nargs="+" fields: one value on its command line is a list
+TEXT_FIELDS = {"dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "model_revision",
+               "teacher_model_revision", "run_name", "output_dir", "model_name_or_path", "teacher_model_name_or_path"}
+EXPONENT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")  # 1e-5: YAML 1.1 reads it as text, TRL as a number
 ONLINE = {"grpo", "rloo", "distillation"}  # TRL samples steps_per_generation steps at once (default: the accumulation)
 
 
 def _options(class_name: str, package: str) -> set[str]:
-    """Every ``__init__`` parameter of ``package.class_name``, its bases' included."""
-    cls = getattr(importlib.import_module(package), class_name)
-    names = set()
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is not None:
-            names.update(n for n, p in inspect.signature(init).parameters.items()
-                         if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-    return names
+    """Every option of ``package.class_name`` (its ``__init__``'s and its bases')."""
+    return set(recipe_defaults(import_object(f"{package}.{class_name}")))
 
 
-def _put(config: dict, dotted: str, value: Any) -> None:
-    """``config[a][b]... = value`` for ``dotted`` ``"a.b..."``, under ``init_args`` for the model and the data."""
+def _put(config: dict, dotted: str, value: Any, override: bool = True) -> None:
+    """``config[a][b]... = value`` for ``dotted`` ``"a.b..."``, under ``init_args`` for the model and the data
+    (``override`` false: only where there is no such key yet)."""
     keys = dotted.split(".")
     if keys[0] in ("model", "data"):
         keys.insert(1, "init_args")
     node = config
     for key in keys[:-1]:
         node = node.setdefault(key, {})
-    node[keys[-1]] = value
+    if override or keys[-1] not in node:
+        node[keys[-1]] = value
 
 
 def _whole(fields: dict, name: str) -> int:
     value = fields[name]
-    if isinstance(value, bool) or not float(value).is_integer():
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
         raise LitAlignError(f"field {name!r} is {value!r}: expected a whole number here (lit_align counts whole "
                             "epochs and steps)")
     return int(value)
@@ -144,18 +149,18 @@ def _special(fields: dict, config: dict) -> set[str]:
         config["trainer"]["default_root_dir"] = out
         config["export"] = {"path": str(Path(out) / "hf_model")}
     done.add("output_dir")
-    if fields.get("max_steps", -1) not in (-1, None):  # TRL: max_steps overrides num_train_epochs
+    fields["logging_steps"] = _whole(fields, "logging_steps")
+    steps = fields.get("max_steps")
+    if steps is not None and steps > 0:  # TRL: max_steps overrides num_train_epochs
         config["trainer"]["max_epochs"] = -1
-    elif "num_train_epochs" in fields:
-        config["trainer"]["max_epochs"] = _whole(fields, "num_train_epochs")
     else:
-        config["trainer"]["max_epochs"] = TRL_DEFAULTS["num_train_epochs"]
+        config["trainer"]["max_epochs"] = _whole(fields, "num_train_epochs")
+        fields.pop("max_steps", None)  # -1 (TRL's default) or none: no step limit
     done.add("num_train_epochs")
-    if fields.get("max_steps") == -1:  # TRL's "no limit", Lightning's too
-        fields.pop("max_steps")
-    if fields.get("bf16") and fields.get("fp16"):
+    bf16 = fields.get("bf16")
+    if bf16 and fields.get("fp16"):
         raise LitAlignError("fields 'bf16' and 'fp16' are both true: expected at most one")
-    if fields.get("bf16", not fields.get("fp16")):  # TRL's default: bf16 unless fp16
+    if bf16 or (bf16 is None and not fields.get("fp16")):  # TRL's default (None): bf16 unless fp16
         config["trainer"]["precision"] = "bf16-mixed"
     elif fields.get("fp16"):
         config["trainer"]["precision"] = "16-mixed"
@@ -170,7 +175,7 @@ def _special(fields: dict, config: dict) -> set[str]:
         config["model"]["init_args"]["engine"] = "vllm"
     done.add("use_vllm")
     if fields.get("log_completions"):
-        every = {"every_n_steps": int(fields.get("logging_steps", 10))}
+        every = {"every_n_steps": fields["logging_steps"]}
         if "num_completions_to_print" in fields:
             every["num_completions_to_print"] = fields["num_completions_to_print"]
         config["trainer"].setdefault("callbacks", []).append(
@@ -180,43 +185,50 @@ def _special(fields: dict, config: dict) -> set[str]:
     done |= _evaluation(fields, config)
     done |= _checkpoints(fields, config)
     done |= _logger(fields, config, out)
-    if fields.get("use_peft"):  # ModelConfig's LoRA defaults, not peft's (r 8, alpha 8, no dropout)
-        given = {LORA[k]: fields[k] for k in LORA if k in fields}
-        config["model"]["init_args"]["peft_config"] = {**TRL_LORA, **given}
-    done |= {"use_peft", *LORA}  # without use_peft TRL reads none of the lora_* fields
+    done |= _lora(fields, config)
+    warmup = fields.get("warmup_steps")
+    if isinstance(warmup, float) and 0 < warmup < 1:  # transformers: a warmup_steps below 1 is a ratio
+        config["model"]["init_args"]["warmup_ratio"] = warmup
+        done.add("warmup_steps")
     return done
+
+
+def _lora(fields: dict, config: dict) -> set[str]:
+    """``use_peft`` and the ``lora_*`` fields as ``model.peft_config``, with ``ModelConfig``'s defaults (not peft's:
+    r 8, alpha 8, no dropout); without ``use_peft`` TRL reads none of them."""
+    if fields.get("use_peft"):
+        config["model"]["init_args"]["peft_config"] = {**TRL_LORA, **{LORA[k]: fields[k] for k in LORA if k in fields}}
+    return {"use_peft", *LORA}
 
 
 def _recipe(command: str, fields: dict, config: dict) -> set[str]:
     """What one command's TRL fields mean here beyond their names: the fields handled."""
     model, data, done = config["model"]["init_args"], config["data"]["init_args"], set()
+    if (command in ONLINE and "steps_per_generation" not in fields and "generation_batch_size" not in fields
+            and "gradient_accumulation_steps" in fields):  # one round an optimizer step, as TRL's generation batch
+        model["steps_per_generation"] = fields["gradient_accumulation_steps"]
     if command == "sft":  # SFTTrainer shuffles the dataset once before training; its sampler shuffles anyway
         done.add("shuffle_dataset")
     if command in ONLINE and "max_length" not in fields:  # TRL 1.16 does not cut the prompts of online recipes
         data["max_length"] = None
-    if command in TRL_GENERATIONS:
+    if command in GROUPED:
         if "disable_dropout" not in fields:
             model["disable_dropout"] = False  # TRL's default (lit_align's own is true)
         if fields.get("reward_model_name_or_path") is not None:  # TRL puts the reward model first
             funcs = fields.get("reward_funcs") or []
             model["reward_funcs"] = [fields["reward_model_name_or_path"], *([funcs] if isinstance(funcs, str)
                                                                             else funcs)]
-            done |= {"reward_model_name_or_path", "reward_funcs"}
+            done.add("reward_funcs")
+        done.add("reward_model_name_or_path")
         if fields.get("eval_strategy", "no") != "no":  # TRL samples num_generations_eval per prompt, its eval
             group = (fields.get("num_generations_eval") or fields.get("num_generations")  # batch counts them
-                     or TRL_GENERATIONS[command])
+                     or GROUPED[command])
             per_device = fields.get("per_device_eval_batch_size", 8)
             if per_device % group:
                 raise LitAlignError(f"field 'per_device_eval_batch_size' is {per_device}: expected a multiple of the "
                                     f"{group} completions sampled per evaluation prompt (num_generations_eval)")
             model["num_generations_eval"], data["val_batch_size"] = group, per_device // group
             done |= {"num_generations_eval", "per_device_eval_batch_size"}
-    warmup = fields.get("warmup_steps")
-    if isinstance(warmup, float) and 0 < warmup < 1:  # transformers: a warmup_steps below 1 is a ratio
-        model["warmup_ratio"] = warmup
-        done.add("warmup_steps")
-    if "logging_steps" in fields:
-        fields["logging_steps"] = _whole(fields, "logging_steps")
     return done
 
 
@@ -249,7 +261,7 @@ def _evaluation(fields: dict, config: dict) -> set[str]:
         _put(config, "data.val_split", None)
     elif strategy == "steps":
         steps = fields.get("eval_steps")
-        steps = fields.get("logging_steps", 10) if steps is None else steps  # TRL: None is logging_steps
+        steps = fields["logging_steps"] if steps is None else steps  # TRL: None is logging_steps
         if isinstance(steps, float) and not steps.is_integer():
             raise LitAlignError(f"field 'eval_steps' is {steps!r}: expected a whole number of steps (TRL's ratio of "
                                 "the run's steps has no equivalent here)")
@@ -288,7 +300,8 @@ def _checkpoints(fields: dict, config: dict) -> set[str]:
 
 
 def _logger(fields: dict, config: dict, out: str | None) -> set[str]:
-    """``report_to`` as Lightning loggers (``none``: no logger, TRL's default); ``run_name`` names them."""
+    """``report_to`` as Lightning loggers (``none``: no logger); ``run_name`` names them. Left out (TRL's default
+    ``none``, its metrics on the console only), lit_align's default logger: it costs nothing and keeps them."""
     if "report_to" not in fields:
         return {"report_to"}
     names = fields["report_to"]
@@ -316,21 +329,15 @@ def translate(command: str, fields: dict, source: str = "the TRL config") -> dic
     module, data = COMMANDS[command]
     config = {"model": {"class_path": f"lit_align.modules.{module}", "init_args": {}},
               "data": {"class_path": f"lit_align.data.{data}", "init_args": {}}, "trainer": {}}
-    fields = {**{k: v for k, v in TRL_DEFAULTS.items() if k != "num_train_epochs"}, **fields}
+    fields = {**TRL_DEFAULTS, **{k: _number(v) for k, v in copy.deepcopy(fields).items()}}
     try:
-        done = _special(fields, config)
-    except LitAlignError as exc:
-        raise LitAlignError(f"{source}: {exc}") from None
-    if (command in ONLINE and "steps_per_generation" not in fields and "generation_batch_size" not in fields
-            and "gradient_accumulation_steps" in fields):  # one round an optimizer step, as TRL's generation batch
-        config["model"]["init_args"]["steps_per_generation"] = fields["gradient_accumulation_steps"]
-    try:
-        done |= _recipe(command, fields, config)
+        done = _special(fields, config) | _recipe(command, fields, config)
     except LitAlignError as exc:
         raise LitAlignError(f"{source}: {exc}") from None
     module_options, data_options = _options(module, "lit_align.modules"), _options(data, "lit_align.data")
-    if "seed" in data_options:  # TRL's seed orders the data too
-        config["data"]["init_args"]["seed"] = fields["seed"]
+    seed = fields.get("data_seed")
+    config["data"]["init_args"]["seed"] = fields["seed"] if seed is None else seed  # TRL's seed orders the data too
+    done.add("data_seed")
     refused = []
     for name, value in fields.items():
         if name in done:
@@ -343,10 +350,11 @@ def translate(command: str, fields: dict, source: str = "the TRL config") -> dic
                 continue
             if name == "model_revision" and value == "main":
                 continue
-            _put(config, place, value)
+            _put(config, place, value, override=place.count(".") < 2)
         elif name in module_options:
             given = config["model"]["init_args"].get(name)  # model_init_kwargs over model_revision's, as TRL
-            config["model"]["init_args"][name] = {**given, **value} if isinstance(given, dict) else value
+            config["model"]["init_args"][name] = {**given, **value} if isinstance(given, dict) and isinstance(
+                value, dict) else value
         elif name in data_options:
             config["data"]["init_args"][name] = value
         elif name in NO_EFFECT and (NO_EFFECT[name] is None or value in NO_EFFECT[name]):
@@ -360,9 +368,14 @@ def translate(command: str, fields: dict, source: str = "the TRL config") -> dic
     return config
 
 
+def _number(value: Any) -> Any:
+    """A file's ``1e-5`` (text to YAML 1.1, a number to TRL's parser) as the number; anything else as it is."""
+    return float(value) if isinstance(value, str) and EXPONENT.fullmatch(value) else value
+
+
 def _value(text: str) -> Any:
-    """A command-line value typed as TRL's parser would for its field: a bool, an int, a float, None, a YAML list or
-    mapping (``--model_init_kwargs '{"revision": "v2"}'``), else the string."""
+    """A command-line value typed by its text (TRL's parser types it by its field): a bool, an int, a float,
+    None, a YAML list or mapping (``--model_init_kwargs '{"revision": "v2"}'``), else the string."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     if text in ("None", "null"):
@@ -392,7 +405,12 @@ def command_line_fields(tokens: list[str]) -> dict:
             raise LitAlignError(f"command line: {token!r} follows no --field (TRL's fields are --name value)")
         else:
             fields[name].append(_value(token))
-    return {k: True if not v else v[0] if len(v) == 1 else v for k, v in fields.items()}
+    typed = {}
+    for name, values in fields.items():
+        if name in TEXT_FIELDS:  # a dataset config "2020" stays text
+            values = [str(v) if not isinstance(v, str) else v for v in values]
+        typed[name] = (True if not values else values if name in LIST_FIELDS or len(values) > 1 else values[0])
+    return typed
 
 
 def main(argv: list[str]) -> None:
@@ -424,10 +442,14 @@ def main(argv: list[str]) -> None:
     except LitAlignError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    text = (f"# lit-align from-trl {' '.join(argv)}\n"
+    text = (f"# lit-align from-trl {shlex.join(argv)}\n"
             + yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
     if args.output is None:
         sys.stdout.write(text)
-    else:
+        return
+    try:
         Path(args.output).write_text(text)
-        print(f"wrote {args.output}: lit-align fit -c {args.output}", file=sys.stderr)
+    except OSError as exc:
+        print(f"error: {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {args.output}: lit-align fit -c {args.output}", file=sys.stderr)

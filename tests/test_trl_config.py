@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import yaml
 from helpers import assert_one_line_error, run_main
 from safetensors.torch import load_file
 
+from lit_align.errors import LitAlignError
 from lit_align.trl_config import COMMANDS, translate
 
 
@@ -175,7 +177,8 @@ def test_a_translated_config_of_each_command_parses(command, tmp_path, capfd):
     ({"bf16": True, "fp16": True}, ["'bf16' and 'fp16'"]),
     ({"env": {"HF_HOME": "/x"}}, ["'env' (set those environment variables in the shell"]),
     ({"save_steps": 0.1}, ["'save_steps' is 0.1"]),
-    ({"logging_steps": 0.5}, ["'logging_steps' is 0.5"]),
+    ({"logging_steps": 0.5, "eval_strategy": "steps"}, ["'logging_steps' is 0.5"]),
+    ({"num_train_epochs": None}, ["'num_train_epochs' is None"]),
     ({"eval_on_start": True}, ["'eval_on_start' (set to True)"]),
 ])
 def test_what_does_not_translate_is_one_error_line(fields, needles, tmp_path, capfd):
@@ -227,5 +230,47 @@ def test_what_trl_reads_differently_per_command():
     assert translate("dpo", {"warmup_steps": 10})["model"]["init_args"]["warmup_steps"] == 10
     rloo = translate("rloo", {"eval_strategy": "epoch", "per_device_eval_batch_size": 8})  # RLOO's 2 samples
     assert (rloo["model"]["init_args"]["num_generations_eval"], rloo["data"]["init_args"]["val_batch_size"]) == (2, 4)
-    with pytest.raises(ValueError, match="'per_device_eval_batch_size' is 6: expected a multiple of the 4"):
+    with pytest.raises(LitAlignError, match="'per_device_eval_batch_size' is 6: expected a multiple of the 4"):
         translate("grpo", {"eval_strategy": "epoch", "per_device_eval_batch_size": 6, "num_generations": 4})
+
+
+@pytest.mark.parametrize("order", ["revision first", "kwargs first"])
+def test_model_init_kwargs_given_whole_win_over_model_revision_in_any_order(order):
+    """TRL's scripts start model_init_kwargs from model_revision and update it with the field given whole; the
+    caller's mapping is left as it was."""
+    pairs = [("model_revision", "v1"), ("model_init_kwargs", {"revision": "v2", "device_map": None})]
+    fields = dict(pairs if order == "revision first" else pairs[::-1])
+    before = copy.deepcopy(fields)
+    model = translate("dpo", fields)["model"]["init_args"]
+    assert model["model_init_kwargs"] == {"revision": "v2", "device_map": None}
+    assert fields == before
+    assert translate("dpo", {"model_revision": "v1"})["model"]["init_args"]["model_init_kwargs"] == {"revision": "v1"}
+
+
+def test_null_and_exponent_values_read_as_trl_reads_them():
+    """A YAML 1e-5 is text to YAML 1.1 and a number to TRL; bf16: null is TRL's default (bf16 unless fp16); a
+    null reward model is none; max_steps 0 is no limit (TRL overrides the epochs only above 0); data_seed orders
+    the data."""
+    config = translate("grpo", {"learning_rate": "1e-5", "adam_epsilon": "1e-8", "bf16": None,
+                                "reward_model_name_or_path": None, "reward_funcs": ["f"], "max_steps": 0,
+                                "data_seed": 7})
+    model, trainer = config["model"]["init_args"], config["trainer"]
+    assert model["learning_rate"] == 1e-5 and model["reward_funcs"] == ["f"]
+    assert trainer["precision"] == "bf16-mixed" and trainer["max_epochs"] == 3 and "max_steps" not in trainer
+    assert config["data"]["init_args"]["seed"] == 7 and config["seed_everything"] == 42
+
+
+def test_a_single_value_of_a_list_field_is_a_list_and_text_fields_stay_text(capfd):
+    code, out, err = run_main(["from-trl", "grpo", "--lora_target_modules", "q_proj", "--use_peft",
+                               "--dataset_name", "x", "--dataset_config", "2020", "--reward_funcs", "my.f"], capfd)
+    assert code == 0, err
+    config = yaml.safe_load(out)
+    assert config["model"]["init_args"]["peft_config"]["target_modules"] == ["q_proj"]
+    assert config["model"]["init_args"]["reward_funcs"] == ["my.f"]
+    assert config["data"]["init_args"]["config_name"] == "2020"
+
+
+def test_an_output_that_cannot_be_written_is_one_error_line(tmp_path, capfd):
+    code, _, err = run_main(["from-trl", "sft", "--model_name_or_path", "m", "-o", str(tmp_path / "no" / "x.yaml")],
+                            capfd)
+    assert_one_line_error(code, err, "x.yaml", "No such file")
