@@ -147,13 +147,15 @@ def test_the_shipped_trl_files_translate_to_configs_that_parse(trl, tmp_path, ca
     assert code == 0, err
 
 
+@pytest.mark.parametrize("evaluation", ["steps", "no"])
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_a_translated_config_of_each_command_parses(command, tmp_path, capfd):
-    """Every place the translation writes exists: LightningCLI parses and validates the whole config."""
+def test_a_translated_config_of_each_command_parses(command, evaluation, tmp_path, capfd):
+    """Every place the translation writes exists: LightningCLI parses and validates the whole config (with
+    evaluation, and without: no test split)."""
     fields = {"model_name_or_path": "builtin:tiny", "dataset_name": "builtin:sort", "learning_rate": 1e-5,
               "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "max_steps": 3,
               "dataset_num_proc": 2, "dataloader_num_workers": 0, "output_dir": str(tmp_path / "run"),
-              "eval_strategy": "steps", "eval_steps": 2, "save_steps": 1, "report_to": "none",
+              "eval_strategy": evaluation, "eval_steps": 2, "save_steps": 1, "report_to": "none",
               "use_peft": True, "lora_r": 4}
     fields |= {"distillation": {"teacher_model_name_or_path": "builtin:tiny"},
                "grpo": {"reward_funcs": ["lit_align.rewards.sort_accuracy"], "num_generations": 2},
@@ -165,6 +167,7 @@ def test_a_translated_config_of_each_command_parses(command, tmp_path, capfd):
     assert code == 0, err
     printed = yaml.safe_load(out)
     assert printed["trainer"]["accumulate_grad_batches"] == 2 and printed["data"]["init_args"]["batch_size"] == 4
+    assert (printed["data"]["init_args"]["val_split"] is None) == (evaluation == "no")
 
 
 @pytest.mark.parametrize("fields, needles", [
