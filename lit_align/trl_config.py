@@ -418,7 +418,9 @@ def main(argv: list[str]) -> None:
     given after the file overriding it (as in TRL); the config on standard output, or written to ``OUT``."""
     parser = argparse.ArgumentParser(
         prog="lit-align from-trl", usage="lit-align from-trl COMMAND [--config FILE] [--field value ...] [-o OUT]",
-        description=__doc__.split("\n\n")[0])
+        description="Translate a TRL run (`trl COMMAND --config FILE --field value ...`) into a lit_align config for "
+                    "`lit-align fit -c`; a field without a lit_align equivalent is refused. docs/trl_configs.md has "
+                    "the table.")
     parser.add_argument("command", choices=sorted(COMMANDS), help="the trl command")
     parser.add_argument("--config", help="the TRL config file (YAML), as `trl COMMAND --config FILE` reads it")
     parser.add_argument("-o", "--output", help="write the lit_align config here (default: standard output)")
