@@ -38,6 +38,7 @@ from lit_align.imports import import_object
 MOVED = {("data", name): f"model.{name}" for name in
          ("num_generations", "steps_per_generation", "num_iterations", "generation_batch_size")}
 UNKNOWN_OPTION = re.compile(r"Problem with given class_path '([\w.]+)':\s+Option '(\w+)' is not accepted")
+UNKNOWN_TOP_LEVEL = re.compile(r"Subcommand '(\w+)' does not accept option '(\w+)'")
 
 
 class AlignParser(LightningArgumentParser):
@@ -52,7 +53,19 @@ class AlignParser(LightningArgumentParser):
         unknown = UNKNOWN_OPTION.search(str(message))
         if unknown is not None:
             raise LitAlignError(unknown_option(*unknown.groups()))
+        top = UNKNOWN_TOP_LEVEL.search(str(message))
+        if top is not None and _trl_field(top.group(2)):
+            raise LitAlignError(f"the config's top-level {top.group(2)!r} is a TRL field: this looks like a TRL config "
+                                f"file (trl COMMAND --config FILE); translate it first: lit-align from-trl COMMAND "
+                                f"--config FILE -o OUT, then lit-align {top.group(1)} -c OUT (docs/trl_configs.md)")
         super().error(message, ex)
+
+
+def _trl_field(name: str) -> bool:
+    """Whether a top-level config key is one of the fields a TRL config file sets (``lit_align.trl_config``)."""
+    from lit_align.trl_config import FIELDS, TRL_DEFAULTS
+
+    return name in FIELDS or name in TRL_DEFAULTS or name in ("output_dir", "learning_rate", "bf16", "use_peft")
 
 
 def unknown_option(class_path: str, name: str) -> str:

@@ -277,3 +277,9 @@ def test_an_output_that_cannot_be_written_is_one_error_line(tmp_path, capfd):
     code, _, err = run_main(["from-trl", "sft", "--model_name_or_path", "m", "-o", str(tmp_path / "no" / "x.yaml")],
                             capfd)
     assert_one_line_error(code, err, "x.yaml", "No such file")
+
+
+def test_a_trl_file_given_to_fit_says_to_translate_it_first(capfd):
+    trl = Path(__file__).resolve().parents[1] / "configs" / "trl" / "distillation_smollm2.yaml"
+    code, _, err = run_main(["fit", "-c", str(trl)], capfd)
+    assert_one_line_error(code, err, "'model_name_or_path' is a TRL field", "lit-align from-trl COMMAND --config FILE")
