@@ -440,18 +440,16 @@ def main(argv: list[str]) -> None:
             fields = {**fields, **given}
             if given and args.config is not None:
                 source = f"{args.config} with the command line"
-        config = translate(args.command, fields, source)
+        text = (f"# lit-align from-trl {shlex.join(argv)}\n"
+                + yaml.safe_dump(translate(args.command, fields, source), sort_keys=False, default_flow_style=False))
+        if args.output is None:
+            sys.stdout.write(text)
+            return
+        try:
+            Path(args.output).write_text(text)
+        except OSError as exc:
+            raise LitAlignError(f"{args.output}: {exc.strerror or exc}") from None
     except LitAlignError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    text = (f"# lit-align from-trl {shlex.join(argv)}\n"
-            + yaml.safe_dump(config, sort_keys=False, default_flow_style=False))
-    if args.output is None:
-        sys.stdout.write(text)
-        return
-    try:
-        Path(args.output).write_text(text)
-    except OSError as exc:
-        print(f"error: {args.output}: {exc.strerror or exc}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote {args.output}: lit-align fit -c {args.output}", file=sys.stderr)
