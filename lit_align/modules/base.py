@@ -159,6 +159,7 @@ class AlignModule(L.LightningModule):
         self.tokenizer = None
         self.skipped_batches = 0
         self.num_tokens = 0.0  # attended training tokens so far, all ranks (TRL's num_tokens; recipes that log it)
+        self.log_window: tuple[int, dict[str, list]] = (-1, {})  # ``log_mean``'s window and its sums and counts
         self.total_steps: int | None = None  # optimizer steps the learning-rate schedule spans (set with it)
         self._resumed_total: int | None = None
 
@@ -252,6 +253,27 @@ class AlignModule(L.LightningModule):
     def _mapped_forward(self, active: bool) -> None:
         if self.hparams.mmap_activations and self.device.type == "cpu":
             host_memory.mapped_forward(active)
+
+    # -- TRL's logged values: a metric's mean over the logging window -------------------------------------------------
+    def log_mean(self, metrics: dict[str, torch.Tensor | float], prog_bar: tuple[str, ...] = ()) -> None:
+        """Log ``train/<name>`` for each of ``metrics`` (this micro-batch's values, from ``training_step``) as the mean
+        of the name's values over every micro-batch since the loggers last wrote, as TRL does (its ``_metrics`` lists
+        and the Trainer's loss over ``logging_steps``; ``trainer.log_every_n_steps`` here): Lightning writes at the
+        last micro-batch of every ``log_every_n_steps``-th optimizer step, so the window is the optimizer steps
+        ``[k * n, (k + 1) * n)``. A name with no value in a window is not written for it (TRL has none to average;
+        Lightning alone would write the name's last value again)."""
+        window = self.global_step // max(self.trainer.log_every_n_steps, 1)
+        if window != self.log_window[0]:
+            results = getattr(self.trainer, "_results", None)  # the step's logged values (``self.log`` writes there)
+            for name in self.log_window[1] if results is not None else ():
+                results.pop(f"training_step.train/{name}", None)
+            self.log_window = (window, {})
+        sums = self.log_window[1]
+        for name, value in metrics.items():
+            value = torch.as_tensor(value, dtype=torch.float32).detach()
+            total, count = sums.get(name, (0.0, 0))
+            sums[name] = (total + value, count + 1)
+            self.log(f"train/{name}", sums[name][0] / sums[name][1], prog_bar=name in prog_bar)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         """Step, then free the gradients at once (as transformers' Trainer does): Lightning would zero them only

@@ -227,7 +227,7 @@ class DistillationModule(OnlineModule):
         if source == "dataset" and self.teacher_topk is not None:
             round.teacher_topk_ids, round.teacher_topk_logps = round_topk(batch, num, self.max_completion_length,
                                                                           self.teacher_topk.k, self.device)
-        tokens = gen.prompt_mask.sum() + gen.completion_mask.sum()
+        tokens = gen.prompt_mask.sum() + gen.sampled_mask.sum()  # the model's tokens (as TRL's: not tool turns')
         self.num_tokens += float(self.trainer.strategy.reduce(tokens.float(), reduce_op="sum"))
         round.stats["on_policy"] = torch.tensor(float(source == "student"), device=self.device)
         if self.seq_kd:
@@ -378,9 +378,8 @@ class DistillationModule(OnlineModule):
             mine = rows.get(teacher_id, [])
             sums[i] = torch.stack([divergence.detach()[mine].sum(), loss_mask[mine].sum().float()])
         sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-        for teacher_id, (total, tokens) in zip(names, sums):
-            if tokens > 0:
-                self.log(f"train/teacher/{teacher_id}/loss", total / tokens)
+        self.log_mean({f"teacher/{teacher_id}/loss": total / tokens
+                       for teacher_id, (total, tokens) in zip(names, sums) if tokens > 0})
 
     # -- held-out divergence (and reward) -----------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

@@ -155,8 +155,7 @@ class KTOModule(AlignModule):
             return None
         metrics = self.step_metrics(batch, out)
         self.num_tokens += float(metrics.pop("num_tokens"))
-        for name, value in metrics.items():
-            self.log(f"train/{name}", value, prog_bar=name == "loss")
+        self.log_mean(metrics, prog_bar=("loss",))
         self.log("train/num_tokens", self.num_tokens)
         return loss
 

@@ -80,6 +80,10 @@ def check_async_settings(engine: str, dynamic_sampling: bool, rollout_func: str 
         raise LitAlignError(f"model.producer_threads must be >= 1 or null, got {producer_threads}")
 
 
+# round metrics that are counts over the whole run (or the weights' version): logged as they stand, not averaged
+RUNNING_STATS = frozenset({"num_tokens", "async/dropped_rounds", "async/weights_version"})
+
+
 class OnlineModule(AlignModule):
     """The online recipes' shared options (TRL's ``GRPOConfig`` / ``RLOOConfig`` names).
 
@@ -341,6 +345,10 @@ class OnlineModule(AlignModule):
         """This step's slice of the round, sampling a new round at its first step (or when none was restored)."""
         if batch["round_pos"] == 0 or self.round is None:
             self.round = self.make_round(batch)
+            stats = self.round.stats  # once a round, as TRL logs its rollouts' metrics; running counts as they stand
+            self.log_mean({k: v for k, v in stats.items() if k not in RUNNING_STATS}, prog_bar=("reward",))
+            for name in RUNNING_STATS & stats.keys():
+                self.log(f"train/{name}", stats[name])
         return self.round.step_batch(batch["round_pos"])
 
     def round_seed(self, ahead: int = 0) -> int:
@@ -454,7 +462,7 @@ class OnlineModule(AlignModule):
     def log_step(self, loss, entropy, info: dict[str, torch.Tensor], mask: torch.Tensor,
                  extra: dict[str, torch.Tensor] | None = None) -> None:
         """TRL's per-step metrics (rank-averaged; ``clip_ratio/low_min`` and ``high_max`` over every rank's
-        completions), then the round's."""
+        completions); the round's are logged where it is made (``next_step``)."""
         mask = mask.to(entropy.dtype)
         step_stats = {"loss": loss.detach(), "entropy": masked_mean(entropy, mask)}
         per_sequence = {}
@@ -467,14 +475,13 @@ class OnlineModule(AlignModule):
                             "clip_ratio/high_max": sequence_means(high, mask)}
         step_stats |= extra or {}
         strategy = self.trainer.strategy
-        values = strategy.reduce(torch.stack(list(step_stats.values())), reduce_op="mean")
+        metrics = dict(zip(step_stats, strategy.reduce(torch.stack(list(step_stats.values())), reduce_op="mean")))
         for name, seq in per_sequence.items():
             gathered = strategy.all_gather(seq).reshape(-1)
             gathered = gathered[~gathered.isnan()]
             value = gathered.min() if name.endswith("min") else gathered.max()
-            self.log(f"train/{name}", value if gathered.numel() else torch.tensor(torch.nan))
-        for name, value in [*zip(step_stats, values), *self.round.stats.items()]:
-            self.log(f"train/{name}", value, prog_bar=name in ("loss", "reward"))
+            metrics[name] = value if gathered.numel() else torch.tensor(torch.nan)
+        self.log_mean(metrics, prog_bar=("loss",))
         self.log("train/generation_rounds", float(self.generation_rounds))
 
     # -- a resume mid-round continues on the saved round (its completions came from an earlier policy) -----------------

@@ -87,8 +87,7 @@ class PairModule(AlignModule):
         stats = [_mean(out[name].detach().float(), weights.get(name)) for name in self.metrics]
         stats.append(batch["attention_mask"].sum().float())
         stats = self.trainer.strategy.reduce(torch.stack(stats), reduce_op="mean")
-        for name, value in zip(self.metrics, stats):
-            self.log(f"train/{name}", value, prog_bar=name == "loss")
+        self.log_mean(dict(zip(self.metrics, stats)), prog_bar=("loss",))
         self.num_tokens += float(stats[-1]) * self.trainer.world_size
         self.log("train/num_tokens", self.num_tokens)
         return loss

@@ -109,10 +109,8 @@ class RewardModule(AlignModule):
                              batch["attention_mask"].sum().float()])
         means = self.trainer.strategy.reduce(means, reduce_op="mean")
         extremes = self.all_gather(torch.stack([stats["min_reward"], -stats["max_reward"]])).reshape(-1, 2).amin(0)
-        for name, value in zip(("loss", "accuracy", "margin", "mean_reward"), means):
-            self.log(f"train/{name}", value, prog_bar=name == "loss")
-        self.log("train/min_reward", extremes[0])
-        self.log("train/max_reward", -extremes[1])
+        self.log_mean({**dict(zip(("loss", "accuracy", "margin", "mean_reward"), means)),
+                       "min_reward": extremes[0], "max_reward": -extremes[1]}, prog_bar=("loss",))
         self.num_tokens += float(means[-1]) * self.trainer.world_size
         self.log("train/num_tokens", self.num_tokens)
         return loss

@@ -105,8 +105,8 @@ class SFTModule(AlignModule):
         if world > 1:  # DDP averages gradients over ranks: scale this rank's token mean to its share of the global one
             loss = loss * (count * world / stats[2].clamp(min=1))
         self.num_tokens += float(stats[3])
-        self.log("train/loss", stats[0] / stats[2].clamp(min=1), prog_bar=True)
-        self.log("train/mean_token_accuracy", stats[1] / stats[2].clamp(min=1))
+        tokens = stats[2].clamp(min=1)
+        self.log_mean({"loss": stats[0] / tokens, "mean_token_accuracy": stats[1] / tokens}, prog_bar=("loss",))
         self.log("train/num_tokens", self.num_tokens)
         return loss
 

@@ -295,7 +295,7 @@ def test_training_steps_match_trl(setup, tmp_path):
         max_steps=STEPS, accelerator="cpu", devices=1, precision="32-true", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=MAX_GRAD_NORM, gradient_clip_algorithm="norm", num_sanity_val_steps=0,
-        callbacks=[record],
+        log_every_n_steps=1, callbacks=[record],  # TRL's logging_steps: each step's own values
     )
     lit_trainer.fit(module, datamodule=data)
     assert len(record.steps) == STEPS

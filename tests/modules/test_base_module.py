@@ -239,3 +239,41 @@ def test_every_recipe_names_the_dataset_rows_of_a_nonfinite_loss(tmp_path, write
     assert re.fullmatch(rf"non-finite training loss \(nan\) at step 1, batch 1, rows \[0, 1, 2, 3\] \(dataset rows "
                         rf"{rows}\); nothing was updated \(set model.on_nonfinite_loss: skip to skip such batches\)",
                         str(error.value)), str(error.value)
+
+
+class _Counting(L.LightningModule):
+    """Logs its micro-batch's number (0, 1, ...) through ``AlignModule.log_mean``, and a ``rare`` value only at
+    micro-batches 0 and 9."""
+
+    log_mean = AlignModule.log_mean
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.log_window, self.seen = (-1, {}), 0
+
+    def training_step(self, batch, batch_idx):
+        metrics = {"value": float(self.seen)}
+        if self.seen in (0, 9):
+            metrics["rare"] = 100.0 + self.seen
+        self.log_mean(metrics)
+        self.seen += 1
+        return (self.weight * batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(64, 1), batch_size=1)
+
+
+def test_a_logged_metric_is_its_mean_over_the_logging_window_as_trl_logs_it(tmp_path):
+    """12 micro-batches, 2 a step, written every 2 steps: each written value is the mean over its window's 4
+    micro-batches (TRL's ``logging_steps``), not the last one's; a name with no value in a window is not written for
+    it (Lightning alone would write its last value again)."""
+    run = trainer(tmp_path, max_steps=6, accumulate_grad_batches=2, log_every_n_steps=2,
+                  logger=CSVLogger(tmp_path, name="window"))
+    run.fit(_Counting())
+    rows = [row for row in read_metrics(tmp_path / "window" / "version_0" / "metrics.csv") if "train/value" in row]
+    assert [row["train/value"] for row in rows] == [1.5, 5.5, 9.5]  # means of 0..3, 4..7, 8..11
+    assert [row.get("train/rare") for row in rows] == [100.0, None, 109.0]

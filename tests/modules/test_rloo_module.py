@@ -41,6 +41,7 @@ def test_rloo_trains_through_the_cli_with_trls_metric_names(tmp_path, monkeypatc
                "--data.init_args.batch_size", "8", "--data.init_args.val_batch_size", "8",
                "--trainer.limit_val_batches", "1", "--trainer.max_steps", "4", "--trainer.val_check_interval", "4",
                "--model.init_args.steps_per_generation", "1", "--trainer.callbacks", "[]",
+               "--trainer.log_every_n_steps", "1",
                "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(tmp_path),
                "--export.enabled", "false", "--model.init_args.learning_rate", "1e-3"])
     before = load_model("builtin:tiny").state_dict()
