@@ -42,9 +42,19 @@ UNKNOWN_TOP_LEVEL = re.compile(r"Subcommand '(\w+)' does not accept option '(\w+
 
 
 class AlignParser(LightningArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # ``--trainer.max_step 3`` is a mistake, not ``max_steps``
+        super().__init__(*args, **kwargs)
+        self.argv: list[str] = sys.argv[1:]
+
+    def parse_args(self, args=None, *rest, **kwargs):
+        self.argv = list(sys.argv[1:] if args is None else args)  # for ``error``: the config files given
+        return super().parse_args(args, *rest, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None):
         """A ``LitAlignError`` raised while parsing (a link refusing a setting) is one ``error:`` line, as anywhere;
-        so is an option its class does not have (``unknown_option``)."""
+        so is an option its class does not have (``unknown_option``), and any other mistake the parser stops on
+        (``one_line``) instead of the usage of every option."""
         cause = ex
         while cause is not None and not isinstance(cause, LitAlignError):
             cause = cause.__cause__
@@ -58,7 +68,44 @@ class AlignParser(LightningArgumentParser):
             raise LitAlignError(f"the config's top-level {top.group(2)!r} is a TRL field: this looks like a TRL config "
                                 f"file (trl COMMAND --config FILE); translate it first: lit-align from-trl COMMAND "
                                 f"--config FILE -o OUT, then lit-align {top.group(1)} -c OUT (docs/trl_configs.md)")
+        if self.exit_on_error:  # the outermost parser: the user's mistake (inner parsers' errors are tried and caught)
+            raise LitAlignError(f"{one_line(str(message), self.argv)} ({self.prog.replace(' [options]', '')} --help "
+                                f"lists the options)")
         super().error(message, ex)
+
+
+WRONG_TYPE = re.compile(r"Expected a <class '([\w.]+)'>\. Got value: (.*)")
+KEY = re.compile(r'Parser key "([^"]+)"')
+
+
+def one_line(message: str, argv: list[str]) -> str:
+    """jsonargparse's error ``message`` (nested over union subtypes, one line per attempt) as one line: the option's
+    path and what it expected, or the message's lines joined; a config file YAML cannot read is named (``argv``:
+    the command line, whose ``-c`` / ``--config`` files are read again to find it)."""
+    wrong = WRONG_TYPE.search(message)
+    if wrong is not None:
+        keys = KEY.findall(message[: wrong.start()])
+        path = ".init_args.".join(keys) if "class_path" in message else ".".join(keys)
+        return f"{path}: expected {wrong.group(1)}, got {wrong.group(2).strip()!r}"
+    noise = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "Given value",
+             "Expected a <class 'NoneType'>")
+    lines = [line.strip().lstrip("- ") for line in message.splitlines()]
+    text = KEY.sub(r"\1", " ".join(line for line in lines if line and not line.startswith(noise)))
+    if "Problems parsing config" in text:
+        files = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("-c", "--config")]
+        bad = [f for f in files if not _reads_as_yaml(f)]
+        text = text.replace('"<unicode string>"', repr(bad[0]) if bad else "the config")
+    return text
+
+
+def _reads_as_yaml(path: str) -> bool:
+    import yaml
+
+    try:
+        yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return True
 
 
 def _trl_field(name: str) -> bool:

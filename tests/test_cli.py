@@ -230,6 +230,12 @@ def test_nonexistent_model_path(tmp_path, capfd):
     code, _, err = run_main(["fit", "-c", DPO, "--model.init_args.model", model,
                              "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
     assert_one_line_error(code, err, repr(model), "no such directory")
+    empty = tmp_path / "notes"  # a directory, but no model in it
+    empty.mkdir()
+    (empty / "notes.txt").write_text("todo")
+    code, _, err = run_main(["fit", "-c", DPO, "--model.init_args.model", str(empty),
+                             "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
+    assert_one_line_error(code, err, repr(str(empty)), "the directory has none of ['config.json'")
 
 
 def test_bad_setting_value(tmp_path, capfd):
@@ -247,17 +253,29 @@ def test_an_option_the_recipe_does_not_have_is_one_error_line(capfd):
                                                 "--model.help lit_align.modules.DPOModule lists them)")
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--trainer.max_stepz", "3"], "--trainer.max_stepz"),
-    (["--trainer.max_steps", "three"], "trainer.max_steps"),
-    (["--model.class_path", "lit_align.modules.NoSuchModule"], "NoSuchModule"),
+@pytest.mark.parametrize("args,needles", [
+    (["--trainer.max_stepz", "3"], ["unrecognized arguments: --trainer.max_stepz 3", "lit-align fit --help"]),
+    (["--trainer.max_step", "3"], ["unrecognized arguments: --trainer.max_step 3"]),  # no prefix taken for max_steps
+    (["--trainer.max_steps", "three"], ["trainer.max_steps: expected int, got 'three'"]),
+    (["--model.init_args.beta", "abc"], ["model.init_args.beta: expected float, got 'abc'"]),
+    (["--model.class_path", "lit_align.modules.NoSuchModule"], ["model: ", "has no attribute 'NoSuchModule'"]),
+    (["-c", "configs/no_such.yaml"], ["config: File does not exist", "no_such.yaml"]),
 ])
-def test_config_mistakes_are_usage_errors(args, needle, capfd):
+def test_config_mistakes_are_one_error_line_not_the_usage(args, needles, capfd):
     code, out, err = run_main(["fit", "-c", DPO, *args], capfd)
-    assert code == 2
-    assert "Traceback" not in err
-    assert "usage:" in err and "error:" in err
-    assert needle in err
+    assert_one_line_error(code, err, *needles)
+    assert "usage:" not in err
+
+
+def test_a_config_file_yaml_cannot_read_is_named(tmp_path, capfd):
+    bad = tmp_path / "mine.yaml"
+    bad.write_text("data:\n  init_args:\n   batch_size: 4\n  bad\n")
+    code, _, err = run_main(["fit", "-c", DPO, "-c", str(bad)], capfd)
+    assert_one_line_error(code, err, "Problems parsing config", repr(str(bad)), "line 4")
+    typed = tmp_path / "types.yaml"
+    typed.write_text("data:\n  init_args:\n    batch_size: sixteen\n")
+    code, _, err = run_main(["fit", "-c", DPO, "-c", str(typed)], capfd)
+    assert_one_line_error(code, err, "data.init_args.batch_size: expected int, got 'sixteen'")
 
 
 @pytest.mark.parametrize("args,message", [
