@@ -445,6 +445,8 @@ def main(argv: list[str]) -> None:
         if args.output is None:
             sys.stdout.write(text)
             return
+        if args.config is not None and Path(args.output).resolve() == Path(args.config).resolve():
+            raise LitAlignError(f"-o {args.output} is the TRL config itself: write the translation to another file")
         try:
             Path(args.output).write_text(text)
         except OSError as exc:

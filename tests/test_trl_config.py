@@ -283,3 +283,11 @@ def test_a_trl_file_given_to_fit_says_to_translate_it_first(capfd):
     trl = Path(__file__).resolve().parents[1] / "configs" / "trl" / "distillation_smollm2.yaml"
     code, _, err = run_main(["fit", "-c", str(trl)], capfd)
     assert_one_line_error(code, err, "'model_name_or_path' is a TRL field", "lit-align from-trl COMMAND --config FILE")
+
+
+def test_an_output_onto_the_trl_config_itself_is_refused_and_the_file_kept(tmp_path, capfd):
+    trl = tmp_path / "trl.yaml"
+    trl.write_text("model_name_or_path: m\nlearning_rate: 1.0e-5\n")
+    code, _, err = run_main(["from-trl", "sft", "--config", str(trl), "-o", str(tmp_path / "." / "trl.yaml")], capfd)
+    assert_one_line_error(code, err, "is the TRL config itself")
+    assert trl.read_text() == "model_name_or_path: m\nlearning_rate: 1.0e-5\n"
