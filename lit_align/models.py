@@ -114,11 +114,18 @@ def resolve(name_or_path: str) -> str:
     return name_or_path
 
 
+# a local model directory has one of these (a model, a PEFT adapter, or a tokenizer alone)
+MODEL_DIR_FILES = ("config.json", "adapter_config.json", "tokenizer_config.json", "tokenizer.json")
+
+
 def check_loadable(name_or_path: str, what: str) -> str:
     """Resolve built-ins; reject a local-looking path that does not exist before transformers tries the hub."""
     path = resolve(name_or_path)
     local = Path(path).expanduser()
     if local.is_dir():
+        if not any((local / name).is_file() for name in MODEL_DIR_FILES):
+            raise LitAlignError(f"{what} {name_or_path!r}: the directory has none of {list(MODEL_DIR_FILES)} (expected "
+                                "a Hugging Face model directory, as save_pretrained writes it)")
         return str(local)
     if path.startswith((".", "/", "~")) or path.count("/") > 1 or local.exists():
         raise LitAlignError(

@@ -92,6 +92,19 @@ def common_features(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:
     return [part.cast(datasets.Features(features)) for part in parts]
 
 
+def _bad_json_line(path: Path) -> str | None:
+    """The first line of a JSON Lines file that is not JSON, as ``line N: what`` (pyarrow names a byte position
+    within its block); None if every line reads."""
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            try:
+                if line.strip():
+                    json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as exc:
+                return f"line {number}: {exc.msg} (column {exc.colno})"
+    return None
+
+
 def _load_file(path: Path, split: str) -> datasets.Dataset:
     if path.is_dir():
         raise LitAlignError(f"{path}: a directory, not a data file")
@@ -114,7 +127,9 @@ def _load_file(path: Path, split: str) -> datasets.Dataset:
         rows = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
     except Exception as exc:  # noqa: BLE001 - pyarrow/json errors: keep the first line, name the file
         cause = exc.__cause__ or exc
-        raise LitAlignError(f"{path}: could not read as {builder}: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}") from exc
+        where = _bad_json_line(path) if path.suffix.lower() == ".jsonl" else None
+        reason = where or (str(cause).splitlines()[0] if str(cause) else type(cause).__name__)
+        raise LitAlignError(f"{path}: could not read as {builder}: {reason}") from exc
     if len(rows) == 0:
         raise LitAlignError(f"{path}: no rows")
     if builder == "json":

@@ -314,7 +314,11 @@ def test_unreadable_file(tmp_path):
     assert error_of(path) == "FILE line 1: not valid UTF-8 (byte 0x89); save the file as UTF-8"
     path = tmp_path / "broken.jsonl"
     path.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": \n')
-    assert error_of(path).startswith("FILE: could not read as json: ")
+    assert error_of(path).startswith("FILE: could not read as json: line 2: Expecting value (column ")
+    rows = [json.dumps(GOOD)] * 20
+    rows[10] = rows[10][:-5]  # one line cut short in the middle of a file
+    path.write_text("\n".join(rows) + "\n")
+    assert error_of(path).startswith("FILE: could not read as json: line 11: ")
 
 
 @pytest.mark.parametrize("content", [b"", b"\n\n  \n"])
