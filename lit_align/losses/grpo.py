@@ -220,12 +220,21 @@ def sequence_means(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum(-1) / mask.sum(-1)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` over ``mask``'s tokens (``[N, 1]`` values: over the rows, as TRL's metrics take them); the
-    entropy bonus is ``entropy_coef`` times this of the entropies."""
+def masked_total(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[sum, count]`` of ``values`` over ``mask``'s tokens (``[N, 1]`` values: over the rows, as TRL's metrics take
+    them): ``masked_mean``'s parts, which a metric over every rank sums before dividing (TRL's global masked mean)."""
+    dtype = torch.promote_types(values.dtype, torch.float32)  # at least fp32: counts exact past 256
     if values.shape[-1] == 1 and mask.shape[-1] != 1:
-        return values.sum() / max(values.shape[0], 1)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+        return torch.stack([values.sum().to(dtype), torch.tensor(float(values.shape[0]), dtype=dtype,
+                                                                 device=values.device)])
+    return torch.stack([(values * mask).sum().to(dtype), mask.sum().to(dtype)])
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over ``mask``'s tokens (``masked_total``); the entropy bonus is ``entropy_coef`` times this
+    of the entropies."""
+    total, count = masked_total(values, mask)
+    return total / count.clamp(min=1.0)
 
 
 def aggregate_grpo_loss(

@@ -15,7 +15,7 @@ import torch
 
 from lit_align.errors import LitAlignError
 from lit_align.generation import VLLMOptions
-from lit_align.losses.grpo import decoupled_advantages, group_advantages, importance_sampling_ratio, masked_mean
+from lit_align.losses.grpo import decoupled_advantages, group_advantages, importance_sampling_ratio, masked_total
 from lit_align.losses.grpo_loss import EntropyControl, GRPOLoss
 from lit_align.modules.online import CHECKPOINT_KEY, OnlineModule
 from lit_align.rollouts import Generation
@@ -186,7 +186,7 @@ class GRPOModule(OnlineModule):
         """The loss types' own metrics under TRL's names, and the policy term alone under an entropy bonus."""
         info, mask = out.info, mask.to(out.token_losses.dtype)
         names = {"cispo_clipped": "cispo_clip_ratio", "phi_seq": "vespo/phi_seq_mean", "kl": "kl"}
-        stats = {metric: masked_mean(info[key], mask) for key, metric in names.items() if key in info}
+        stats = {metric: masked_total(info[key], mask) for key, metric in names.items() if key in info}
         if self.loss_fn.entropy_bonus:
             stats["policy_loss"] = out.policy_loss
         return stats

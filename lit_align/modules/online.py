@@ -28,7 +28,7 @@ from lit_align.errors import LitAlignError
 from lit_align.generation import SamplingConfig, VLLMOptions
 from lit_align.generation_round import GenerationRound, RoundShape, StepBatch
 from lit_align.logps import layout_logps
-from lit_align.losses.grpo import masked_mean, nanstd, sequence_means
+from lit_align.losses.grpo import masked_total, nanstd, sequence_means
 from lit_align.models import cast_lm_head_to_fp32
 from lit_align.modules.base import AlignModule
 from lit_align.producer import RolloutProducer
@@ -461,21 +461,26 @@ class OnlineModule(AlignModule):
     # -- logging -------------------------------------------------------------------------------------------------------
     def log_step(self, loss, entropy, info: dict[str, torch.Tensor], mask: torch.Tensor,
                  extra: dict[str, torch.Tensor] | None = None) -> None:
-        """TRL's per-step metrics (rank-averaged; ``clip_ratio/low_min`` and ``high_max`` over every rank's
-        completions); the round's are logged where it is made (``next_step``)."""
-        mask = mask.to(entropy.dtype)
-        step_stats = {"loss": loss.detach(), "entropy": masked_mean(entropy, mask)}
+        """TRL's per-step metrics: the loss (and each 0-d value of ``extra``) averaged over ranks; the token means
+        (entropy, the clip ratios, each ``[sum, count]`` of ``extra``: ``masked_total``) over every rank's tokens, as
+        TRL's global masked means; ``clip_ratio/low_min`` and ``high_max`` over every rank's completions. The round's
+        metrics are logged where it is made (``next_step``)."""
+        entropy = entropy.detach()
+        mask, one = mask.to(entropy.dtype), torch.ones((), device=entropy.device)
+        parts = {"loss": torch.stack([loss.detach().float(), one]), "entropy": masked_total(entropy, mask)}
         per_sequence = {}
         if "low_clipped" in info:
             low, high = info["low_clipped"], info["high_clipped"]
-            step_stats |= {"clip_ratio/low_mean": masked_mean(low, mask),
-                           "clip_ratio/high_mean": masked_mean(high, mask),
-                           "clip_ratio/region_mean": masked_mean(low + high, mask)}
+            parts |= {"clip_ratio/low_mean": masked_total(low, mask),
+                      "clip_ratio/high_mean": masked_total(high, mask),
+                      "clip_ratio/region_mean": masked_total(low + high, mask)}
             per_sequence = {"clip_ratio/low_min": sequence_means(low, mask),
                             "clip_ratio/high_max": sequence_means(high, mask)}
-        step_stats |= extra or {}
+        for name, value in (extra or {}).items():
+            parts[name] = value.detach() if value.dim() else torch.stack([value.detach().float(), one])
         strategy = self.trainer.strategy
-        metrics = dict(zip(step_stats, strategy.reduce(torch.stack(list(step_stats.values())), reduce_op="mean")))
+        sums = strategy.reduce(torch.stack([part.float() for part in parts.values()]), reduce_op="sum")
+        metrics = dict(zip(parts, sums[:, 0] / sums[:, 1].clamp(min=1.0)))
         for name, seq in per_sequence.items():
             gathered = strategy.all_gather(seq).reshape(-1)
             gathered = gathered[~gathered.isnan()]

@@ -36,10 +36,11 @@ def pair_statistics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor
     }
 
 
-def _mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+def _sum_and_weight(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``[sum, weight]`` of per-pair ``values``: their sum and count, or weighted by ``weights`` (tokens)."""
     if weights is None:
-        return values.mean()
-    return (values * weights).sum() / weights.sum().clamp(min=1)
+        return torch.stack([values.sum(), torch.tensor(float(values.numel()), device=values.device)])
+    return torch.stack([(values * weights).sum(), weights.sum().float()])
 
 
 class PairModule(AlignModule):
@@ -83,12 +84,13 @@ class PairModule(AlignModule):
         loss = self.guard_loss(out["loss"].mean(), out["loss"], batch_idx, batch.get("dataset_rows"))
         if loss is None:  # skipped (on_nonfinite_loss: skip)
             return None
-        # one all-reduce for every metric (mean over ranks of per-rank means) and the token count (a sum)
-        stats = [_mean(out[name].detach().float(), weights.get(name)) for name in self.metrics]
-        stats.append(batch["attention_mask"].sum().float())
-        stats = self.trainer.strategy.reduce(torch.stack(stats), reduce_op="mean")
-        self.log_mean(dict(zip(self.metrics, stats)), prog_bar=("loss",))
-        self.num_tokens += float(stats[-1]) * self.trainer.world_size
+        # one all-reduce of each metric's sum and weight (pairs, or tokens for the token means) over every rank's
+        # pairs, as TRL gathers them before dividing, and of the token count
+        sums = [_sum_and_weight(out[name].detach().float(), weights.get(name)) for name in self.metrics]
+        sums.append(torch.stack([batch["attention_mask"].sum().float(), torch.ones((), device=self.device)]))
+        sums = self.trainer.strategy.reduce(torch.stack(sums), reduce_op="sum")
+        self.log_mean(dict(zip(self.metrics, sums[:-1, 0] / sums[:-1, 1].clamp(min=1))), prog_bar=("loss",))
+        self.num_tokens += float(sums[-1, 0])
         self.log("train/num_tokens", self.num_tokens)
         return loss
 

@@ -16,7 +16,7 @@ import torch
 
 from lit_align.losses.grpo import (
     aggregate_grpo_loss, decoupled_advantages, group_advantages, grpo_token_losses, high_entropy_mask,
-    importance_sampling_ratio, masked_mean, off_policy_mask, sequence_means, vespo_gamma_weights,
+    importance_sampling_ratio, masked_mean, masked_total, off_policy_mask, sequence_means, vespo_gamma_weights,
 )
 from lit_align.losses.grpo_loss import EntropyControl, GRPOLoss
 from numerics import assert_formula, f64, formula
@@ -566,3 +566,15 @@ def test_every_loss_type_and_option_matches_trl_compute_loss(case, float64_defau
         base, _ = _ours(GRPOLoss(**{**BASE, **base_kwargs}), batch, base_extra, round_tokens, spg)
         moved = abs(float(base.loss.detach() - step.loss.detach()))
         assert moved > 1e-4 * max(abs(float(step.loss.detach())), 1.0), f"{case} moved the loss by only {moved}"
+
+
+def test_masked_total_summed_over_ranks_is_the_global_masked_mean_trl_logs():
+    """Two ranks with 3 and 1 loss tokens: the metric over both is the mean over their 4 tokens (TRL's
+    ``global_masked_mean``), not the mean of the two ranks' means; [N, 1] values count rows."""
+    a, mask_a = torch.tensor([[1.0, 2.0, 3.0, 9.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    b, mask_b = torch.tensor([[10.0, 7.0]]), torch.tensor([[1.0, 0.0]])
+    total, count = masked_total(a, mask_a) + masked_total(b, mask_b)
+    assert (total / count).item() == 4.0  # (1 + 2 + 3 + 10) / 4
+    assert (masked_mean(a, mask_a) + masked_mean(b, mask_b)).item() / 2 == 6.0
+    rows = torch.tensor([[0.5], [1.0], [0.0]])
+    assert masked_total(rows, torch.ones(3, 5)).tolist() == [1.5, 3.0]
