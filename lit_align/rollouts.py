@@ -32,7 +32,7 @@ from lit_align.losses.grpo import nanstd
 from lit_align.rewards import RewardModel, RewardState, load_reward, score_all
 
 
-ZERO_STD = 1e-6  # a group whose rewards' std is below this scored all its completions alike
+ZERO_STD = 1e-8  # a group whose rewards' std is below this scored all its completions alike (TRL's isclose(std, 0))
 
 
 def repeat_each(values: list, times: int) -> list:

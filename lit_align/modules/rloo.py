@@ -20,7 +20,7 @@ from lit_align.generation_round import GenerationRound
 from lit_align.losses.grpo import nanstd
 from lit_align.losses.rloo import leave_one_out_advantages, rloo_rewards, rloo_sequence_losses, sequence_kl
 from lit_align.modules.online import OnlineModule
-from lit_align.rollouts import Generation
+from lit_align.rollouts import ZERO_STD, Generation
 
 
 class RLOOModule(OnlineModule):
@@ -72,7 +72,8 @@ class RLOOModule(OnlineModule):
     @torch.no_grad()
     def make_round(self, batch: dict[str, Any]) -> GenerationRound:
         """The online round, plus TRL's RLOO round metrics: ``kl`` (the mean per-token ``logps - ref`` at sampling, all
-        ranks' tokens) and ``rewards/<fn>/std``."""
+        ranks' tokens), ``rewards/<fn>/std``, and ``frac_reward_zero_std`` of the clipped and KL-penalized rewards
+        (the groups whose advantages are all zero)."""
         round = super().make_round(batch)
         strategy = self.trainer.strategy
         if self.beta != 0.0:
@@ -83,6 +84,12 @@ class RLOOModule(OnlineModule):
         for name, values in round.reward_funcs.items():
             every = self.gathered(torch.tensor(values, device=self.device)).reshape(1, -1)
             round.stats[f"rewards/{name}/std"] = nanstd(every, dim=1).view(())
+        if self.beta != 0.0 or self.reward_clip_range is not None:  # TRL's: of the rewards the advantages are of
+            kl = sequence_kl(round.old_logps, round.ref_logps, round.loss_mask) if self.beta != 0.0 else None
+            rewards = rloo_rewards(torch.tensor(round.rewards, device=self.device), kl, self.beta,
+                                   self.reward_clip_range)
+            spread = nanstd(self.gathered(rewards).view(-1, self.round_shape.num_generations), dim=1)
+            round.stats["frac_reward_zero_std"] = (spread < ZERO_STD).float().mean()
         return round
 
     # -- what is computed: one ratio per completion, the loss their mean ---------------------------------------------

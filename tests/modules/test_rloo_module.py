@@ -173,6 +173,9 @@ def test_a_step_matches_trl_rloo_trainer(tmp_path, normalize):
     kl = float(((round.old_logps - round.ref_logps) * round.loss_mask).sum() / round.loss_mask.sum())
     assert_rounding_close(kl, trl_metrics["kl"], scale=float(round.ref_logps.abs().max()), terms=TINY_TERMS, msg="kl")
     assert abs(kl) > 1e-3  # the penalty is exercised
+    # of the penalized rewards, as TRL's: groups that scored alike differ in their KL
+    raw = torch.tensor(round.rewards).view(-1, 4).std(1).lt(1e-8).float().mean()
+    assert float(round.stats["frac_reward_zero_std"]) == trl_metrics["frac_reward_zero_std"] < float(raw)
     assert_rounding_close(round.advantages, out["advantages"], scale=float(out["advantages"].abs().max()) + 1,
                           terms=TINY_TERMS, msg="advantages")
     assert round.advantages.abs().max() > 0.1
