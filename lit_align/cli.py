@@ -266,6 +266,11 @@ BY_DESIGN = (r"Found \d+ module\(s\) in eval mode at the start of training",
              r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
+DESCRIPTION = ("lit_align: SFT, DPO, KTO, reward models, GRPO, RLOO and on-policy distillation on PyTorch Lightning. "
+               "`lit-align fit -c configs/<x>.yaml` trains (validate, test, predict as in Lightning); "
+               "`lit-align from-trl COMMAND --config trl.yaml -o out.yaml` translates a TRL config file.")
+
+
 def run(args: list[str] | None = None) -> LightningCLI:
     """Run the CLI in this process and return it (``cli.trainer``, ``cli.model``); user errors exit with status 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -282,6 +287,7 @@ def run(args: list[str] | None = None) -> LightningCLI:
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
+            parser_kwargs={"prog": "lit-align", "description": DESCRIPTION},
             args=args,
         )
     except SIGTERMException:  # stopped at a step boundary (SIGTERM, Ctrl-C); SigtermCheckpoint saved the state
