@@ -311,16 +311,24 @@ class Rollouts:
         device = rewards.device
         lengths = generation.sampled_mask.sum(1).float()
         all_lengths = strategy.all_gather(lengths).reshape(-1)
+        truncated = strategy.all_gather(generation.truncated.float()).reshape(-1).bool()
+        terminated = all_lengths[~truncated] if not truncated.all() else torch.zeros(1, device=device)  # TRL's 0
         stats = {}
         if self.reward_funcs:  # none: a recipe that trains without rewards (distillation) logs none
             all_rewards = strategy.all_gather(rewards).reshape(1, -1)
+            all_per_func = strategy.all_gather(per_func).reshape(-1, per_func.shape[-1]).t()
             stats |= {"reward": rewards.nanmean(), "reward_std": nanstd(all_rewards, dim=1).view(()),
-                      "frac_reward_zero_std": (nanstd(rewards.view(-1, group), dim=1) < ZERO_STD).float().mean()}
+                      "frac_reward_zero_std": (nanstd(rewards.view(-1, group), dim=1) < ZERO_STD).float().mean(),
+                      **{f"rewards/{n}/std": nanstd(all_per_func[i : i + 1], dim=1).view(())
+                         for i, n in enumerate(self.reward_names)}}
         stats |= {
             "completions/mean_length": lengths.mean(),
             "completions/min_length": all_lengths.min(),
             "completions/max_length": all_lengths.max(),
             "completions/clipped_ratio": generation.truncated.float().mean(),
+            "completions/mean_terminated_length": terminated.mean(),
+            "completions/min_terminated_length": terminated.min(),
+            "completions/max_terminated_length": terminated.max(),
             **{f"rewards/{n}/mean": per_func[:, i].nanmean() for i, n in enumerate(self.reward_names)},
             **{name: torch.tensor(sum(v) / len(v), device=device) for name, v in generation.metrics.items()},
         }

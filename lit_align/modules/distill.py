@@ -227,12 +227,9 @@ class DistillationModule(OnlineModule):
         if source == "dataset" and self.teacher_topk is not None:
             round.teacher_topk_ids, round.teacher_topk_logps = round_topk(batch, num, self.max_completion_length,
                                                                           self.teacher_topk.k, self.device)
-        tokens = gen.prompt_mask.sum() + gen.sampled_mask.sum()  # the model's tokens (as TRL's: not tool turns')
-        self.num_tokens += float(self.trainer.strategy.reduce(tokens.float(), reduce_op="sum"))
         round.stats["on_policy"] = torch.tensor(float(source == "student"), device=self.device)
         if self.seq_kd:
             round.stats["teacher_sampled"] = torch.tensor(float(source == "teacher"), device=self.device)
-        round.stats["num_tokens"] = torch.tensor(self.num_tokens, device=self.device)
         return round
 
     def teacher_generation(self, batch: dict[str, Any], ids: list[str] | None, num: int) -> Generation:

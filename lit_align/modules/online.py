@@ -400,6 +400,9 @@ class OnlineModule(AlignModule):
         advantages = self.advantages(gen, old_logps, ref_logps, loss_mask)
         # dapo: every token of the round weighs the same; normalized by the loss tokens per step (all ranks)
         num_tokens = self.trainer.strategy.reduce(loss_mask.sum().float(), reduce_op="sum")
+        seen = self.trainer.strategy.reduce((gen.prompt_mask.sum() + gen.sampled_mask.sum()).float(), reduce_op="sum")
+        self.num_tokens += float(seen)  # TRL's num_tokens: prompt and model tokens so far (tool turns are not)
+        stats["num_tokens"] = torch.tensor(self.num_tokens, device=self.device)
         self.generation_rounds += 1
         order = torch.randperm(len(gen.prompts), generator=torch.Generator().manual_seed(self.global_step)).tolist()
         names = self.rollouts.reward_names

@@ -72,8 +72,8 @@ class RLOOModule(OnlineModule):
     @torch.no_grad()
     def make_round(self, batch: dict[str, Any]) -> GenerationRound:
         """The online round, plus TRL's RLOO round metrics: ``kl`` (the mean per-token ``logps - ref`` at sampling, all
-        ranks' tokens), ``rewards/<fn>/std``, and ``frac_reward_zero_std`` of the clipped and KL-penalized rewards
-        (the groups whose advantages are all zero)."""
+        ranks' tokens) and ``frac_reward_zero_std`` of the clipped and KL-penalized rewards (the groups whose
+        advantages are all zero)."""
         round = super().make_round(batch)
         strategy = self.trainer.strategy
         if self.beta != 0.0:
@@ -81,9 +81,6 @@ class RLOOModule(OnlineModule):
             totals = strategy.reduce(torch.stack([((round.old_logps - round.ref_logps) * mask).sum(),
                                                   mask.sum().float()]), reduce_op="sum")
             round.stats["kl"] = totals[0] / totals[1].clamp(min=1.0)
-        for name, values in round.reward_funcs.items():
-            every = self.gathered(torch.tensor(values, device=self.device)).reshape(1, -1)
-            round.stats[f"rewards/{name}/std"] = nanstd(every, dim=1).view(())
         if self.beta != 0.0 or self.reward_clip_range is not None:  # TRL's: of the rewards the advantages are of
             kl = sequence_kl(round.old_logps, round.ref_logps, round.loss_mask) if self.beta != 0.0 else None
             rewards = rloo_rewards(torch.tensor(round.rewards, device=self.device), kl, self.beta,

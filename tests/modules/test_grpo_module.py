@@ -231,8 +231,9 @@ def test_mask_truncated_completions(tokenizer):
 
 # -- metrics ---------------------------------------------------------------------------------------------------------------
 ROUND_NAMES = ["train/reward", "train/reward_std", "train/rewards/sort_accuracy/mean",
-               "train/rewards/reward_digit_fraction/mean", "train/frac_reward_zero_std",
-               "train/completions/mean_length", "train/completions/clipped_ratio"]
+               "train/rewards/sort_accuracy/std", "train/rewards/reward_digit_fraction/mean",
+               "train/frac_reward_zero_std", "train/completions/mean_length", "train/completions/clipped_ratio",
+               "train/completions/mean_terminated_length", "train/completions/max_terminated_length"]
 TRL_NAMES = [*ROUND_NAMES, "train/entropy", "train/clip_ratio/region_mean", "train/clip_ratio/low_mean",
              "train/clip_ratio/high_mean", "train/loss", "train/generation_rounds"]
 
@@ -255,8 +256,13 @@ def test_metrics_have_trl_names_and_values(run_a, run_b):
     rewards = torch.tensor(run_a.module.round.rewards)
     assert metric(run_a, "train/reward", 6) == pytest.approx(float(rewards.mean()), rel=1e-6, abs=1e-7)
     assert metric(run_a, "train/reward_std", 6) == pytest.approx(float(rewards.std()), rel=1e-6, abs=1e-7)
+    accuracy = torch.tensor(run_a.module.round.reward_funcs["sort_accuracy"])
+    assert metric(run_a, "train/rewards/sort_accuracy/std", 6) == pytest.approx(float(accuracy.std()), abs=1e-7)
     lengths = run_a.module.round.completion_mask.sum(1).float()
     assert metric(run_a, "train/completions/mean_length", 6) == pytest.approx(float(lengths.mean()))
+    # TRL's num_tokens: the prompt and sampled tokens of every round so far, written as it stands at every step
+    tokens = [metric(run_b, "train/num_tokens", s) for s in range(12)]
+    assert tokens[0] > 0 and tokens[3] == tokens[0] < tokens[4] == tokens[7] < tokens[8] == tokens[11]
     assert 1.0 <= metric(run_a, "train/completions/mean_length", 0) <= 4.0
     assert 0.0 <= metric(run_a, "train/completions/clipped_ratio", 0) <= 1.0
     assert metric(run_a, "train/entropy", 0) > 0
@@ -377,7 +383,7 @@ def test_advantages_are_normalized_over_every_ranks_rewards(tokenizer, scale_rew
     engine = LogpsEngine()
     digit, letter = tokenizer.convert_tokens_to_ids(["1", "a"])
     engine.rollout.completion_ids = torch.tensor([[digit] * 3, [letter] * 3, [digit, letter, letter], [letter] * 3])
-    _, r = stub_round(tokenizer, all_gather=lambda t: torch.stack([t, other.to(t)]), engine=engine,
+    _, r = stub_round(tokenizer, all_gather=lambda t: torch.stack([t, other.to(t).view_as(t)]), engine=engine,
                       scale_rewards=scale_rewards)
     mine = torch.tensor(r.rewards)
     assert mine.unique().numel() == 3  # rewards 1, 0, 1/3, 0: non-zero advantages
