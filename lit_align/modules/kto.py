@@ -162,7 +162,7 @@ class KTOModule(AlignModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         out = self.row_outputs(batch)
         metrics = self.val_metrics
-        metrics["loss"].update(out["losses"].mean())
+        metrics["loss"].update(out["losses"])  # over the validation rows, as TRL's eval loss weighs its batches
         metrics["kl"].update(out["kl"])
         for name, (total, count) in self.batch_sums(batch, out).items():
             if count > 0:  # a mean over the validation set's rows or tokens: each batch weighs by its count

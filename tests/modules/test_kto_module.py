@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import lightning as L
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -183,3 +184,18 @@ def test_kto_needs_two_rows_a_batch_for_its_kl_estimate_and_unpaired_data(tmp_pa
 
     with pytest.raises(LitAlignError, match="KTOModule trains on unpaired rows: data must be"):
         fit(KTOModule(model="builtin:tiny"), PreferenceDataModule(path="builtin:sort", val_split=None), tmp_path)
+
+
+def test_val_loss_is_the_mean_over_the_validation_rows_as_trls_eval_loss(tmp_path, write_jsonl):
+    """Batches of 4 and 2 rows at step 0 (each row's loss 0.75 desirable, 0.25 undesirable): ``val/loss`` is the mean
+    over the 6 rows, 0.5, as TRL's eval loss weighs each batch by its rows, not the batches' mean 0.5625."""
+    labels = [True, False, False, False, True, True]
+    rows = [{"prompt": f"sort {i}{i + 2}:", "completion": f" {i}{i + 2}", "label": label}
+            for i, label in enumerate(labels)]
+    path = write_jsonl(rows)
+    data = UnpairedPreferenceDataModule(path=path, val_path=path, val_split="train", batch_size=4, val_batch_size=4,
+                                        max_length=32, shuffle=False)
+    module = KTOModule(model="builtin:tiny", desirable_weight=1.5, undesirable_weight=0.5)
+    (metrics,) = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
+                           enable_model_summary=False).validate(module, data)
+    assert metrics["val/loss"] == pytest.approx(0.5, abs=1e-6)
