@@ -58,12 +58,12 @@ def main() -> None:
     base = None
     for name, batches in modes.items():
         free = name == "padding-free"  # model.padding_free: the layout makes each padded batch one row
-        loss, _, _ = sft_token_stats(model, batches[0], padding_free=free)  # warm-up
+        loss = sft_token_stats(model, batches[0], padding_free=free).loss  # warm-up
         loss.backward()
         model.zero_grad()
         start = time.perf_counter()
         for batch in batches:
-            loss, _, _ = sft_token_stats(model, batch, padding_free=free)
+            loss = sft_token_stats(model, batch, padding_free=free).loss
             loss.backward()
             model.zero_grad()
         rate = real / (time.perf_counter() - start)

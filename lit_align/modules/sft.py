@@ -8,6 +8,8 @@ completion tokens only by default, every real token with ``completion_only_loss:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 
 import torch
 from torchmetrics import MeanMetric
@@ -35,11 +37,20 @@ def loss_mask(batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
     return mask
 
 
+class SFTStats(NamedTuple):
+    """One batch's ``sft_token_stats``."""
+
+    loss: torch.Tensor  # the mean NLL over the loss tokens, with gradient
+    correct: torch.Tensor  # how many loss tokens the argmax predicts
+    count: torch.Tensor  # how many loss tokens there are
+    entropy: torch.Tensor  # the sum of the predicted distributions' entropies over them (TRL's entropy, summed)
+
+
 def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], completion_only_loss: bool = True,
                     chunk_size: int | None = None, assistant_only_loss: bool = False,
-                    padding_free: bool | None = None):
-    """``(loss, correct, count)`` for one batch: the mean NLL over loss tokens (with gradient), how many of them the
-    argmax predicts, and how many there are.
+                    padding_free: bool | None = None) -> SFTStats:
+    """``(loss, correct, count, entropy)`` for one batch: the mean NLL over loss tokens (with gradient), how many of
+    them the argmax predicts, how many there are, and their predictions' summed entropy.
 
     Loss tokens are those of ``loss_mask``; the first token of a sequence is never one (nothing predicts it). The
     batch runs in ``lit_align.layouts.sft``'s layout (with ``padding_free``: one row, no padding; None:
@@ -48,11 +59,11 @@ def sft_token_stats(model: torch.nn.Module, batch: dict[str, torch.Tensor], comp
     """
     scored = loss_mask(batch, completion_only_loss, assistant_only_loss)
     padding_free = layouts.resolve_padding_free(padding_free, model, scored.device)
-    out = layout_logps(model, layouts.sft(batch, scored, padding_free), ("argmax",), chunk_size)
+    out = layout_logps(model, layouts.sft(batch, scored, padding_free), ("argmax", "entropy"), chunk_size)
     count = out.mask.sum()
     loss = -out.tokens.sum() / count.clamp(min=1)
     correct = ((out.stats["argmax"] == out.labels) & out.mask).sum()
-    return loss, correct, count
+    return SFTStats(loss, correct, count, (out.stats["entropy"] * out.mask).sum())
 
 
 class SFTModule(AlignModule):
@@ -60,9 +71,10 @@ class SFTModule(AlignModule):
 
     The loss is the mean over the loss tokens of each (micro-)batch, as TRL averages over the tokens of a batch; under
     DDP over the loss tokens of all ranks' micro-batches, so 2 ranks x B rows train exactly like 1 process x 2B rows.
-    Logged: ``train/loss``, ``train/mean_token_accuracy`` (argmax == label over loss tokens), ``train/num_tokens``
-    (attended tokens trained on so far, all ranks); ``val/loss`` and ``val/mean_token_accuracy`` (token-weighted over
-    the whole validation set) and, with ``val_exact_match``, ``val/exact_match``.
+    Logged: ``train/loss``, ``train/mean_token_accuracy`` (argmax == label over loss tokens), ``train/entropy`` (of
+    the predicted distributions over loss tokens), ``train/num_tokens`` (attended tokens trained on so far, all
+    ranks); ``val/loss``, ``val/mean_token_accuracy`` and ``val/entropy`` (token-weighted over the whole validation
+    set) and, with ``val_exact_match``, ``val/exact_match``.
 
     Args:
         completion_only_loss: train on completion tokens only (TRL's default for prompt/completion rows); false:
@@ -89,34 +101,39 @@ class SFTModule(AlignModule):
         self.val_exact_match = val_exact_match
         self.greedy_engine = AutoEngine(max_new_tokens=val_max_new_tokens, temperature=0.0)
         self.val_metrics = torch.nn.ModuleDict(
-            {name: MeanMetric() for name in ("loss", "mean_token_accuracy", "exact_match")})
+            {name: MeanMetric() for name in ("loss", "mean_token_accuracy", "entropy", "exact_match")})
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size,
-                                              self.assistant_only_loss, self.padding_free)
+        loss, correct, count, entropy = sft_token_stats(self.network, batch, self.completion_only_loss,
+                                                       self.logps_chunk_size, self.assistant_only_loss,
+                                                       self.padding_free)
         if self.guard_loss(loss, None, batch_idx, batch.get("dataset_rows")) is None:
             return None
         # one all-reduce: the loss tokens of every rank, so the loss is the mean over the global batch's tokens (as
-        # transformers' average_tokens_across_devices), and accuracy is a ratio of sums (as TRL gathers it)
-        stats = torch.stack([loss.detach() * count, correct.float(), count.float(),
+        # transformers' average_tokens_across_devices), and accuracy and entropy are ratios of sums (as TRL's)
+        stats = torch.stack([loss.detach() * count, correct.float(), entropy.detach().float(), count.float(),
                              batch["attention_mask"].sum().float()])
         stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
         world = self.trainer.world_size
         if world > 1:  # DDP averages gradients over ranks: scale this rank's token mean to its share of the global one
-            loss = loss * (count * world / stats[2].clamp(min=1))
-        self.num_tokens += float(stats[3])
-        tokens = stats[2].clamp(min=1)
-        self.log_mean({"loss": stats[0] / tokens, "mean_token_accuracy": stats[1] / tokens}, prog_bar=("loss",))
+            loss = loss * (count * world / stats[3].clamp(min=1))
+        self.num_tokens += float(stats[4])
+        tokens = stats[3].clamp(min=1)
+        self.log_mean({"loss": stats[0] / tokens, "mean_token_accuracy": stats[1] / tokens,
+                       "entropy": stats[2] / tokens}, prog_bar=("loss",))
         self.log("train/num_tokens", self.num_tokens)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss, correct, count = sft_token_stats(self.network, batch, self.completion_only_loss, self.logps_chunk_size,
-                                              self.assistant_only_loss, self.padding_free)
+        loss, correct, count, entropy = sft_token_stats(self.network, batch, self.completion_only_loss,
+                                                       self.logps_chunk_size, self.assistant_only_loss,
+                                                       self.padding_free)
         self.val_metrics["loss"].update(loss, count)
         self.val_metrics["mean_token_accuracy"].update(correct / count.clamp(min=1), count)
+        self.val_metrics["entropy"].update(entropy / count.clamp(min=1), count)
         self.log("val/loss", self.val_metrics["loss"], prog_bar=True)
         self.log("val/mean_token_accuracy", self.val_metrics["mean_token_accuracy"])
+        self.log("val/entropy", self.val_metrics["entropy"])
         if self.val_exact_match:
             self.val_metrics["exact_match"].update(torch.tensor(self.exact_match(batch), device=self.device))
             self.log("val/exact_match", self.val_metrics["exact_match"], prog_bar=True)

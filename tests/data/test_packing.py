@@ -67,7 +67,7 @@ def test_packed_batches_give_the_unpacked_loss_and_gradients(fixture, mode, tiny
     results = []
     for batch, padding_free in ((padded, False), (other, mode == "padding_free")):
         model.zero_grad()
-        loss, correct, count = sft_token_stats(model, batch, padding_free=padding_free)
+        loss, correct, count, _ = sft_token_stats(model, batch, padding_free=padding_free)
         loss.backward()
         results.append((loss.detach(), int(correct), int(count), [p.grad.clone() for p in model.parameters()]))
     (loss, correct, count, grads), (p_loss, p_correct, p_count, p_grads) = results

@@ -57,7 +57,7 @@ def test_sft_loss_equals_a_hand_computation():
     batch = small_batch()
     logits = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # rule 2
     model = FixedLogits(logits)
-    loss, correct, count = sft_token_stats(model, batch, completion_only_loss=True)
+    loss, correct, count, _ = sft_token_stats(model, batch, completion_only_loss=True)
     expected, n = hand_loss(logits, batch, [(0, 2), (0, 3), (1, 3)])  # the three completion tokens
     assert count == n == 3
     assert loss.item() == formula(expected)
@@ -68,7 +68,7 @@ def test_sft_loss_equals_a_hand_computation():
     assert touched == [[False, True, True, False, False], [False, False, True, False, False]]
 
     # completion_only_loss=False: every attended token but the first of each row
-    loss, _, count = sft_token_stats(model, batch, completion_only_loss=False)
+    loss, _, count, _ = sft_token_stats(model, batch, completion_only_loss=False)
     expected, n = hand_loss(logits, batch, [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)])
     assert count == n == 6
     assert loss.item() == formula(expected)
@@ -106,7 +106,7 @@ def test_assistant_only_loss_trains_a_completions_assistant_turns_not_its_tool_t
     ids = batch["input_ids"][0].tolist()
     logits = torch.randn(1, len(ids), len(tokenizer), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     model = FixedLogits(logits)
-    loss, _, count = sft_token_stats(model, batch, completion_only, assistant_only_loss=assistant_only)
+    loss, _, count, _ = sft_token_stats(model, batch, completion_only, assistant_only_loss=assistant_only)
     loss.backward()
     predicting = model.logits.grad[0].abs().sum(-1) > 0  # position t - 1 predicts token t
     positions = [t for t in range(1, len(ids)) if predicting[t - 1]]
@@ -166,7 +166,7 @@ def test_sft_loss_equals_the_hf_labels_loss_on_the_tiny_model(write_jsonl, tiny_
         labels = batch["input_ids"].masked_fill(keep == 0, -100)
         with torch.no_grad():
             reference = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
-            loss, _, count = sft_token_stats(model, batch, only)
+            loss, _, count, _ = sft_token_stats(model, batch, only)
         assert count == (labels[:, 1:] != -100).sum()
         assert_rounding_close(loss.item(), reference.item(), terms=TINY_TERMS)  # the same formula, other kernels
 
@@ -202,9 +202,10 @@ def test_tokens_loss_and_token_accuracy_match_trl_sft_trainer(tmp_path, tiny_pat
                                tokenizer.pad_token_id)
     with torch.no_grad():
         expected = trainer.compute_loss(trainer.model, batch).item()
-        loss, correct, count = sft_token_stats(trainer.model, ours)
+        loss, correct, count, entropy = sft_token_stats(trainer.model, ours)
     assert_rounding_close(loss.item(), expected, terms=TINY_TERMS)
     assert (correct / count).item() == pytest.approx(trainer._metrics["eval"]["mean_token_accuracy"][-1], rel=1e-6)
+    assert_rounding_close((entropy / count).item(), trainer._metrics["eval"]["entropy"][-1], terms=TINY_TERMS)
 
 
 # -- a short run -------------------------------------------------------------------------------------------------------
@@ -223,11 +224,14 @@ def test_short_sft_run_lowers_the_loss(tmp_path, tiny_path):
     assert first == pytest.approx(math.log(len(module.tokenizer)), abs=0.25)  # a random model: about ln(104) = 4.64
     assert last < 1.3 and last < 0.3 * first  # measured: 4.56 -> 1.08
     assert train[39]["train/mean_token_accuracy"] > 0.55 > 0.2 > train[0]["train/mean_token_accuracy"]  # 0.06 -> 0.69
+    # a random model predicts nearly uniform distributions (entropy ~ ln V); a trained one, sharper ones
+    assert train[39]["train/entropy"] < 0.5 * train[0]["train/entropy"] < math.log(len(module.tokenizer))
     # 32 rows of ~17 tokens per step, counted cumulatively
     assert train[0]["train/num_tokens"] < train[1]["train/num_tokens"] < train[39]["train/num_tokens"]
     val = next(r for r in rows if "val/loss" in r)
     assert val["val/loss"] < 1.3  # measured: 1.02
     assert 0.55 < val["val/mean_token_accuracy"] <= 1.0  # measured: 0.67
+    assert 0.0 < val["val/entropy"] < 0.5 * train[0]["train/entropy"]
     assert 0.0 <= val["val/exact_match"] <= 1.0
 
 
