@@ -54,7 +54,7 @@ class AlignParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         """A ``LitAlignError`` raised while parsing (a link refusing a setting) is one ``error:`` line, as anywhere;
         so is an option its class does not have (``unknown_option``), and any other mistake the parser stops on
-        (``one_line``) instead of the usage of every option."""
+        (``condensed``) instead of the usage of every option."""
         cause = ex
         while cause is not None and not isinstance(cause, LitAlignError):
             cause = cause.__cause__
@@ -69,7 +69,7 @@ class AlignParser(LightningArgumentParser):
                                 f"file (trl COMMAND --config FILE); translate it first: lit-align from-trl COMMAND "
                                 f"--config FILE -o OUT, then lit-align {top.group(1)} -c OUT (docs/trl_configs.md)")
         if self.exit_on_error:  # the outermost parser: the user's mistake (inner parsers' errors are tried and caught)
-            raise LitAlignError(f"{one_line(str(message), self.argv)} ({self.prog.replace(' [options]', '')} --help "
+            raise LitAlignError(f"{condensed(str(message), self.argv)} ({self.prog.replace(' [options]', '')} --help "
                                 f"lists the options)")
         super().error(message, ex)
 
@@ -78,7 +78,7 @@ WRONG_TYPE = re.compile(r"Expected a <class '([\w.]+)'>\. Got value: (.*)")
 KEY = re.compile(r'Parser key "([^"]+)"')
 
 
-def one_line(message: str, argv: list[str]) -> str:
+def condensed(message: str, argv: list[str]) -> str:
     """jsonargparse's error ``message`` (nested over union subtypes, one line per attempt) as one line: the option's
     path and what it expected, or the message's lines joined; a config file YAML cannot read is named (``argv``:
     the command line, whose ``-c`` / ``--config`` files are read again to find it)."""

@@ -159,7 +159,7 @@ class AlignModule(L.LightningModule):
         self.tokenizer = None
         self.skipped_batches = 0
         self.num_tokens = 0.0  # attended training tokens so far, all ranks (TRL's num_tokens; recipes that log it)
-        self.log_window: tuple[int, dict[str, list]] = (-1, {})  # ``log_mean``'s window and its sums and counts
+        self.log_window: tuple[int, dict[str, tuple]] = (-1, {})  # ``log_mean``: the window, (sum, count) by name
         self.total_steps: int | None = None  # optimizer steps the learning-rate schedule spans (set with it)
         self._resumed_total: int | None = None
 
