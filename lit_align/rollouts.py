@@ -32,7 +32,9 @@ from lit_align.losses.grpo import nanstd
 from lit_align.rewards import RewardModel, RewardState, load_reward, score_all
 
 
-ZERO_STD = 1e-8  # a group whose rewards' std is below this scored all its completions alike (TRL's isclose(std, 0))
+# a group whose rewards' std is below this scored all its completions alike: identical fp32 rewards have a std of
+# float noise (0.7 eight times: 6.4e-8), which must not count as a spread (dynamic sampling keeps groups by it)
+ZERO_STD = 1e-6
 
 
 def repeat_each(values: list, times: int) -> list:

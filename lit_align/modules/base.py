@@ -231,8 +231,12 @@ class AlignModule(L.LightningModule):
         return self.policy.get_base_model() if self.lora_config is not None else self.policy
 
     # -- model.mmap_activations: a step's large tensors mapped one by one up to its backward (lit_align.host_memory) --
+    def on_train_start(self) -> None:
+        self.log_window = (-1, {})  # a second fit of this module starts its own windows
+
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self._mapped_forward(True)
+        self.start_log_window()
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
         self._mapped_forward(False)
@@ -260,20 +264,24 @@ class AlignModule(L.LightningModule):
         of the name's values over every micro-batch since the loggers last wrote, as TRL does (its ``_metrics`` lists
         and the Trainer's loss over ``logging_steps``; ``trainer.log_every_n_steps`` here): Lightning writes at the
         last micro-batch of every ``log_every_n_steps``-th optimizer step, so the window is the optimizer steps
-        ``[k * n, (k + 1) * n)``. A name with no value in a window is not written for it (TRL has none to average;
-        Lightning alone would write the name's last value again)."""
-        window = self.global_step // max(self.trainer.log_every_n_steps, 1)
-        if window != self.log_window[0]:
-            results = getattr(self.trainer, "_results", None)  # the step's logged values (``self.log`` writes there)
-            for name in self.log_window[1] if results is not None else ():
-                results.pop(f"training_step.train/{name}", None)
-            self.log_window = (window, {})
+        ``[k * n, (k + 1) * n)``. A name with no value in a window is not written for it (``start_log_window``)."""
         sums = self.log_window[1]
         for name, value in metrics.items():
             value = torch.as_tensor(value, dtype=torch.float32).detach()
             total, count = sums.get(name, (0.0, 0))
             sums[name] = (total + value, count + 1)
             self.log(f"train/{name}", sums[name][0] / sums[name][1], prog_bar=name in prog_bar)
+
+    def start_log_window(self) -> None:
+        """At each batch's start: on entering a new logging window, forget the last window's ``log_mean`` names, so
+        one with no value in this window (a skipped batch, a side absent) is not written for it (TRL has none to
+        average; Lightning alone would write the name's last value again)."""
+        window = self.global_step // max(self.trainer.log_every_n_steps, 1)
+        if window != self.log_window[0]:
+            results = getattr(self.trainer, "_results", None)  # the step's logged values (``self.log`` writes there)
+            for name in self.log_window[1] if results is not None else ():
+                results.pop(f"training_step.train/{name}", None)
+            self.log_window = (window, {})
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         """Step, then free the gradients at once (as transformers' Trainer does): Lightning would zero them only

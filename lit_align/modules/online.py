@@ -517,6 +517,7 @@ class OnlineModule(AlignModule):
         self.round = None if mine is None else GenerationRound(**mine)
 
     def on_train_start(self) -> None:
+        super().on_train_start()
         if self.round is not None:  # restored from a checkpoint (on the CPU)
             self.round = self.round.to(self.device)
         if self.hparams.async_rollouts:

@@ -242,18 +242,21 @@ def test_every_recipe_names_the_dataset_rows_of_a_nonfinite_loss(tmp_path, write
 
 
 class _Counting(L.LightningModule):
-    """Logs its micro-batch's number (0, 1, ...) through ``AlignModule.log_mean``, and a ``rare`` value only at
-    micro-batches 0 and 9."""
+    """Logs its micro-batch's number (0, 1, ...) through ``AlignModule.log_mean``, but nothing at micro-batches 4 to 7
+    (a whole logging window: skipped batches), and a ``rare`` value only at micro-batches 0 and 9."""
 
-    log_mean = AlignModule.log_mean
+    log_mean, start_log_window = AlignModule.log_mean, AlignModule.start_log_window
 
     def __init__(self):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(()))
         self.log_window, self.seen = (-1, {}), 0
 
+    def on_train_batch_start(self, batch, batch_idx):
+        self.start_log_window()
+
     def training_step(self, batch, batch_idx):
-        metrics = {"value": float(self.seen)}
+        metrics = {} if 4 <= self.seen <= 7 else {"value": float(self.seen)}
         if self.seen in (0, 9):
             metrics["rare"] = 100.0 + self.seen
         self.log_mean(metrics)
@@ -268,12 +271,13 @@ class _Counting(L.LightningModule):
 
 
 def test_a_logged_metric_is_its_mean_over_the_logging_window_as_trl_logs_it(tmp_path):
-    """12 micro-batches, 2 a step, written every 2 steps: each written value is the mean over its window's 4
-    micro-batches (TRL's ``logging_steps``), not the last one's; a name with no value in a window is not written for
-    it (Lightning alone would write its last value again)."""
+    """12 micro-batches, 2 a step, written every 2 steps (after steps 1, 3, 5): each written value is the mean over
+    its window's 4 micro-batches (TRL's ``logging_steps``), not the last one's; a name with no value in a window,
+    even a window with no value at all, is not written for it (Lightning alone would write its last value again)."""
     run = trainer(tmp_path, max_steps=6, accumulate_grad_batches=2, log_every_n_steps=2,
                   logger=CSVLogger(tmp_path, name="window"))
     run.fit(_Counting())
-    rows = [row for row in read_metrics(tmp_path / "window" / "version_0" / "metrics.csv") if "train/value" in row]
-    assert [row["train/value"] for row in rows] == [1.5, 5.5, 9.5]  # means of 0..3, 4..7, 8..11
-    assert [row.get("train/rare") for row in rows] == [100.0, None, 109.0]
+    rows = read_metrics(tmp_path / "window" / "version_0" / "metrics.csv")
+    written = {int(row["step"]): (row.get("train/value"), row.get("train/rare")) for row in rows}
+    assert written.get(3, (None, None)) == (None, None)  # micro-batches 4..7 logged nothing
+    assert written[1] == (1.5, 100.0) and written[5] == (9.5, 109.0)  # the means of 0..3 and 8..11
