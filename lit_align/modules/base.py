@@ -13,8 +13,10 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.cli import OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from torchmetrics import Metric
 from transformers import get_scheduler
 
@@ -162,6 +164,7 @@ class AlignModule(L.LightningModule):
         self.log_window: tuple[int, dict[str, tuple]] = (-1, {})  # ``log_mean``: the window, (sum, count) by name
         self.total_steps: int | None = None  # optimizer steps the learning-rate schedule spans (set with it)
         self._resumed_total: int | None = None
+        self._backward_ran = False  # this batch's training_step returned a loss (``unscale_gradients``)
 
     def load(self, name: str) -> torch.nn.Module:
         hp = self.hparams
@@ -235,10 +238,12 @@ class AlignModule(L.LightningModule):
         self.log_window = (-1, {})  # a second fit of this module starts its own windows
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._backward_ran = False
         self._mapped_forward(True)
         self.start_log_window()
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
+        self._backward_ran = True  # this batch's closure runs a backward: Lightning steps (``unscale_gradients``)
         self._mapped_forward(False)
         for frozen in self.frozen_models():  # their forwards are done: their files' pages out of the backward's RSS
             if isinstance(getattr(frozen, "model", None), torch.nn.Module):
@@ -328,6 +333,7 @@ class AlignModule(L.LightningModule):
         """The second half of the guard: a finite loss can still give non-finite gradients; never step with them.
         Every rank decides alike (the flag is all-reduced: under FSDP a rank holds only its shard of the gradients).
         fp16's GradScaler does its own check; DeepSpeed keeps gradients in its engine, where this guard sees none."""
+        self.unscale_gradients(optimizer)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
         if sharded_strategy(self.trainer):  # each rank holds a shard: the global norm from the squares' sum
@@ -350,6 +356,32 @@ class AlignModule(L.LightningModule):
             return
         raise LitAlignError(f"non-finite gradients at step {self.global_step} ({shown}); nothing was updated "
                             "(set model.on_nonfinite_loss: skip to skip such updates)")
+
+    # -- gradient clipping as TRL's max_grad_norm: unscale, clip the global norm, step, whatever the optimizer --------
+    def unscale_gradients(self, optimizer) -> None:
+        """fp16 (``16-mixed``): make the gradients this hook, the guard, ``train/grad_norm`` and the clipping see the
+        true ones. Lightning unscales them before ``on_before_optimizer_step`` except for an optimizer that unscales
+        inside its own step (fused AdamW, the default): that one's are still multiplied by the GradScaler's scale
+        here. So unscale them now, as transformers' Trainer does before it clips (accelerate's ``clip_grad_norm_``);
+        the scaler's step then gives the fused kernel no scale, only its inf check, and skips a non-finite step as
+        before. Not when the batch skipped its backward (``on_nonfinite_loss: skip``): Lightning then neither steps
+        nor updates the scaler, and an unscaled mark would outlive the step. bf16 has no scaler: nothing to do."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None and self._backward_ran and _optimizer_handles_unscaling(optimizer):
+            scaler.unscale_(optimizer)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """``trainer.gradient_clip_val`` with any optimizer, as TRL's ``max_grad_norm``: the global norm of all the
+        gradients (or each value, ``gradient_clip_algorithm: value``) clipped before the step. Lightning's
+        ``MixedPrecision`` refuses to clip for an optimizer that unscales inside its step (fused AdamW, lit_align's
+        and TRL's default), since under fp16 its gradients would still be scaled; here they are not (bf16 never
+        scales them, fp16's ``unscale_gradients`` has), so the plain clipping that check guards is right."""
+        plugin = self.trainer.precision_plugin
+        if gradient_clip_val and isinstance(plugin, MixedPrecision) and _optimizer_handles_unscaling(optimizer):
+            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)  # past MixedPrecision's refusal
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_align_recipe"] = type(self).__name__

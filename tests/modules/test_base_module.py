@@ -1,18 +1,22 @@
 """lit_align.modules.base: what every module shares. Its settings' checks, TRL's ``disable_dropout``, and the
 numeric guard: a non-finite loss stops the run naming the step and the offending rows (batch positions and
 dataset rows), before any update; with ``on_nonfinite_loss: skip`` the batch is skipped, warned about and counted.
-Either way the weights stay finite."""
+Either way the weights stay finite. Gradient clipping as TRL's ``max_grad_norm`` under bf16 and fp16 mixed precision
+with the fused AdamW: the step gets the unscaled gradients clipped to the global norm; ``train/grad_norm`` is the norm
+before clipping."""
 
 from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from datasets import Dataset
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from helpers import fit, read_metrics, trainer
 from lit_align.data import PreferenceDataModule, PromptDataModule
@@ -281,3 +285,87 @@ def test_a_logged_metric_is_its_mean_over_the_logging_window_as_trl_logs_it(tmp_
     written = {int(row["step"]): (row.get("train/value"), row.get("train/rare")) for row in rows}
     assert written.get(3, (None, None)) == (None, None)  # micro-batches 4..7 logged nothing
     assert written[1] == (1.5, 100.0) and written[5] == (9.5, 109.0)  # the means of 0..3 and 8..11
+
+
+# -- gradient clipping (TRL's max_grad_norm) under mixed precision with the fused AdamW ---------------------------------
+class GradientsSeen(L.Callback):
+    """The gradients at two moments of each optimizer step: as the callbacks' ``on_before_optimizer_step`` sees them
+    (before clipping; divided by the GradScaler's scale, which a fused optimizer's gradients still carry there) and as
+    the optimizer's ``step`` used them (a step post-hook: Lightning runs the closure, hence the backward, inside
+    ``step``, so a pre-hook would come before the gradients). Each: (global norm, max absolute value); ``before``
+    with the scale."""
+
+    def __init__(self):
+        self.before, self.stepped = [], []
+        self.start: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = [p.detach().clone() for p in pl_module.policy.parameters()]
+        trainer.optimizers[0].register_step_post_hook(lambda optimizer, args, kwargs: self.stepped.append(
+            self.norm_and_max(optimizer)))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        scaler = trainer.precision_plugin.scaler if isinstance(trainer.precision_plugin, MixedPrecision) else None
+        scale = 1.0 if scaler is None else float(scaler.get_scale())
+        norm, largest = self.norm_and_max(optimizer)
+        self.before.append((norm / scale, largest / scale, scale))
+
+    @staticmethod
+    def norm_and_max(optimizer) -> tuple[float, float]:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return (float(torch.nn.utils.get_total_norm(grads)), max(float(g.abs().max()) for g in grads))
+
+
+def mixed_precision(precision: str) -> MixedPrecision:
+    """Lightning's plugin on CPU: ``Trainer(precision="16-mixed")`` on CPU falls back to bf16-mixed, but the plugin
+    itself runs fp16 autocast and torch's GradScaler on CPU, which is what a GPU's fp16 run does."""
+    return MixedPrecision(precision, "cpu")
+
+
+def fit_clipped(root, precision: str, clip: float, algorithm: str = "norm", max_steps: int = 3, **model_kw):
+    seen = GradientsSeen()
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3, **model_kw)  # optim: adamw_torch_fused (TRL's)
+    data = PreferenceDataModule(path="builtin:sort", val_split=None, batch_size=4, shuffle=False, max_length=32)
+    run = fit(module, data, root, max_steps=max_steps, callbacks=[seen], plugins=[mixed_precision(precision)],
+              gradient_clip_val=clip, gradient_clip_algorithm=algorithm, logger=CSVLogger(root, name="clip"))
+    assert run.global_step == max_steps
+    assert any(not torch.equal(p, q) for p, q in zip(module.policy.parameters(), seen.start))  # the steps updated
+    return module, seen, read_metrics(Path(root) / "clip" / "version_0" / "metrics.csv")
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_clipping_the_global_norm_under_mixed_precision_with_the_fused_adamw(tmp_path, tiny_path, precision):
+    """HF Trainer's order: unscale, clip the norm over all parameters to max_grad_norm, step. Lightning alone refuses
+    (fused AdamW unscales inside its step); under fp16 the gradients must be unscaled before they are clipped, so the
+    step sees the clipped true gradients, not clipped scaled ones (which would be 1/scale of the clip value)."""
+    module, seen, metrics = fit_clipped(tmp_path, precision, clip=0.01)
+    assert isinstance(module.trainer.optimizers[0], torch.optim.AdamW)
+    assert module.trainer.optimizers[0].defaults["fused"] is True
+    steps = [(b, s) for b, s in zip(seen.before, seen.stepped) if math.isfinite(b[0])]  # fp16: an overflow is skipped
+    assert len(seen.stepped) == 3 and len(steps) >= 2
+    for (norm, _, _), (clipped, _) in steps:
+        assert norm > 0.1  # far above the clip value: the clipping acted
+        assert clipped == pytest.approx(0.01, rel=1e-4)  # clip_grad_norm_: max_norm / (norm + 1e-6) times norm
+    # TRL's grad_norm: the norm before clipping, of the true (unscaled) gradients
+    logged = [r["train/grad_norm"] for r in metrics if "train/grad_norm" in r]
+    assert len(logged) == 3
+    for value, (norm, _, _) in zip(logged, seen.before):
+        if math.isfinite(norm):
+            assert value == pytest.approx(norm, rel=1e-4)
+
+
+def test_clipping_by_value_under_bf16_mixed_with_the_fused_adamw(tmp_path, tiny_path):
+    _, seen, _ = fit_clipped(tmp_path, "bf16-mixed", clip=1e-4, algorithm="value", max_steps=2)
+    for (_, largest, _), (_, clipped_largest) in zip(seen.before, seen.stepped):
+        assert largest > 1e-3 and clipped_largest == pytest.approx(1e-4)
+
+
+def test_fp16_skipped_batch_under_clipping_keeps_the_scaler_consistent(tmp_path, nan_pairs, tiny_path):
+    """A batch whose backward is skipped (on_nonfinite_loss: skip) leaves the GradScaler as it was: no unscale then,
+    or the next step's unscale_ would be refused ("unscale_() has already been called")."""
+    module = DPOModule(model="builtin:tiny", learning_rate=1e-3, on_nonfinite_loss="skip")
+    data = PreferenceDataModule(path=nan_pairs, val_split=None, batch_size=4, shuffle=False, max_length=32)
+    with pytest.warns(UserWarning, match="non-finite loss at step 1"):
+        run = fit(module, data, tmp_path, max_steps=3, plugins=[mixed_precision("16-mixed")], gradient_clip_val=1.0)
+    assert run.global_step == 3 and module.skipped_batches == 1
+    assert all(torch.isfinite(p).all() for p in module.policy.parameters())
