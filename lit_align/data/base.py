@@ -15,7 +15,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lit_align.data.rows import check_chat_template, check_template_kwargs
-from lit_align.data.sources import check_mixture, common_features, load_rows
+from lit_align.data.sources import (
+    SINGLE_FILE_SPLIT, MissingSplit, check_mixture, common_features, is_single_file, load_rows,
+)
 from lit_align.errors import LitAlignError
 from lit_align.models import load_tokenizer
 
@@ -73,6 +75,10 @@ class SkippingSampler(DistributedSampler):
 
 
 MIXTURE_STRATEGIES = ("concatenate", "interleave")
+HELD_OUT = "held-out"  # ``AlignDataModule.validation``: the validation rows are ``val_fraction`` of the training rows
+# what to set for validation rows (or for none), where a source has no such split
+VAL_OPTIONS = ("for validation set data.val_fraction (a held-out fraction of the training rows, e.g. 0.1) or "
+               "data.val_path (a separate file); for none, data.val_split: null")
 
 # Data settings a resume may change: how rows are loaded or validated, not which rows train in which batches.
 RESUME_MAY_CHANGE = ("num_workers", "num_proc", "val_split", "val_path", "val_batch_size")
@@ -120,8 +126,10 @@ class AlignDataModule(L.LightningDataModule):
         path: ``builtin:<task>``, a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, or a ``datasets`` hub name.
         config_name: the hub dataset's configuration, if it has several.
         train_split: split to train on.
-        val_split: split to validate on; None for no validation.
-        val_path: read validation rows from this source instead of ``path`` (its split ``val_split``, or ``train``
+        val_split: split to validate on; None for no validation. A single file has one split, ``train``: with
+            another ``val_split`` (the shipped configs' ``test``), ``fit`` trains on every row of it without
+            validation (as TRL with its defaults), ``validate`` reads it whole; one line says so.
+        val_path: read validation rows from this source instead of ``path`` (its split ``val_split``, or all of it
             for a single file).
         val_fraction: hold out this fraction of the train split for validation instead (seeded; overrides
             ``val_split``).
@@ -193,6 +201,7 @@ class AlignDataModule(L.LightningDataModule):
         self.tokenizer = None
         self.model_tokenizer: str | None = None  # the model's, handed over by ``connect``
         self.train_data = self.val_data = None
+        self._told_no_val_split = False
 
     def connect(self, tokenizer: str | None = None) -> None:
         """What the data follows from the model, handed over by the module's ``setup`` (settings flow one way, model
@@ -210,10 +219,11 @@ class AlignDataModule(L.LightningDataModule):
 
     # -- Lightning hooks -------------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self.val_split is None and not self.val_fraction > 0 and self.trainer is not None:
+        validation = self.validation(stage)
+        if validation is None and self.trainer is not None:
             self.trainer.limit_val_batches = 0  # no validation set: Lightning skips its loop (not an empty one)
         need_train = stage == "fit" and self.train_data is None
-        need_val = self.val_data is None and (self.val_fraction > 0 or self.val_split is not None)
+        need_val = self.val_data is None and validation is not None
         if not (need_train or need_val):
             return
         if self.tokenizer is None:
@@ -228,32 +238,50 @@ class AlignDataModule(L.LightningDataModule):
             self._setup_mixture(need_train, need_val)
             return
         train_rows = val_rows = val_source = None
-        if need_train or self.val_fraction > 0:
-            train_rows = self._load(self.path, self.train_split)
-        if self.val_fraction > 0:
+        if need_train or validation == HELD_OUT:
+            train_rows = self._load(self.path, self.train_split, option="data.train_split")
+        if validation == HELD_OUT:
             parts = train_rows.train_test_split(test_size=self.val_fraction, seed=self.seed)
             train_rows, val_rows, val_source = parts["train"], parts["test"], f"{self.path} (held-out)"
-        elif self.val_split is not None:
-            val_source = self.val_path or self.path
-            val_rows = self._load(val_source, self._val_split())
+        elif need_val:
+            val_source, split = validation
+            val_rows = self._load(val_source, split, option="data.val_split")
         if need_train:
             self.train_data = self.process(train_rows, self.path)
             rank_zero_info(f"lit_align: {len(self.train_data)} training rows from {self.path}")
         if need_val and val_rows is not None:
             self.val_data = self.process(val_rows, val_source)
 
-    def _val_split(self) -> str:
-        """The split validation rows are read from: ``val_split``, but ``train`` from a ``val_path`` that is a single
-        file (its one split)."""
-        path = self.val_path
-        if path and not path.startswith("builtin:") and "." in path.rsplit("/", 1)[-1]:
-            return "train"
-        return self.val_split
+    def validation(self, stage: str) -> tuple[str, str] | str | None:
+        """Where the validation rows come from: ``HELD_OUT`` (``val_fraction`` of the training rows), a ``(source,
+        split)``, or None (no validation: Lightning's loop is switched off).
+
+        A single file has one split, ``train``. As ``val_path`` it is read whole. As ``path``, with a ``val_split``
+        it cannot have (the shipped configs' ``test``), there is no validation in ``fit``, as TRL trains on such a
+        file with its defaults (no evaluation), and ``validate`` reads the whole file; one line says so."""
+        if self.val_fraction > 0:
+            return HELD_OUT
+        if self.val_split is None:
+            return None
+        if self.val_path is not None:
+            return self.val_path, SINGLE_FILE_SPLIT if is_single_file(self.val_path) else self.val_split
+        if self.mixture:
+            return None
+        if not is_single_file(self.path) or self.val_split == SINGLE_FILE_SPLIT:
+            return self.path, self.val_split
+        fitting = stage == TrainerFn.FITTING
+        if not self._told_no_val_split:
+            self._told_no_val_split = True
+            what = "no validation" if fitting else f"validating on every row of {self.path}"
+            rank_zero_info(f"lit_align: {what}: {self.path} is a single file, whose one split is "
+                           f"{SINGLE_FILE_SPLIT!r} (data.val_split is {self.val_split!r}); {VAL_OPTIONS}")
+        return None if fitting else (self.path, SINGLE_FILE_SPLIT)
 
     def _setup_mixture(self, need_train: bool, need_val: bool) -> None:
         parts = []
-        for source in self.mixture:
-            rows = self._load(source.path, source.split, source.config_name, source.rename_columns or {})
+        for i, source in enumerate(self.mixture):
+            rows = self._load(source.path, source.split, f"data.mixture[{i}].split", source.config_name,
+                              source.rename_columns or {})
             parts.append(self.process(rows, f"{source.path} ({source.split})"))
         columns = [sorted(part.column_names) for part in parts]
         if any(c != columns[0] for c in columns):
@@ -271,16 +299,21 @@ class AlignDataModule(L.LightningDataModule):
             split = rows.train_test_split(test_size=self.val_fraction, seed=self.seed)
             rows, self.val_data = split["train"], split["test"] if need_val else None
         elif need_val and self.val_path is not None and self.val_split is not None:
-            self.val_data = self.process(self._load(self.val_path, self._val_split()), self.val_path)
+            self.val_data = self.process(self._load(*self.validation("fit"), option="data.val_split"), self.val_path)
         if need_train:
             self.train_data = rows
             sizes = ", ".join(f"{s.path} {len(p)}" for s, p in zip(self.mixture, parts))
             rank_zero_info(f"lit_align: {len(rows)} training rows from a mixture ({self.mixture_strategy}: {sizes})")
 
-    def _load(self, source: str, split: str, config_name: str | None = None,
+    def _load(self, source: str, split: str, option: str, config_name: str | None = None,
               rename_columns: dict[str, str] | None = None):
+        """``split`` of ``source``, renamed; a split it does not have is one line naming ``option``, the setting."""
         rename = self.rename_columns if rename_columns is None else rename_columns
-        rows = load_rows(source, split, self.kind, config_name if config_name is not None else self.config_name)
+        try:
+            rows = load_rows(source, split, self.kind, config_name if config_name is not None else self.config_name)
+        except MissingSplit as exc:
+            fix = VAL_OPTIONS if option == "data.val_split" else f"set {option} to a split it has"
+            raise LitAlignError(f"{exc} ({option} is {split!r}); {fix}") from None
         missing = sorted(set(rename) - set(rows.column_names))
         if missing:
             raise LitAlignError(f"{source}: data.rename_columns names columns it does not have: {missing} "

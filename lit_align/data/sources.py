@@ -18,6 +18,21 @@ BUILTIN_PREFIX = "builtin:"
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # Text columns a CSV reader must keep as text: pandas would read "0012" as the integer 12.
 TEXT_COLUMNS = ("prompt", "chosen", "rejected", "completion", "answer")
+SINGLE_FILE_SPLIT = "train"  # what ``datasets`` calls a lone file's rows
+
+
+class MissingSplit(LitAlignError):
+    """The source has no split of that name (a single file has only ``train``); the data module says which of its
+    options to set."""
+
+
+def is_single_file(source: str) -> bool:
+    """Whether ``source`` is one local data file (``.json``/``.jsonl``/``.csv``/``.parquet``, or any existing file),
+    whose only split is ``train``."""
+    if source.startswith(BUILTIN_PREFIX):
+        return False
+    path = Path(source).expanduser()
+    return path.suffix.lower() in FILE_BUILDERS or path.is_file()
 
 
 def load_rows(source: str, split: str, kind: str, config_name: str | None = None) -> datasets.Dataset:
@@ -38,17 +53,18 @@ def load_rows(source: str, split: str, kind: str, config_name: str | None = None
         try:
             return getattr(task, f"{kind}_rows")(split)
         except KeyError:
-            raise LitAlignError(f"{source}: no split {split!r} (expected one of {sorted(task.sizes)})") from None
+            raise MissingSplit(f"{source}: no split {split!r} (expected one of {sorted(task.sizes)})") from None
 
     path = Path(source).expanduser()
-    if path.suffix.lower() in FILE_BUILDERS or path.is_file():
+    if is_single_file(source):
         return _load_file(path, split)
     if source.startswith((".", "/", "~")) and not path.exists():
         raise LitAlignError(f"{source}: no such file or directory")
     try:
         return datasets.load_dataset(source, config_name, split=split)
     except ValueError as exc:
-        raise LitAlignError(f"{source}: {str(exc).splitlines()[0]}") from exc
+        kind = MissingSplit if str(exc).startswith("Unknown split") else LitAlignError  # datasets' words for it
+        raise kind(f"{source}: {str(exc).splitlines()[0]}") from exc
     except Exception as exc:  # noqa: BLE001 - hub and file errors come in many types
         raise LitAlignError(f"could not load dataset {source!r} (split {split!r}): {str(exc).splitlines()[0]}") from exc
 
@@ -113,8 +129,8 @@ def _load_file(path: Path, split: str) -> datasets.Dataset:
     builder = FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise LitAlignError(f"{path}: unsupported file type (expected one of {sorted(FILE_BUILDERS)})")
-    if split != "train":
-        raise LitAlignError(f"{path}: a single file only has the split 'train', not {split!r} (use a separate file)")
+    if split != SINGLE_FILE_SPLIT:
+        raise MissingSplit(f"{path}: a single file has one split, {SINGLE_FILE_SPLIT!r}, not {split!r}")
     size = path.stat().st_size
     if size == 0 or (size < 4096 and not path.read_bytes().strip()):
         raise LitAlignError(f"{path}: the file is empty")

@@ -335,9 +335,15 @@ def test_missing_and_unsupported_files(tmp_path):
     assert error_of(path).startswith("FILE: unsupported file type")
 
 
-def test_single_file_has_no_test_split(write_jsonl):
+def test_a_single_file_has_one_split_train(write_jsonl):
+    """Its rows train, with no validation where ``val_split`` names another split; as the training split, another
+    name is one line naming the setting."""
     path = write_jsonl([GOOD])
-    assert error_of(path, val_split="test").startswith("FILE: a single file only has the split 'train', not 'test'")
+    data = module(str(path), val_split="test")
+    data.setup("fit")
+    assert len(data.train_data) == 1 and data.val_data is None
+    assert error_of(path, train_split="test") == ("FILE: a single file has one split, 'train', not 'test' "
+                                                  "(data.train_split is 'test'); set data.train_split to a split it has")
 
 
 def test_chosen_equals_rejected(write_jsonl):

@@ -42,7 +42,7 @@ def test_a_builtin_task_gives_the_rows_of_its_kind():
     ("builtin:sort", "dev", "builtin:sort: no split 'dev' (expected one of"),
     ("{tmp}/rows.txt", "train", "{tmp}/rows.txt: unsupported file type (expected one of ['.csv', '.json', "
                                 "'.jsonl', '.parquet'])"),
-    ("{tmp}/rows.jsonl", "test", "{tmp}/rows.jsonl: a single file only has the split 'train', not 'test'"),
+    ("{tmp}/rows.jsonl", "test", "{tmp}/rows.jsonl: a single file has one split, 'train', not 'test'"),
     ("{tmp}/empty.jsonl", "train", "{tmp}/empty.jsonl: the file is empty"),
     ("{tmp}/mixed.jsonl", "train", "{tmp}/mixed.jsonl row 1: field 'answer' is a number, but row 0's is a string "
                                    "(a column must have one type)"),
