@@ -109,8 +109,8 @@ def _reads_as_yaml(path: str) -> bool:
 
 
 def _trl_field(name: str) -> bool:
-    """Whether a top-level config key is one of the fields a TRL config file sets (``lit_align.trl_config``)."""
-    from lit_align.trl_config import FIELDS, TRL_DEFAULTS
+    """Whether a top-level config key is one of the fields a TRL config file sets (``lit_align.from_trl``)."""
+    from lit_align.from_trl.translate import FIELDS, TRL_DEFAULTS
 
     return name in FIELDS or name in TRL_DEFAULTS or name in ("output_dir", "learning_rate", "bf16", "use_peft")
 
@@ -248,10 +248,10 @@ def check_checkpoint_file(path: str) -> None:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point: ``lit-align {fit,validate,test} -c CONFIG [--key value ...]``, or ``lit-align from-trl COMMAND
-    --config FILE`` (a TRL config file as a lit_align config: ``lit_align.trl_config``)."""
+    --config FILE`` (a TRL config file as a lit_align config: ``lit_align.from_trl``)."""
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["from-trl"]:
-        from lit_align.trl_config import main as from_trl
+        from lit_align.from_trl import main as from_trl
 
         return from_trl(argv[1:])
     run(args)

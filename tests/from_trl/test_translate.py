@@ -13,7 +13,7 @@ from helpers import assert_one_line_error, run_main
 from safetensors.torch import load_file
 
 from lit_align.errors import LitAlignError
-from lit_align.trl_config import COMMANDS, translate
+from lit_align.from_trl import COMMANDS, translate
 
 
 def write(path, fields: dict) -> str:
@@ -63,7 +63,7 @@ def test_the_docs_example_is_what_the_translation_writes():
     """docs/trl_configs.md's TRL file and its translation, as the page shows them."""
     import re
 
-    page = (Path(__file__).resolve().parents[1] / "docs" / "trl_configs.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "trl_configs.md").read_text()
     trl, lit = (yaml.safe_load(block) for block in re.findall(r"```yaml\n(.*?)```", page, re.S)[:2])
     assert translate("distillation", trl) == lit
 
@@ -114,11 +114,11 @@ def test_quantized_loading_is_a_bitsandbytes_config_as_trls():
     TRL's get_quantization_config gives BitsAndBytesConfig."""
     four = translate("sft", {"load_in_4bit": True, "dtype": "bfloat16", "use_bnb_nested_quant": True,
                              "bnb_4bit_quant_type": "nf4", "model_revision": "main"})["model"]["init_args"]
-    assert four == {"dtype": "bfloat16", "model_init_kwargs": {"quantization_config": {
+    assert four == {"disable_dropout": False, "dtype": "bfloat16", "model_init_kwargs": {"quantization_config": {
         "load_in_4bit": True, "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_type": "nf4",
         "bnb_4bit_use_double_quant": True}}}
     eight = translate("sft", {"load_in_8bit": True})["model"]["init_args"]
-    assert eight == {"model_init_kwargs": {"quantization_config": {"load_in_8bit": True}}}
+    assert eight == {"disable_dropout": False, "model_init_kwargs": {"quantization_config": {"load_in_8bit": True}}}
 
 
 def test_trl_defaults_are_written_where_lightnings_differ():
@@ -135,7 +135,7 @@ def test_trl_defaults_are_written_where_lightnings_differ():
     assert translate("sft", {"max_steps": 10, "num_train_epochs": 1})["trainer"]["max_epochs"] == -1
 
 
-SHIPPED = sorted((Path(__file__).resolve().parents[1] / "configs" / "trl").glob("*.yaml"))
+SHIPPED = sorted((Path(__file__).resolve().parents[2] / "configs" / "trl").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("trl", SHIPPED, ids=[p.name for p in SHIPPED])
@@ -171,18 +171,22 @@ def test_a_translated_config_of_each_command_parses(command, evaluation, tmp_pat
 
 
 @pytest.mark.parametrize("fields, needles", [
-    ({"model_name_or_path": "m", "torch_compile": True, "dataset_streaming": True},
-     ["trl.yaml", "'torch_compile'", "'dataset_streaming' (set to True)"]),
+    ({"model_name_or_path": "m", "neftune_noise_alpha": 5, "dataset_streaming": True, "num_train_epochs": 1.5},
+     ["trl.yaml", "3 field(s)", "'neftune_noise_alpha' (TRL's field; lit_align has no equivalent)",
+      "'dataset_streaming' is True", "'num_train_epochs' is 1.5"]),
     ({"num_train_epochs": 1.5}, ["trl.yaml", "'num_train_epochs' is 1.5", "whole number"]),
     ({"eval_strategy": "steps", "eval_steps": 0.1}, ["'eval_steps' is 0.1"]),
     ({"save_strategy": "best"}, ["'save_strategy' is 'best'"]),
-    ({"report_to": ["trackio"]}, ["'report_to' names ['trackio']"]),
+    ({"learnig_rate": 1e-5}, ["'learnig_rate' is not a field of TRL", "did you mean 'learning_rate'?"]),
+    ({"max_completion_length": 8}, ["'max_completion_length' is a field of `trl grpo`", "not of `trl dpo`"]),
+    ({"beta": "abc", "loss_type": ["nope"]}, ["'beta' is 'abc': expected a number"]),
+    ({"beta": 0.1, "rpo_alpha": -1.0}, ["'rpo_alpha'", "rpo_alpha"]),
     ({"bf16": True, "fp16": True}, ["'bf16' and 'fp16'"]),
     ({"env": {"HF_HOME": "/x"}}, ["'env' (set those environment variables in the shell"]),
     ({"save_steps": 0.1}, ["'save_steps' is 0.1"]),
     ({"logging_steps": 0.5, "eval_strategy": "steps"}, ["'logging_steps' is 0.5"]),
     ({"num_train_epochs": None}, ["'num_train_epochs' is None"]),
-    ({"eval_on_start": True}, ["'eval_on_start' (set to True)"]),
+    ({"load_best_model_at_end": True}, ["'load_best_model_at_end' is True"]),
 ])
 def test_what_does_not_translate_is_one_error_line(fields, needles, tmp_path, capfd):
     out = tmp_path / "lit.yaml"
@@ -213,7 +217,7 @@ def test_trls_command_line_fields_override_the_file_as_in_trl(tmp_path, capfd):
     model = config["model"]["init_args"]
     assert model == {"peft_config": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05,  # ModelConfig's defaults
                                      "target_modules": ["q_proj", "v_proj"]}, "model": "a", "beta": 0.2,
-                     "learning_rate": 1e-6, "model_init_kwargs": {"revision": "v2"}, "loss_type": "sigmoid"}
+                     "learning_rate": 1e-6, "model_init_kwargs": {"revision": "v2"}, "loss_type": ["sigmoid"]}  # TRL 1.16's is a list
     assert config["trainer"]["max_steps"] == 7 and "precision" not in config["trainer"]
     code, out, err = run_main(["from-trl", "sft", "--model_name_or_path", "m", "--num_train_epochs", "2"], capfd)
     assert code == 0, err
@@ -231,7 +235,8 @@ def test_what_trl_reads_differently_per_command():
     assert grpo["model"]["init_args"]["reward_funcs"] == ["org/rm", "my.f"]
     assert grpo["model"]["init_args"]["warmup_ratio"] == 0.1 and grpo["data"]["init_args"]["max_length"] is None
     assert translate("dpo", {"warmup_steps": 10})["model"]["init_args"]["warmup_steps"] == 10
-    rloo = translate("rloo", {"eval_strategy": "epoch", "per_device_eval_batch_size": 8})  # RLOO's 2 samples
+    rloo = translate("rloo", {"eval_strategy": "epoch", "per_device_eval_batch_size": 8,  # RLOO's 2 samples
+                              "reward_funcs": "my.f"})
     assert (rloo["model"]["init_args"]["num_generations_eval"], rloo["data"]["init_args"]["val_batch_size"]) == (2, 4)
     with pytest.raises(LitAlignError, match="'per_device_eval_batch_size' is 6: expected a multiple of the 4"):
         translate("grpo", {"eval_strategy": "epoch", "per_device_eval_batch_size": 6, "num_generations": 4})
@@ -255,20 +260,22 @@ def test_null_and_exponent_values_read_as_trl_reads_them():
     null reward model is none; max_steps 0 is no limit (TRL overrides the epochs only above 0); data_seed orders
     the data."""
     config = translate("grpo", {"learning_rate": "1e-5", "adam_epsilon": "1e-8", "bf16": None,
-                                "reward_model_name_or_path": None, "reward_funcs": ["f"], "max_steps": 0,
+                                "reward_model_name_or_path": None, "reward_funcs": ["my.f"], "max_steps": 0,
                                 "data_seed": 7})
     model, trainer = config["model"]["init_args"], config["trainer"]
-    assert model["learning_rate"] == 1e-5 and model["reward_funcs"] == ["f"]
+    assert model["learning_rate"] == 1e-5 and model["reward_funcs"] == ["my.f"]
     assert trainer["precision"] == "bf16-mixed" and trainer["max_epochs"] == 3 and "max_steps" not in trainer
     assert config["data"]["init_args"]["seed"] == 7 and config["seed_everything"] == 42
 
 
 def test_a_single_value_of_a_list_field_is_a_list_and_text_fields_stay_text(capfd):
+    """One value of TRL's list fields is a one-item list (ModelConfig makes lora_target_modules' one item the item
+    itself: all-linear), names and splits stay text."""
     code, out, err = run_main(["from-trl", "grpo", "--lora_target_modules", "q_proj", "--use_peft",
                                "--dataset_name", "x", "--dataset_config", "2020", "--reward_funcs", "my.f"], capfd)
     assert code == 0, err
     config = yaml.safe_load(out)
-    assert config["model"]["init_args"]["peft_config"]["target_modules"] == ["q_proj"]
+    assert config["model"]["init_args"]["peft_config"]["target_modules"] == "q_proj"
     assert config["model"]["init_args"]["reward_funcs"] == ["my.f"]
     assert config["data"]["init_args"]["config_name"] == "2020"
 
@@ -280,7 +287,7 @@ def test_an_output_that_cannot_be_written_is_one_error_line(tmp_path, capfd):
 
 
 def test_a_trl_file_given_to_fit_says_to_translate_it_first(capfd):
-    trl = Path(__file__).resolve().parents[1] / "configs" / "trl" / "distillation_smollm2.yaml"
+    trl = Path(__file__).resolve().parents[2] / "configs" / "trl" / "distillation_smollm2.yaml"
     code, _, err = run_main(["fit", "-c", str(trl)], capfd)
     assert_one_line_error(code, err, "'model_name_or_path' is a TRL field", "lit-align from-trl COMMAND --config FILE")
 
