@@ -167,16 +167,43 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
     return tokenizer
 
 
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+DEFAULT_DTYPE = "float32"  # TRL's where none is given (transformers' own default is the checkpoint's)
+DTYPE_KEYS = ("dtype", "torch_dtype")  # ``model_init_kwargs``' names for it: transformers' and its older one
+
+
+def check_dtype(dtype: str | None, option: str) -> str:
+    """``dtype`` as one of ``DTYPES``; None (TRL's "not set") is ``DEFAULT_DTYPE``. ``option`` names it in errors."""
+    if dtype is None:
+        return DEFAULT_DTYPE
+    if dtype not in DTYPES:
+        raise LitAlignError(f"{option} {dtype!r}: expected one of {', '.join(DTYPES)} (or null: {DEFAULT_DTYPE})")
+    return dtype
+
+
+def init_kwargs_dtype(model_init_kwargs: dict | None, option: str = "model.model_init_kwargs") -> str | None:
+    """The dtype ``model_init_kwargs`` set, TRL's way (``dtype``, or ``torch_dtype``), checked; None where it sets
+    none (or null)."""
+    given = {key: (model_init_kwargs or {}).get(key) for key in DTYPE_KEYS}
+    given = {key: check_dtype(value, f"{option}.{key}") for key, value in given.items() if value is not None}
+    if len(set(given.values())) > 1:
+        raise LitAlignError(f"{option}: dtype {given['dtype']!r} and torch_dtype {given['torch_dtype']!r} disagree "
+                            "(torch_dtype is the older name of dtype: give one)")
+    return next(iter(given.values()), None)
+
+
 def from_pretrained_kwargs(model_init_kwargs: dict | None, option: str = "model.model_init_kwargs") -> dict:
     """``model_init_kwargs`` as ``from_pretrained`` takes them: a ``quantization_config`` mapping becomes a
-    ``BitsAndBytesConfig``; the settings lit_align has its own option for are refused (one place for each).
-    ``option``: the setting they came from, in errors."""
-    kwargs = dict(model_init_kwargs or {})
+    ``BitsAndBytesConfig``; the dtype (``dtype`` or ``torch_dtype``) is checked and left to ``load_model``; the
+    settings lit_align has its own option for are refused (one place for each). ``option``: the setting they came
+    from, in errors."""
+    init_kwargs_dtype(model_init_kwargs, option)
+    kwargs = {key: value for key, value in (model_init_kwargs or {}).items() if key not in DTYPE_KEYS}
     kwargs.pop("gguf_file", None)  # folded into the model's path (gguf_path)
-    clash = sorted({"dtype", "torch_dtype", "attn_implementation", "trust_remote_code"} & set(kwargs))
+    clash = sorted({"attn_implementation", "trust_remote_code"} & set(kwargs))
     if clash:
-        raise LitAlignError(f"{option}: {clash} have their own options (model.dtype, "
-                            "model.attn_implementation, model.trust_remote_code)")
+        raise LitAlignError(f"{option}: {clash} have their own options (model.attn_implementation, "
+                            "model.trust_remote_code)")
     if isinstance(kwargs.get("quantization_config"), dict):
         from transformers import BitsAndBytesConfig
 
@@ -189,7 +216,7 @@ def from_pretrained_kwargs(model_init_kwargs: dict | None, option: str = "model.
 
 def load_model(
     name_or_path: str,
-    dtype: str = "float32",
+    dtype: str | None = DEFAULT_DTYPE,
     attn_implementation: str | None = "sdpa",
     trust_remote_code: bool = False,
     model_init_kwargs: dict | None = None,
@@ -201,7 +228,9 @@ def load_model(
     Args:
         name_or_path: what ``AutoModelForCausalLM.from_pretrained`` takes, ``builtin:tiny`` / ``builtin:small``, a
             ``.gguf`` file or ``pretrained:<name>`` (loaded from a plain directory converted once; float weights).
-        dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
+        dtype: parameter dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's); None:
+            float32, TRL's default. ``model_init_kwargs``' ``dtype`` (or ``torch_dtype``, its older name), TRL's
+            place for it, wins where it is set (null there: not set).
         attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2``, ... (None: transformers' default).
         model_init_kwargs: more ``from_pretrained`` arguments (TRL's name), e.g. ``device_map``, ``revision``, config
             overrides, ``quantization_config`` (a mapping of ``BitsAndBytesConfig`` arguments, for QLoRA), or
@@ -209,9 +238,8 @@ def load_model(
             ``use_kernels`` is false unless given: transformers would otherwise fetch Hugging Face Hub kernels when
             the model first runs in train mode on a GPU (no network: the run stops there).
     """
+    dtype = init_kwargs_dtype(model_init_kwargs) or check_dtype(dtype, "model.dtype")
     path = check_loadable(gguf_path(name_or_path, model_init_kwargs), "model")
-    if dtype != "auto" and not isinstance(getattr(torch, dtype, None), torch.dtype):
-        raise LitAlignError(f"model dtype {dtype!r}: expected float32, bfloat16, float16 or auto")
     if (model_init_kwargs or {}).get("num_labels") is not None:
         check_num_labels(path, name_or_path, model_init_kwargs["num_labels"], trust_remote_code)
     try:

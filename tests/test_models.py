@@ -170,8 +170,33 @@ def test_bad_builtin_name_and_dtype():
     with pytest.raises(LitAlignError) as info:
         resolve("builtin:huge")
     assert str(info.value) == "unknown built-in model builtin:huge: expected one of ['small', 'tiny']"
-    with pytest.raises(LitAlignError, match="model dtype 'float8': expected float32, bfloat16, float16 or auto"):
+    with pytest.raises(LitAlignError) as info:
         load_model("builtin:tiny", dtype="float8")
+    assert str(info.value) == "model.dtype 'float8': expected one of float32, bfloat16, float16, auto (or null: float32)"
+
+
+def test_a_null_dtype_is_float32_and_model_init_kwargs_set_it_as_in_trl():
+    """TRL: ``dtype: null`` (or not set) is float32; ``model_init_kwargs`` carries the dtype as ``dtype`` or its older
+    name ``torch_dtype`` (null there: not set) and wins over ``model.dtype``'s default."""
+    from lit_align.models import from_pretrained_kwargs
+
+    for dtype, kwargs, expected in [
+        (None, None, torch.float32), (None, {"dtype": None}, torch.float32),
+        ("float32", {"torch_dtype": None, "max_position_embeddings": 1024}, torch.float32),
+        ("float32", {"torch_dtype": "bfloat16"}, torch.bfloat16), (None, {"dtype": "float16"}, torch.float16),
+        ("bfloat16", {"dtype": "bfloat16", "torch_dtype": "bfloat16"}, torch.bfloat16),
+    ]:
+        model = load_model("builtin:tiny", dtype=dtype, model_init_kwargs=kwargs)
+        assert {p.dtype for p in model.parameters()} == {expected}, (dtype, kwargs)
+    assert from_pretrained_kwargs({"torch_dtype": None, "revision": "main"}) == {"revision": "main"}
+    with pytest.raises(LitAlignError) as info:
+        from_pretrained_kwargs({"dtype": "bfloat16", "torch_dtype": "float16"}, "model.teacher_model_init_kwargs")
+    assert str(info.value) == ("model.teacher_model_init_kwargs: dtype 'bfloat16' and torch_dtype 'float16' disagree "
+                               "(torch_dtype is the older name of dtype: give one)")
+    with pytest.raises(LitAlignError) as info:
+        from_pretrained_kwargs({"dtype": "torch.float16"})
+    assert str(info.value) == ("model.model_init_kwargs.dtype 'torch.float16': expected one of float32, bfloat16, "
+                               "float16, auto (or null: float32)")
 
 
 def _build_on_rank(rank: int, world: int, init_file: str, out: str) -> None:
@@ -217,8 +242,8 @@ def test_model_init_kwargs_build_a_quantization_config_and_refuse_clashes():
     assert isinstance(kwargs["quantization_config"], BitsAndBytesConfig)
     assert kwargs["quantization_config"].load_in_4bit and kwargs["quantization_config"].bnb_4bit_quant_type == "nf4"
     assert kwargs["device_map"] == "auto"
-    with pytest.raises(LitAlignError, match=r"model.model_init_kwargs: \['torch_dtype'\] have their own options"):
-        from_pretrained_kwargs({"torch_dtype": "bfloat16"})
+    with pytest.raises(LitAlignError, match=r"model.model_init_kwargs: \['attn_implementation'\] have their own "):
+        from_pretrained_kwargs({"attn_implementation": "eager"})
 
 
 def test_cast_lm_head_to_fp32_runs_the_head_in_fp32_plain_and_chunked(tiny_path):
@@ -242,3 +267,18 @@ def test_cast_lm_head_to_fp32_runs_the_head_in_fp32_plain_and_chunked(tiny_path)
             logps, _ = next_token_logps(model, ids, 4, chunk_size=chunk_size)
             assert_rounding_close(logps, expected, scale=float(expected.abs().max()), terms=model.config.hidden_size)
         assert (before - expected).abs().max() > 1e-4  # what the cast changes: bf16's rounding of the logits
+
+
+def test_dtype_null_trains_through_the_cli(capfd):
+    """``model.dtype: null`` and ``model_init_kwargs: {torch_dtype: null}`` (a TRL config's way of saying "the
+    default") train in float32 (they were a TypeError traceback)."""
+    from helpers import run_main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "dpo.yaml")
+    code, out, err = run_main(["fit", "-c", config, "--model.init_args.dtype", "null",
+                               "--model.init_args.model_init_kwargs", "{torch_dtype: null}", "--trainer.max_steps", "1",
+                               "--data.init_args.val_split", "null", "--trainer.logger", "false",
+                               "--trainer.enable_checkpointing", "false", "--export.enabled", "false",
+                               "--trainer.enable_progress_bar", "false"], capfd)
+    assert code == 0, err
+    assert "Traceback" not in err

@@ -164,6 +164,12 @@ CASES = [
     ("reward function returns the wrong length", grpo("wrong_length"),
      "error: reward function 'wrong_length' returned 3 values for 4 completions (expected a list of floats, one per "
      "completion)"),
+    ("bad model.dtype", dpo("builtin:sort", "--model.init_args.dtype", "fp16"),
+     "error: model.dtype 'fp16': expected one of float32, bfloat16, float16, auto (or null: float32)"),
+    ("bad torch_dtype in model_init_kwargs", dpo("builtin:sort", "--model.init_args.model_init_kwargs",
+                                                 "{torch_dtype: half}"),
+     "error: model.model_init_kwargs.torch_dtype 'half': expected one of float32, bfloat16, float16, auto (or null: "
+     "float32)"),
 ]
 
 # config mistakes: a usage error (exit 2), naming the key
