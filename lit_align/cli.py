@@ -38,7 +38,7 @@ from lit_align.imports import import_object
 MOVED = {("data", name): f"model.{name}" for name in
          ("num_generations", "steps_per_generation", "num_iterations", "generation_batch_size")}
 UNKNOWN_OPTION = re.compile(r"Problem with given class_path '([\w.]+)':\s+Option '(\w+)' is not accepted")
-UNKNOWN_TOP_LEVEL = re.compile(r"Subcommand '(\w+)' does not accept option '(\w+)'")
+UNKNOWN_TOP_LEVEL = re.compile(r"Subcommand '(\w+)' does not accept option '(\w+)[\w.]*'")  # a.b: nested
 
 
 class AlignParser(LightningArgumentParser):
@@ -109,10 +109,12 @@ def _reads_as_yaml(path: str) -> bool:
 
 
 def _trl_field(name: str) -> bool:
-    """Whether a top-level config key is one of the fields a TRL config file sets (``lit_align.from_trl``)."""
-    from lit_align.from_trl.translate import FIELDS, TRL_DEFAULTS
+    """Whether a top-level config key is a field of a TRL config file (``lit_align.from_trl``), a recipe
+    repository's ``dataset_mixture`` or one of TRL's older names included."""
+    from lit_align.from_trl.translate import OLDER_NAMES
+    from lit_align.from_trl.trl_fields import commands_with
 
-    return name in FIELDS or name in TRL_DEFAULTS or name in ("output_dir", "learning_rate", "bf16", "use_peft")
+    return bool(commands_with(name)) or name in OLDER_NAMES or name == "dataset_mixture"
 
 
 def unknown_option(class_path: str, name: str) -> str:

@@ -228,7 +228,8 @@ def _check_values(work: sections.Work) -> None:
     parser.add_subclass_arguments(AlignModule, "model")
     parser.add_subclass_arguments(AlignDataModule, "data")
     try:
-        parser.instantiate_classes(parser.parse_object({"model": work.config["model"], "data": work.config["data"]}))
+        parsed = parser.parse_object(copy.deepcopy({"model": work.config["model"], "data": work.config["data"]}))
+        parser.instantiate_classes(parsed)
     except Exception as exc:  # noqa: BLE001 - jsonargparse wraps what the classes raise
         cause, depth = exc, 0
         while cause is not None and not isinstance(cause, LitAlignError) and depth < 20:

@@ -298,3 +298,97 @@ def test_an_output_onto_the_trl_config_itself_is_refused_and_the_file_kept(tmp_p
     code, _, err = run_main(["from-trl", "sft", "--config", str(trl), "-o", str(tmp_path / "." / "trl.yaml")], capfd)
     assert_one_line_error(code, err, "is the TRL config itself")
     assert trl.read_text() == "model_name_or_path: m\nlearning_rate: 1.0e-5\n"
+
+
+def test_settings_that_change_nothing_trained_are_dropped_with_a_note(tmp_path, capfd):
+    """Hub, logging and speed-only settings: one note line per reason on stderr and as comments in the config."""
+    trl = write(tmp_path / "trl.yaml", {"model_name_or_path": "m", "use_liger_kernel": True, "torch_compile": True,
+                                        "logging_first_step": True, "overwrite_output_dir": True,
+                                        "hub_strategy": "every_save"})
+    out = tmp_path / "lit.yaml"
+    code, _, err = run_main(["from-trl", "dpo", "--config", trl, "-o", str(out)], capfd)
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 2 and "note: dropped torch_compile, use_liger_kernel (a speed setting" in notes[1]
+    assert notes[0].startswith("note: dropped logging_first_step, overwrite_output_dir (logging")
+    assert "# dropped torch_compile, use_liger_kernel (a speed setting" in out.read_text()
+    assert "hub_strategy" not in out.read_text().split("model:")[1]  # not pushed: nothing to say
+
+
+def test_report_to_is_the_installed_logger_else_tensorboard_with_a_note(monkeypatch):
+    from lit_align.from_trl import sections
+
+    monkeypatch.setattr(sections, "installed", lambda package: package != "wandb")
+    notes = []
+    config = translate("dpo", {"report_to": ["wandb"], "output_dir": "o", "run_name": "r"}, notes=notes)
+    assert config["trainer"]["logger"] == {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                                           "init_args": {"save_dir": "o", "name": "r"}}
+    assert notes == ["report_to wandb: not installed here, so TensorBoard instead (trainer.logger takes any "
+                     "Lightning logger)"]
+    monkeypatch.setattr(sections, "installed", lambda package: True)
+    config = translate("dpo", {"report_to": "wandb", "run_name": "r"})
+    assert config["trainer"]["logger"] == {"class_path": "lightning.pytorch.loggers.WandbLogger",
+                                           "init_args": {"name": "r"}}
+    assert translate("dpo", {"report_to": ["trackio"]})["trainer"]["logger"]["class_path"].endswith("TensorBoardLogger")
+
+
+def test_push_to_hub_is_the_exports_upload():
+    config = translate("sft", {"push_to_hub": True, "output_dir": "data/Qwen-SFT", "hub_private_repo": True})
+    assert config["export"] == {"path": "data/Qwen-SFT/hf_model", "push_to_hub": True, "hub_model_id": "Qwen-SFT",
+                                "hub_private_repo": True}
+    config = translate("sft", {"push_to_hub": True, "hub_model_id": "me/x", "output_dir": "o"})
+    assert config["export"]["hub_model_id"] == "me/x"
+    assert "export" not in translate("sft", {"push_to_hub": False, "hub_model_id": "me/x"})
+
+
+def test_trls_dataset_mixture_and_a_recipe_repositorys_are_a_data_mixture():
+    trl = translate("sft", {"datasets": [{"path": "a/b", "name": "c", "split": "train", "columns": ["messages"]},
+                                         {"path": "d/e"}], "eval_strategy": "steps", "test_split_size": 0.1})
+    data = trl["data"]["init_args"]
+    assert data["mixture"] == [{"path": "a/b", "split": "train", "config_name": "c"}, {"path": "d/e", "split": "train"}]
+    assert data["path"] is None and data["val_fraction"] == 0.1
+    recipe = translate("sft", {"dataset_mixture": {"datasets": [{"id": "open-r1/Mixture-of-Thoughts", "config": "all",
+                                                                  "split": "train", "weight": 1.0}], "seed": 0}})
+    assert recipe["data"]["init_args"]["mixture"] == [{"path": "open-r1/Mixture-of-Thoughts", "split": "train",
+                                                       "config_name": "all"}]
+    with pytest.raises(LitAlignError, match=r"'datasets\[1\].fraction' is 0.3: keeping a share"):
+        translate("sft", {"datasets": [{"path": "a", "fraction": 0.7}, {"path": "b", "fraction": 0.3}]})
+
+
+def test_trls_reward_names_are_its_functions():
+    model = translate("grpo", {"reward_funcs": ["accuracy_reward", "think_format_reward",
+                                                "get_soft_overlong_punishment", "my.pkg.fn"]})["model"]["init_args"]
+    assert model["reward_funcs"] == [
+        "trl.rewards.accuracy_reward", "trl.rewards.think_format_reward",
+        {"class_path": "trl.rewards.get_soft_overlong_punishment",
+         "init_args": {"max_completion_len": 1280, "soft_punish_cache": 256}}, "my.pkg.fn"]
+    from lit_align.rewards import load_reward
+
+    punish = load_reward(model["reward_funcs"][2])  # TRL's own function, built as TRL's script builds it
+    assert punish(completion_ids=[[1] * 1024, [1] * 1280]) == [0.0, -1.0]
+
+
+def test_older_names_and_a_null_dtype_read_as_trl_reads_them():
+    config = translate("sft", {"torch_dtype": "bfloat16", "max_seq_length": 1024, "evaluation_strategy": "no"})
+    assert config["model"]["init_args"]["dtype"] == "bfloat16"
+    assert config["data"]["init_args"]["max_length"] == 1024
+    assert "dtype" not in translate("sft", {"torch_dtype": None})["model"]["init_args"]  # transformers' default
+
+
+def test_sft_keeps_dropout_as_trls_sft_trainer_does():
+    assert translate("sft", {})["model"]["init_args"]["disable_dropout"] is False
+    assert "disable_dropout" not in translate("dpo", {})["model"]["init_args"]  # TRL's default true: lit_align's
+
+
+def test_another_commands_file_names_its_command(tmp_path, capfd):
+    trl = write(tmp_path / "dpo.yaml", {"model_name_or_path": "m", "beta": 0.01, "max_prompt_length": 512,
+                                        "precompute_ref_log_probs": True})
+    code, _, err = run_main(["from-trl", "sft", "--config", trl], capfd)
+    assert_one_line_error(code, err, "'precompute_ref_log_probs' is a field of `trl dpo`", "not of `trl sft`",
+                          "lit-align from-trl dpo")
+
+
+def test_a_nested_trl_file_given_to_fit_says_to_translate_it(tmp_path, capfd):
+    trl = write(tmp_path / "trl.yaml", {"dataset_mixture": {"datasets": [{"id": "x"}]}, "model_name_or_path": "m"})
+    code, _, err = run_main(["fit", "-c", trl], capfd)
+    assert_one_line_error(code, err, "'dataset_mixture' is a TRL field", "lit-align from-trl COMMAND")
