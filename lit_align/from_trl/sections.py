@@ -186,9 +186,10 @@ def evaluation(work: Work) -> set[str]:
     elif strategy == "steps":
         steps = fields.get("eval_steps")
         steps = fields["logging_steps"] if steps is None else steps  # TRL: None is logging_steps
-        if isinstance(steps, float) and not steps.is_integer():
-            work.refuse("eval_steps", f"is {steps!r}: expected a whole number of steps (TRL's ratio of the run's steps "
-                        "has no equivalent here)")
+        if isinstance(steps, float) and not steps.is_integer():  # a ratio of the run's steps, unknown here
+            work.notes.append(f"eval_steps {steps} (a ratio of the run's steps): evaluated each epoch instead; set "
+                              "trainer.val_check_interval to evaluate more often")
+            trainer["check_val_every_n_epoch"] = 1
         else:
             trainer["val_check_interval"] = int(steps) * int(fields.get("gradient_accumulation_steps", 1))
             trainer["check_val_every_n_epoch"] = None
@@ -210,6 +211,11 @@ def checkpoints(work: Work) -> set[str]:
     if strategy == "no":
         work.trainer["enable_checkpointing"] = False
     elif strategy in ("steps", "epoch"):
+        steps = fields.get("save_steps", 500)
+        if strategy == "steps" and isinstance(steps, float) and 0 < steps < 1:  # a ratio of the run's steps
+            work.notes.append(f"save_steps {steps} (a ratio of the run's steps): a checkpoint each epoch instead; "
+                              "set every_n_train_steps on the ModelCheckpoint to save more often")
+            strategy = "epoch"
         every = ({"every_n_train_steps": work.whole("save_steps", 500) if "save_steps" in fields else 500}
                  if strategy == "steps" else {"every_n_epochs": 1})
         limit = fields.get("save_total_limit")

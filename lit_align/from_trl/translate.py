@@ -74,6 +74,7 @@ OLDER_NAMES = {"torch_dtype": "dtype", "max_seq_length": "max_length", "evaluati
                "per_gpu_train_batch_size": "per_device_train_batch_size",
                "per_gpu_eval_batch_size": "per_device_eval_batch_size"}
 
+SPEED = "a speed setting: lit_align's fast paths are its defaults"
 # fields that change nothing lit_align computes, dropped at any value with a note: why, for the note
 DROPPED = {
     **dict.fromkeys(("overwrite_output_dir", "logging_dir", "logging_strategy", "logging_first_step",
@@ -91,9 +92,16 @@ DROPPED = {
                     "bookkeeping lit_align does its own way"),
     **dict.fromkeys(("use_liger_kernel", "liger_kernel_config", "torch_compile", "torch_compile_backend",
                      "torch_compile_mode", "tf32", "use_transformers_paged", "use_transformers_continuous_batching",
-                     "vllm_model_impl", "optim_target_modules"), "a speed setting: lit_align's fast paths are its "
-                    "defaults"),
+                     "vllm_model_impl", "optim_target_modules"), SPEED),
     "use_bnb_nested_quant": "read with load_in_4bit",
+    # recipe repositories' own script arguments that change nothing trained
+    **dict.fromkeys(("wandb_entity", "wandb_project", "wandb_run_group", "wandb_log_unique_prompts",
+                     "wandb_description"), "logging"),
+    **dict.fromkeys(("hub_model_revision", "push_to_hub_revision", "callbacks", "benchmarks"),
+                    "the recipe script's hub uploads and evaluation jobs, after or beside training"),
+    **dict.fromkeys(("use_liger", "preprocessing_num_workers"), SPEED),
+    **dict.fromkeys(("vllm_device", "num_processes"), "where processes and vLLM run: the launch and "
+                    "trainer.devices decide"),
 }
 # fields dropped only at the values that need nothing here (any other value is refused)
 NO_EFFECT = {
@@ -138,10 +146,11 @@ def _recipe(work: sections.Work) -> set[str]:
             group = (fields.get("num_generations_eval") or fields.get("num_generations")  # batch counts them
                      or GROUPED[command])
             per_device = fields.get("per_device_eval_batch_size", 8)
-            if per_device % group:
-                work.refuse("per_device_eval_batch_size", f"is {per_device}: expected a multiple of the {group} "
-                            "completions sampled per evaluation prompt (num_generations_eval)")
-            model["num_generations_eval"], data["val_batch_size"] = group, per_device // group
+            if per_device % group:  # TRL checks the global batch; lit_align's counts prompts per device
+                work.notes.append(f"per_device_eval_batch_size {per_device} is not whole groups of {group} "
+                                  f"completions: {max(per_device // group, 1)} prompt(s) per device and step instead "
+                                  "(the evaluation's batching, not its result)")
+            model["num_generations_eval"], data["val_batch_size"] = group, max(per_device // group, 1)
             done |= {"num_generations_eval", "per_device_eval_batch_size"}
     return done
 

@@ -175,7 +175,6 @@ def test_a_translated_config_of_each_command_parses(command, evaluation, tmp_pat
      ["trl.yaml", "3 field(s)", "'neftune_noise_alpha' (TRL's field; lit_align has no equivalent)",
       "'dataset_streaming' is True", "'num_train_epochs' is 1.5"]),
     ({"num_train_epochs": 1.5}, ["trl.yaml", "'num_train_epochs' is 1.5", "whole number"]),
-    ({"eval_strategy": "steps", "eval_steps": 0.1}, ["'eval_steps' is 0.1"]),
     ({"save_strategy": "best"}, ["'save_strategy' is 'best'"]),
     ({"learnig_rate": 1e-5}, ["'learnig_rate' is not a field of TRL", "did you mean 'learning_rate'?"]),
     ({"max_completion_length": 8}, ["'max_completion_length' is a field of `trl grpo`", "not of `trl dpo`"]),
@@ -183,7 +182,7 @@ def test_a_translated_config_of_each_command_parses(command, evaluation, tmp_pat
     ({"beta": 0.1, "rpo_alpha": -1.0}, ["'rpo_alpha'", "rpo_alpha"]),
     ({"bf16": True, "fp16": True}, ["'bf16' and 'fp16'"]),
     ({"env": {"HF_HOME": "/x"}}, ["'env' (set those environment variables in the shell"]),
-    ({"save_steps": 0.1}, ["'save_steps' is 0.1"]),
+    ({"save_steps": 1.5}, ["'save_steps' is 1.5"]),
     ({"logging_steps": 0.5, "eval_strategy": "steps"}, ["'logging_steps' is 0.5"]),
     ({"num_train_epochs": None}, ["'num_train_epochs' is None"]),
     ({"load_best_model_at_end": True}, ["'load_best_model_at_end' is True"]),
@@ -238,8 +237,10 @@ def test_what_trl_reads_differently_per_command():
     rloo = translate("rloo", {"eval_strategy": "epoch", "per_device_eval_batch_size": 8,  # RLOO's 2 samples
                               "reward_funcs": "my.f"})
     assert (rloo["model"]["init_args"]["num_generations_eval"], rloo["data"]["init_args"]["val_batch_size"]) == (2, 4)
-    with pytest.raises(LitAlignError, match="'per_device_eval_batch_size' is 6: expected a multiple of the 4"):
-        translate("grpo", {"eval_strategy": "epoch", "per_device_eval_batch_size": 6, "num_generations": 4})
+    notes = []
+    grpo = translate("grpo", {"eval_strategy": "epoch", "per_device_eval_batch_size": 6, "num_generations": 4,
+                              "reward_funcs": "my.f"}, notes=notes)
+    assert grpo["data"]["init_args"]["val_batch_size"] == 1 and any("is not whole groups of 4" in n for n in notes)
 
 
 @pytest.mark.parametrize("order", ["revision first", "kwargs first"])
@@ -392,3 +393,12 @@ def test_a_nested_trl_file_given_to_fit_says_to_translate_it(tmp_path, capfd):
     trl = write(tmp_path / "trl.yaml", {"dataset_mixture": {"datasets": [{"id": "x"}]}, "model_name_or_path": "m"})
     code, _, err = run_main(["fit", "-c", trl], capfd)
     assert_one_line_error(code, err, "'dataset_mixture' is a TRL field", "lit-align from-trl COMMAND")
+
+
+def test_ratios_of_the_runs_steps_checkpoint_and_evaluate_each_epoch_with_a_note():
+    notes = []
+    config = translate("sft", {"save_strategy": "steps", "save_steps": 0.2, "eval_strategy": "steps",
+                               "eval_steps": 0.1}, notes=notes)
+    assert config["trainer"]["check_val_every_n_epoch"] == 1 and "val_check_interval" not in config["trainer"]
+    assert config["trainer"]["callbacks"][0]["init_args"] == {"every_n_epochs": 1, "save_top_k": -1}
+    assert [n.split(" (")[0] for n in notes] == ["eval_steps 0.1", "save_steps 0.2"]
