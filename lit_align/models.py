@@ -60,8 +60,26 @@ TOOL_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
-# chat templates by name (``chat_template: builtin:tools``)
-NAMED_CHAT_TEMPLATES = {BUILTIN_PREFIX + "tools": TOOL_CHAT_TEMPLATE}
+# Gemma's turns (its instruction-tuned models' template: a system message leads the first user turn, the assistant is
+# ``model``), for a Gemma model that has no template (the base models). An assistant turn ends with EOS after
+# ``<end_of_turn>`` (not a newline), so the model learns to stop where lit_align's engines stop: the tokenizer's EOS.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
+    "{% set turns = messages[1:] %}{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{%- for message in turns %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{{ (prefix if loop.first else '') + (message['content'] | trim) + '<end_of_turn>' }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}"
+    "{%- endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+# chat templates by name (``chat_template: builtin:tools``): for a model without one, or to replace its own
+NAMED_CHAT_TEMPLATES = {
+    BUILTIN_PREFIX + "chat": CHAT_TEMPLATE,  # the built-in models' own: role markers, EOS after each assistant turn
+    BUILTIN_PREFIX + "tools": TOOL_CHAT_TEMPLATE,
+    BUILTIN_PREFIX + "gemma": GEMMA_CHAT_TEMPLATE,
+}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -138,9 +156,12 @@ def check_loadable(name_or_path: str, what: str) -> str:
 
 def read_chat_template(chat_template: str) -> str:
     """A chat template given as a file (``.jinja``, ``.j2``, ``.txt``, or any existing file), as the template, or by
-    name (``NAMED_CHAT_TEMPLATES``: ``builtin:tools``)."""
+    name (``NAMED_CHAT_TEMPLATES``: ``builtin:chat``, ``builtin:tools``, ``builtin:gemma``)."""
     if chat_template in NAMED_CHAT_TEMPLATES:
         return NAMED_CHAT_TEMPLATES[chat_template]
+    if chat_template.startswith(BUILTIN_PREFIX):
+        raise LitAlignError(f"chat_template {chat_template!r}: no such named template (expected one of "
+                            f"{sorted(NAMED_CHAT_TEMPLATES)}, a Jinja template file, or the template itself)")
     path = Path(chat_template).expanduser()
     if "{" not in chat_template or path.suffix in (".jinja", ".j2"):
         if not path.is_file():

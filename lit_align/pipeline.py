@@ -5,6 +5,7 @@ stage's held-out figure before and after.
     python -m lit_align.pipeline --quick                  # a few steps per stage (what CI runs)
     python -m lit_align.pipeline --recipe smollm2-words   # SmolLM2-135M-Instruct on arith word problems (make demo-real)
     python -m lit_align.pipeline --recipe smollm2         # the same on the plain arith task (make demo-real-arith)
+    python -m lit_align.pipeline --recipe smollm2-words --model DIR --chat-template builtin:gemma  # another model
     python -m lit_align.pipeline --recipe learned-reward  # SFT -> reward model -> GRPO with the learned reward
 
 Each stage is an ordinary ``lit-align fit -c configs/<stage>.yaml`` (run in this process through ``cli.run``) whose
@@ -149,9 +150,9 @@ RECIPES = {
 
 
 def run_stage(recipe: Recipe, stage: str, root: Path, model: str | None, quick: bool,
-              exports: dict[str, Path] | None = None) -> Path:
+              exports: dict[str, Path] | None = None, extra: list[str] = ()) -> Path:
     """``lit-align fit -c <the stage's config>`` with the model (``model``, or the export its ``inputs`` name),
-    the other exports it takes, run directory and export path set; returns the export."""
+    the other exports it takes, run directory and export path set, and ``extra`` arguments; returns the export."""
     export = root / stage / "hf_model"
     args = ["fit", "-c", recipe.configs[stage], "--trainer.logger.init_args.save_dir", str(root),
             "--trainer.logger.init_args.name", stage, "--trainer.logger.init_args.version", "run",
@@ -160,16 +161,18 @@ def run_stage(recipe: Recipe, stage: str, root: Path, model: str | None, quick: 
     if model is not None and "--model.init_args.model" not in inputs:
         args += ["--model.init_args.model", model]
     args += [part for pair in inputs.items() for part in pair]
-    cli(args + recipe.overrides.get(stage, []) + (recipe.quick if quick else []))
+    cli(args + recipe.overrides.get(stage, []) + (recipe.quick if quick else []) + list(extra))
     return export
 
 
-def evaluate(recipe: Recipe, model: str, root: Path, name: str, quick: bool) -> dict[str, float]:
-    """Held-out greedy figures of ``model``: ``{column: value}`` for the recipe's table columns."""
+def evaluate(recipe: Recipe, model: str, root: Path, name: str, quick: bool,
+             extra: list[str] = ()) -> dict[str, float]:
+    """Held-out greedy figures of ``model``: ``{column: value}`` for the recipe's table columns (``extra``: more
+    ``lit-align validate`` arguments)."""
     args = ["validate", "-c", recipe.eval_config, "--model.init_args.model", model,
             "--trainer.logger.init_args.save_dir", str(root), "--trainer.logger.init_args.name", f"eval-{name}",
             "--trainer.logger.init_args.version", "run", "--trainer.enable_progress_bar", "false"]
-    metrics = cli(args + recipe.eval_overrides + (recipe.quick if quick else [])).trainer.callback_metrics
+    metrics = cli(args + recipe.eval_overrides + (recipe.quick if quick else []) + list(extra)).trainer.callback_metrics
     return {column: float(metrics[metric]) for column, metric in recipe.columns.items()}
 
 
@@ -224,23 +227,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="sort", help="which main job")
     parser.add_argument("--root", help="where the stages write their runs and exports (default: the recipe's)")
     parser.add_argument("--model", help="the pretrained model SFT starts from (default: the recipe's)")
+    parser.add_argument("--chat-template", help="the chat template of every stage and eval (model.chat_template: a "
+                        "Jinja file or a named one, e.g. builtin:gemma), for a model without one")
     parser.add_argument("--quick", action="store_true", help="a few steps per stage (a smoke test)")
     args = parser.parse_args(argv)
     recipe = RECIPES[args.recipe]
     root = Path(args.root or recipe.root)
     model = args.model or recipe.base_model
+    extra = ["--model.init_args.chat_template", args.chat_template] if args.chat_template else []
     start = time.time()
     rows = []
     if model is not None:
         t0 = time.time()
-        rows.append(("base", evaluate(recipe, model, root, "base", args.quick), time.time() - t0))
+        rows.append(("base", evaluate(recipe, model, root, "base", args.quick, extra), time.time() - t0))
     exports: dict[str, Path] = {}
     for stage in recipe.configs:
         t0 = time.time()
-        exports[stage] = run_stage(recipe, stage, root, model, args.quick, exports)
+        exports[stage] = run_stage(recipe, stage, root, model, args.quick, exports, extra)
         model = str(exports[stage])
         if recipe.measured is None or stage in recipe.measured:
-            rows.append((stage, evaluate(recipe, model, root, stage, args.quick), time.time() - t0))
+            rows.append((stage, evaluate(recipe, model, root, stage, args.quick, extra), time.time() - t0))
     curves = plot(root, recipe.plots)
     print("\nstage  " + "  ".join(f"{column:>14}" for column in recipe.columns) + "  minutes")
     for stage, figures, seconds in rows:

@@ -282,3 +282,79 @@ def test_dtype_null_trains_through_the_cli(capfd):
                                "--trainer.enable_progress_bar", "false"], capfd)
     assert code == 0, err
     assert "Traceback" not in err
+
+
+# -- another model family: Gemma 3 (sliding-window layers, no chat template), tiny and random ---------------------------
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.fixture(scope="module")
+def gemma3_path(tmp_path_factory) -> str:
+    from tiny_gemma import build_tiny_gemma3
+
+    return str(build_tiny_gemma3(tmp_path_factory.mktemp("gemma3")))
+
+
+def smollm2_args(recipe: str, model: str, root: Path, *extra: str) -> list[str]:
+    """``configs/<recipe>_smollm2.yaml`` on ``model``: a few short steps, validation of 4 prompts."""
+    return ["fit", "-c", str(CONFIGS / f"{recipe}_smollm2.yaml"), "--model.init_args.model", model,
+            "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+            "--data.init_args.val_batch_size", "4", "--trainer.enable_progress_bar", "false",
+            "--trainer.logger.init_args.save_dir", str(root), "--trainer.logger.init_args.version", "run",
+            "--export.path", str(root / recipe / "hf_model"), *extra]
+
+
+def test_a_model_without_a_chat_template_on_conversations_is_one_line_naming_model_chat_template(gemma3_path, tmp_path,
+                                                                                                 capfd):
+    from helpers import assert_one_line_error, run_main
+
+    code, _, err = run_main(smollm2_args("sft", gemma3_path, tmp_path), capfd)
+    assert assert_one_line_error(code, err) == (
+        f"error: builtin:arith row 0: the rows are conversations, but tokenizer '{gemma3_path}' has no chat template: "
+        "set model.chat_template (a Jinja file, the template itself, or one of ['builtin:chat', 'builtin:gemma', "
+        "'builtin:tools'])")
+    code, _, err = run_main(smollm2_args("sft", gemma3_path, tmp_path, "--model.init_args.chat_template",
+                                         "builtin:gemma3"), capfd)
+    assert assert_one_line_error(code, err) == (
+        "error: chat_template 'builtin:gemma3': no such named template (expected one of ['builtin:chat', "
+        "'builtin:gemma', 'builtin:tools'], a Jinja template file, or the template itself)")
+
+
+def test_gemma3_sft_renders_gemma_turns_and_validates_greedily_with_hf(gemma3_path, tmp_path):
+    """SFT from the shipped SmolLM2 config on the Gemma model with ``model.chat_template: builtin:gemma``: the rows
+    are Gemma's turns, the completion is the model turn up to EOS, the greedy validation runs (engine auto: hf for
+    the sliding layers), and the export carries the template."""
+    from lit_align.cli import run
+    from lit_align.models import GEMMA_CHAT_TEMPLATE
+
+    cli = run(smollm2_args("sft", gemma3_path, tmp_path, "--model.init_args.chat_template", "builtin:gemma",
+                           "--model.init_args.val_exact_match", "true", "--model.init_args.val_max_new_tokens", "6"))
+    tok, row = cli.datamodule.tokenizer, cli.datamodule.train_data[0]
+    ids, mask = row["input_ids"], row["completion_mask"]
+    assert tok.decode(ids).startswith("<bos><start_of_turn>user\nAnswer with one equation, like 7 + 5 = 12.\n\nCompute ")
+    completion = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert completion.endswith("<end_of_turn><eos>") and " = " in completion and "model" not in completion
+    assert cli.model.greedy_engine.chosen == "hf"
+    metrics = cli.trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"]) and 0.0 <= float(metrics["val/mean_token_accuracy"]) <= 1.0
+    assert float(metrics["val/exact_match"]) == 0.0  # 6 tokens of a random model
+    assert AutoTokenizer.from_pretrained(tmp_path / "sft" / "hf_model").chat_template == GEMMA_CHAT_TEMPLATE
+
+
+def test_gemma3_grpo_samples_with_engine_auto_falling_back_to_hf(gemma3_path, tmp_path):
+    """GRPO from the shipped SmolLM2 config on the Gemma model: engine auto samples the rounds and the held-out
+    greedy completions with hf (native decodes full-attention layers only); a training step runs on them."""
+    from lit_align.cli import run
+    from lit_align.generation.native import native_decodes
+
+    cli = run(smollm2_args("grpo", gemma3_path, tmp_path, "--model.init_args.chat_template", "builtin:gemma",
+                           "--data.init_args.batch_size", "4", "--model.init_args.num_generations", "4",
+                           "--model.init_args.max_completion_length", "6", "--trainer.max_steps", "1",
+                           "--trainer.val_check_interval", "1"))
+    module = cli.model
+    assert not native_decodes(module.policy)
+    assert module.rollouts.engine.chosen == "hf" and module.rollouts.greedy_engine.chosen == "hf"
+    metrics = cli.trainer.callback_metrics
+    assert torch.isfinite(metrics["train/loss"]) and metrics["train/completions/mean_length"] <= 6
+    assert 0.0 <= float(metrics["val/reward"]) <= 1.0
+    assert cli.trainer.global_step == 1

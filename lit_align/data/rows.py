@@ -48,6 +48,7 @@ from typing import Any
 import jinja2
 
 from lit_align.errors import LitAlignError
+from lit_align.models import NAMED_CHAT_TEMPLATES
 
 ROLES = ("system", "user", "assistant", "tool")
 # ``apply_chat_template``'s own arguments and what it names the conversation: lit_align sets them for each render
@@ -267,6 +268,10 @@ def encode_messages(tokenizer, messages: list[dict[str, str]], add_generation_pr
                     template: dict | None = None) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template (``template``: more keyword arguments
     for it, e.g. ``tools`` or ``enable_thinking``)."""
+    if not tokenizer.chat_template:
+        raise ChatTemplateError(f"the rows are conversations, but tokenizer {tokenizer.name_or_path!r} has no chat "
+                                "template: set model.chat_template (a Jinja file, the template itself, or one of "
+                                f"{sorted(NAMED_CHAT_TEMPLATES)})")
     try:
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             add_generation_prompt=add_generation_prompt, **(template or {}))

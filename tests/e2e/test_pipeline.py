@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from lit_align import pipeline
 
@@ -52,6 +52,34 @@ def test_quick_learned_reward_job_scores_grpo_with_the_reward_model_it_trained(t
     assert f"model: {tmp_path}/sft/hf_model" in grpo and f"- {tmp_path}/reward/hf_model" in grpo
     assert "train/rewards/hf_model/mean" in {name for name in pipeline.read_metrics(tmp_path / "grpo" / "run")}
     AutoModelForSequenceClassification.from_pretrained(tmp_path / "reward" / "hf_model")
+
+
+def test_quick_words_job_runs_on_another_model_family_given_a_chat_template(tmp_path, capsys):
+    """`make demo-real`'s chain (`--recipe smollm2-words`) from a tiny random Gemma 3 (sliding-window layers, no chat
+    template): without `--chat-template` the base eval stops with one line naming model.chat_template; with
+    `--chat-template builtin:gemma` every stage and eval runs (engine auto samples with hf) and each export carries
+    the template and the sliding layers."""
+    from tiny_gemma import LAYER_TYPES, build_tiny_gemma3
+
+    from lit_align.models import GEMMA_CHAT_TEMPLATE
+
+    model = str(build_tiny_gemma3(tmp_path / "gemma3"))
+    with pytest.raises(SystemExit) as stop:
+        pipeline.main(["--recipe", "smollm2-words", "--quick", "--root", str(tmp_path / "bare"), "--model", model])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "has no chat template: set model.chat_template" in err.splitlines()[-1]
+    pipeline.main(["--recipe", "smollm2-words", "--quick", "--root", str(tmp_path), "--model", model,
+                   "--chat-template", "builtin:gemma"])
+    out = capsys.readouterr().out
+    table = [line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["sft"], ["dpo"], ["grpo"])]
+    assert [row[0] for row in table] == ["base", "sft", "dpo", "grpo"]
+    assert all(0.0 <= float(x) <= 1.0 for row in table for x in row[1:4])
+    for stage in ("sft", "dpo", "grpo"):
+        assert "chat_template: builtin:gemma" in (tmp_path / stage / "run" / "config.yaml").read_text()
+        export = tmp_path / stage / "hf_model"
+        assert AutoTokenizer.from_pretrained(export).chat_template == GEMMA_CHAT_TEMPLATE
+        assert AutoConfig.from_pretrained(export).layer_types == LAYER_TYPES
+    assert f"model: {tmp_path}/dpo/hf_model" in (tmp_path / "grpo" / "run" / "config.yaml").read_text()
 
 
 def test_without_matplotlib_the_curves_are_skipped_with_one_line(tmp_path, capsys, monkeypatch):
