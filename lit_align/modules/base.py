@@ -13,10 +13,8 @@ from typing import Literal
 
 import lightning as L
 import torch
-from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.cli import OptimizerCallable
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import Metric
 from transformers import get_scheduler
 
@@ -25,7 +23,8 @@ from lit_align.errors import LitAlignError
 from lit_align.capabilities import sharded_strategy
 from lit_align.data.base import AlignDataModule
 from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
-from lit_align.optimizers import DEFAULT_OPTIM, build_optimizer, check_optimizer_choice
+from lit_align.optimizers import (DEFAULT_OPTIM, AdamSettings, build_optimizer, check_optimizer_choice, clip_gradients,
+                                  unscale_gradients)
 from lit_align.pretrained import gguf_path
 from lit_align.recompute import check_mode, enable_checkpointing, lean_mlps, lean_norms
 from lit_align.reference import Reference, RefModelSync
@@ -70,13 +69,21 @@ class AlignModule(L.LightningModule):
         disable_dropout: zero every dropout (TRL's default).
         learning_rate: the optimizer's learning rate, whichever optimizer (TRL's DPO default: 1e-6).
         weight_decay: the optimizer's weight decay, whichever optimizer.
+        adam_beta1: the first beta of ``optim``'s Adam family (AdamW, AdEMAMix, Lion; TRL's name and default).
+        adam_beta2: the second beta of ``optim``'s Adam family (TRL's name and default).
+        adam_epsilon: the eps of ``optim``'s AdamW and AdEMAMix (TRL's name and default). All three are refused at
+            another value for an optimizer that does not read it (or beside ``optimizer``: its ``init_args`` own them).
         lr_scheduler_type: any ``transformers.get_scheduler`` name: ``linear`` (TRL's default), ``cosine``,
             ``constant``, ``constant_with_warmup``, ``cosine_with_min_lr``, ...
         lr_scheduler_kwargs: that scheduler's own arguments (TRL's name), e.g. ``{num_cycles: 2}`` for
             ``cosine_with_restarts`` or ``{min_lr: 1e-7}`` for ``cosine_with_min_lr``.
-        optim: the optimizer by TRL's name: ``adamw_torch_fused`` (default, as TRL's), ``adamw_torch``, ``sgd``,
-            ``adafactor``, ``adamw_8bit``, ``paged_adamw_8bit`` (the last two: ``pip install "lit_align[bnb]"``,
-            bitsandbytes), with ``learning_rate`` and ``weight_decay``.
+        optim: the optimizer by TRL's (transformers') name, built as transformers builds it: ``adamw_torch_fused``
+            (default, as TRL's), ``adamw_torch``, ``adafactor``, ``sgd``, ``adagrad``, ``rmsprop``; with bitsandbytes
+            (``pip install "lit_align[bnb]"``): ``adamw_bnb_8bit`` (= ``adamw_8bit``), ``paged_adamw_8bit``,
+            ``paged_adamw_32bit``, ``lion_8bit``, ``lion_32bit``, ``paged_lion_8bit``, ``paged_lion_32bit``,
+            ``rmsprop_bnb``, ``rmsprop_bnb_8bit``, ``rmsprop_bnb_32bit``, ``ademamix``, ``ademamix_8bit``,
+            ``paged_ademamix_8bit``, ``paged_ademamix_32bit`` (``lit_align.optimizers.OPTIMIZERS``); with
+            ``learning_rate``, ``weight_decay`` and the ``adam_*`` settings.
         optimizer: any optimizer the LightningCLI way instead, e.g. ``{class_path: torch.optim.SGD, init_args:
             {momentum: 0.9}}``, with ``learning_rate`` and ``weight_decay`` (an ``lr`` or ``weight_decay`` in
             ``init_args`` that disagrees with them is refused; ``lit_align.optimizers``); the schedule and warmup
@@ -123,6 +130,9 @@ class AlignModule(L.LightningModule):
         disable_dropout: bool = True,
         learning_rate: float = 1e-6,
         weight_decay: float = 0.0,
+        adam_beta1: float = 0.9,
+        adam_beta2: float = 0.999,
+        adam_epsilon: float = 1e-8,
         lr_scheduler_type: str = "linear",
         lr_scheduler_kwargs: dict | None = None,
         optim: str = DEFAULT_OPTIM,
@@ -144,7 +154,7 @@ class AlignModule(L.LightningModule):
                 raise LitAlignError(f"model.{name} must be >= 0, got {value}")
         if not 0 <= warmup_ratio <= 1:
             raise LitAlignError(f"model.warmup_ratio must be in [0, 1], got {warmup_ratio}")
-        check_optimizer_choice(optim, optimizer)
+        check_optimizer_choice(optim, optimizer, AdamSettings(adam_beta1, adam_beta2, adam_epsilon))
         check_mode(gradient_checkpointing)
         self.optimizer_factory = optimizer
         self.save_hyperparameters(ignore=["optimizer"])
@@ -164,7 +174,7 @@ class AlignModule(L.LightningModule):
         self.log_window: tuple[int, dict[str, tuple]] = (-1, {})  # ``log_mean``: the window, (sum, count) by name
         self.total_steps: int | None = None  # optimizer steps the learning-rate schedule spans (set with it)
         self._resumed_total: int | None = None
-        self._backward_ran = False  # this batch's training_step returned a loss (``unscale_gradients``)
+        self._backward_ran = False  # this batch ran a backward (``optimizers.unscale_gradients``)
 
     def load(self, name: str) -> torch.nn.Module:
         hp = self.hparams
@@ -243,7 +253,7 @@ class AlignModule(L.LightningModule):
         self.start_log_window()
 
     def on_before_backward(self, loss: torch.Tensor) -> None:
-        self._backward_ran = True  # this batch's closure runs a backward: Lightning steps (``unscale_gradients``)
+        self._backward_ran = True  # this batch's closure runs a backward: Lightning will step the scaler
         self._mapped_forward(False)
         for frozen in self.frozen_models():  # their forwards are done: their files' pages out of the backward's RSS
             if isinstance(getattr(frozen, "model", None), torch.nn.Module):
@@ -332,8 +342,9 @@ class AlignModule(L.LightningModule):
     def on_before_optimizer_step(self, optimizer) -> None:
         """The second half of the guard: a finite loss can still give non-finite gradients; never step with them.
         Every rank decides alike (the flag is all-reduced: under FSDP a rank holds only its shard of the gradients).
-        fp16's GradScaler does its own check; DeepSpeed keeps gradients in its engine, where this guard sees none."""
-        self.unscale_gradients(optimizer)
+        fp16's GradScaler does its own check; DeepSpeed keeps gradients in its engine, where this guard sees none.
+        Under fp16 the gradients are unscaled first, whatever the optimizer (``optimizers.unscale_gradients``)."""
+        unscale_gradients(self.trainer, optimizer, self._backward_ran)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
         if sharded_strategy(self.trainer):  # each rank holds a shard: the global norm from the squares' sum
@@ -357,31 +368,11 @@ class AlignModule(L.LightningModule):
         raise LitAlignError(f"non-finite gradients at step {self.global_step} ({shown}); nothing was updated "
                             "(set model.on_nonfinite_loss: skip to skip such updates)")
 
-    # -- gradient clipping as TRL's max_grad_norm: unscale, clip the global norm, step, whatever the optimizer --------
-    def unscale_gradients(self, optimizer) -> None:
-        """fp16 (``16-mixed``): make the gradients this hook, the guard, ``train/grad_norm`` and the clipping see the
-        true ones. Lightning unscales them before ``on_before_optimizer_step`` except for an optimizer that unscales
-        inside its own step (fused AdamW, the default): that one's are still multiplied by the GradScaler's scale
-        here. So unscale them now, as transformers' Trainer does before it clips (accelerate's ``clip_grad_norm_``);
-        the scaler's step then gives the fused kernel no scale, only its inf check, and skips a non-finite step as
-        before. Not when the batch skipped its backward (``on_nonfinite_loss: skip``): Lightning then neither steps
-        nor updates the scaler, and an unscaled mark would outlive the step. bf16 has no scaler: nothing to do."""
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if scaler is not None and self._backward_ran and _optimizer_handles_unscaling(optimizer):
-            scaler.unscale_(optimizer)
-
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        """``trainer.gradient_clip_val`` with any optimizer, as TRL's ``max_grad_norm``: the global norm of all the
-        gradients (or each value, ``gradient_clip_algorithm: value``) clipped before the step. Lightning's
-        ``MixedPrecision`` refuses to clip for an optimizer that unscales inside its step (fused AdamW, lit_align's
-        and TRL's default), since under fp16 its gradients would still be scaled; here they are not (bf16 never
-        scales them, fp16's ``unscale_gradients`` has), so the plain clipping that check guards is right."""
-        plugin = self.trainer.precision_plugin
-        if gradient_clip_val and isinstance(plugin, MixedPrecision) and _optimizer_handles_unscaling(optimizer):
-            algorithm = GradClipAlgorithmType(gradient_clip_algorithm or GradClipAlgorithmType.NORM)
-            Precision.clip_gradients(plugin, optimizer, gradient_clip_val, algorithm)  # past MixedPrecision's refusal
-            return
-        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        """``trainer.gradient_clip_val`` as TRL's ``max_grad_norm`` with any optimizer, under mixed precision and FSDP
+        too, where Lightning alone refuses (``optimizers.clip_gradients``)."""
+        if not clip_gradients(self.trainer, optimizer, gradient_clip_val, gradient_clip_algorithm):
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["lit_align_recipe"] = type(self).__name__
@@ -436,7 +427,9 @@ class AlignModule(L.LightningModule):
     def configure_optimizers(self):
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = build_optimizer(hp.optim, self.optimizer_factory, params, hp.learning_rate, hp.weight_decay)
+        adam = AdamSettings(hp.adam_beta1, hp.adam_beta2, hp.adam_epsilon)
+        optimizer = build_optimizer(hp.optim, self.optimizer_factory, params, hp.learning_rate, hp.weight_decay, adam,
+                                    self.policy)
         total = int(self.trainer.estimated_stepping_batches)
         if self._resumed_total is not None and self._resumed_total != total:
             rank_zero_warn(f"lit_align: resumed with another length: the learning-rate schedule ({hp.lr_scheduler_type}) "
