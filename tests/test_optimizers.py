@@ -1,6 +1,8 @@
 """lit_align.optimizers through ``lit-align fit``: ``model.learning_rate`` / ``model.weight_decay`` are the learning
 rate and weight decay of any ``model.optimizer`` too (one owner each, TRL's names); a second owner that disagrees, two
-ways of choosing the optimizer, and an argument the optimizer rejects are each one ``error:`` line."""
+ways of choosing the optimizer, and an argument the optimizer rejects are each one ``error:`` line. ``model.optim``'s
+names build what transformers' Trainer builds for them (compared with ``Trainer.get_optimizer_cls_and_kwargs``; the
+bitsandbytes ones where it is installed), with TRL's ``adam_*`` settings; the names it cannot build are one line."""
 
 from __future__ import annotations
 
@@ -27,16 +29,23 @@ def args(tmp_path, pairs: str, *extra: str) -> list[str]:
             "false", "--trainer.default_root_dir", str(tmp_path), *extra]
 
 
-def test_model_learning_rate_and_weight_decay_reach_a_lightningcli_optimizer(tmp_path, pairs, tiny_path):
+def fitted_optimizer(tmp_path, pairs: str, *extra: str) -> torch.optim.Optimizer:
+    """The optimizer of a 1-step ``lit-align fit`` of dpo.yaml with ``extra`` (in this process)."""
     from lit_align.cli import run
 
     argv, sys.argv = sys.argv, ["lit-align"]
     try:
-        cli = run(args(tmp_path, pairs, "--model.init_args.learning_rate", "0.05", "--model.init_args.weight_decay",
-                       "0.01", "--model.init_args.optimizer", "{class_path: torch.optim.SGD, init_args: {momentum: 0.9}}"))
+        cli = run(args(tmp_path, pairs, *extra))
     finally:
         sys.argv = argv
     (optimizer,) = cli.trainer.optimizers
+    return optimizer
+
+
+def test_model_learning_rate_and_weight_decay_reach_a_lightningcli_optimizer(tmp_path, pairs, tiny_path):
+    optimizer = fitted_optimizer(tmp_path, pairs, "--model.init_args.learning_rate", "0.05",
+                                 "--model.init_args.weight_decay", "0.01", "--model.init_args.optimizer",
+                                 "{class_path: torch.optim.SGD, init_args: {momentum: 0.9}}")
     assert type(optimizer) is torch.optim.SGD
     assert (optimizer.defaults["lr"], optimizer.defaults["weight_decay"], optimizer.defaults["momentum"]) == (
         0.05, 0.01, 0.9)
@@ -208,15 +217,8 @@ def test_optim_and_adam_mistakes_are_one_error_line(tmp_path, pairs, capfd, extr
 
 
 def test_trls_adam_settings_reach_the_optimizer_through_the_cli(tmp_path, pairs, tiny_path):
-    from lit_align.cli import run
-
-    argv, sys.argv = sys.argv, ["lit-align"]
-    try:
-        cli = run(args(tmp_path, pairs, "--model.init_args.adam_beta1", "0.85", "--model.init_args.adam_beta2",
-                       "0.95", "--model.init_args.adam_epsilon", "1e-6"))
-    finally:
-        sys.argv = argv
-    (optimizer,) = cli.trainer.optimizers
+    optimizer = fitted_optimizer(tmp_path, pairs, "--model.init_args.adam_beta1", "0.85",
+                                 "--model.init_args.adam_beta2", "0.95", "--model.init_args.adam_epsilon", "1e-6")
     assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is True
     assert (optimizer.defaults["betas"], optimizer.defaults["eps"], optimizer.defaults["lr"]) == ((0.85, 0.95), 1e-6,
                                                                                                   1e-3)
