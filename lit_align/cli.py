@@ -265,7 +265,8 @@ def main(args: list[str] | None = None) -> None:
 BY_DESIGN = (r"Found \d+ module\(s\) in eval mode at the start of training",
              r"Be aware that when using `ckpt_path`, callbacks used to create the checkpoint",
              r"LightningCLI's args parameter is intended to run from within Python",
-             r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+             r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+             r"Since DeepSpeed handles gradient clipping internally")  # its engine clips at gradient_clip_val
 
 
 DESCRIPTION = ("lit_align: SFT, DPO, KTO, reward models, GRPO, RLOO and on-policy distillation on PyTorch Lightning. "

@@ -15,7 +15,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from lit_align.data.base import AlignDataModule
 from lit_align.data.rows import (
-    check_max_length, encode_prompt_completion, keep_start, naming_row, normalize_pair, template_kwargs,
+    check_max_length, encode_prompt_completion, keep_end, keep_start, naming_row, normalize_pair, template_kwargs,
 )
 from lit_align.errors import LitAlignError
 
@@ -66,16 +66,20 @@ class PreferenceDataModule(AlignDataModule):
             start (None: no truncation).
         drop_long_prompts: drop rows whose prompt alone fills ``max_length`` (TRL drops them silently) instead of
             stopping with an error that names the first such row.
+        max_prompt_length: first cut each prompt to its last this many tokens (older TRL's ``DPOConfig``
+            ``max_prompt_length``, which recipe files written for it set; None, TRL 1.16's way: only ``max_length``).
         num_proc: processes for tokenization (``datasets.map``).
     """
 
     kind = "preference"
 
     def __init__(self, *args, max_length: int | None = 1024, drop_long_prompts: bool = False,
-                 num_proc: int | None = None, **kwargs):
+                 max_prompt_length: int | None = None, num_proc: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_length = check_max_length(max_length)
-        self.drop_long_prompts, self.num_proc = drop_long_prompts, num_proc
+        if max_prompt_length is not None and max_prompt_length < 1:
+            raise LitAlignError(f"data.max_prompt_length must be >= 1 or null, got {max_prompt_length}")
+        self.drop_long_prompts, self.max_prompt_length, self.num_proc = drop_long_prompts, max_prompt_length, num_proc
 
     def add_reference_logps(self, annotate: Callable) -> None:
         """Give the rows set up so far the reference's ``ref_chosen_logps`` / ``ref_rejected_logps`` columns.
@@ -99,6 +103,7 @@ class PreferenceDataModule(AlignDataModule):
             template = template_kwargs(row, chat_template_kwargs, where)
             with naming_row(where):
                 out = tokenize_pair(tokenizer, prompt, chosen, rejected, conversational, template)
+            out["prompt_ids"] = keep_end(out["prompt_ids"], self.max_prompt_length)
             if max_length is not None and len(out["prompt_ids"]) >= max_length and not self.drop_long_prompts:
                 raise LitAlignError(
                     f"{where}: the prompt alone is {len(out['prompt_ids'])} tokens, max_length is {max_length} "

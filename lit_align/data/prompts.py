@@ -86,6 +86,12 @@ class _RoundItems(Dataset):
         return {**self.data[index], "round_pos": pos, "round": r, "row": index}
 
 
+def with_system_turn(prompt: str | list, system: str, where: str) -> list[dict]:
+    """``prompt`` as a conversation opening with the system turn ``system`` (kept where it has its own)."""
+    turns = [{"role": "user", "content": prompt}] if not check_prompt(prompt, where) else list(prompt)
+    return turns if turns and turns[0].get("role") == "system" else [{"role": "system", "content": system}, *turns]
+
+
 class PromptDataModule(AlignDataModule):
     """Prompts for the online recipes; extra columns (e.g. ``answer``) reach the reward functions. A ``completion``
     column is tokenized too when the module trains on the dataset's completions (distillation's supervised rounds:
@@ -103,13 +109,18 @@ class PromptDataModule(AlignDataModule):
     Args:
         max_length: tokens of each prompt kept, cut at tokenize time keeping the end (TRL truncates prompts from the
             left; None: no truncation).
+        system_prompt: every prompt as a conversation that opens with this system turn (a text prompt becomes its
+            user turn; a conversation that opens with its own system turn keeps it), as recipe repositories'
+            GRPO scripts build their prompts (open-r1's ``system_prompt``). The reward functions see the
+            conversation.
     """
 
     kind = "prompt"
 
-    def __init__(self, *args, max_length: int | None = 512, **kwargs):
+    def __init__(self, *args, max_length: int | None = 512, system_prompt: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_length = check_max_length(max_length)
+        self.system_prompt = system_prompt
         self.round_shape: RoundShape | None = None
         self.tools: list[dict] | None = None  # the module's tool schemas, rendered into every prompt
         self.dataset_completions = False  # whether the module trains on the rows' ``completion`` column too
@@ -153,6 +164,10 @@ class PromptDataModule(AlignDataModule):
 
         chat_template_kwargs, tools = self.chat_template_kwargs, self.tools
         completions = self.dataset_completions and "completion" in rows.column_names
+        if self.system_prompt is not None:
+            rows = rows.map(lambda row, index: {"prompt": with_system_turn(row["prompt"], self.system_prompt,
+                                                                           f"{source} row {index}")},
+                            with_indices=True, desc=f"System turn for {source}")
 
         def tokenize(row, index):
             where = f"{source} row {index}"

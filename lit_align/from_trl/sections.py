@@ -338,3 +338,41 @@ def _source(work: Work, i: int, given: Any) -> dict | None:
     if given.get("name") or given.get("config"):
         source["config_name"] = given.get("name") or given["config"]
     return source
+
+
+def older_datasets(work: Work) -> set[str]:
+    """The recipe repositories' older dataset arguments: alignment-handbook's ``dataset_mixer`` (``{name:
+    fraction}``) with ``dataset_splits`` (the ``train`` ones train, the ``test`` ones validate), open-r1's
+    ``dataset_configs`` (a list of one configuration) and ``dataset_prompt_column`` (renamed ``prompt``). One
+    whole source is ``data.path``; several, a mixture."""
+    fields, data = work.fields, work.data
+    configs = fields.get("dataset_configs")
+    if configs is not None:
+        configs = [configs] if isinstance(configs, str) else list(configs)
+        if len(configs) == 1:
+            data["config_name"] = configs[0]
+        else:
+            work.refuse("dataset_configs", f"is {configs}: expected one configuration (data.config_name)")
+    column = fields.get("dataset_prompt_column")
+    if column not in (None, "prompt"):  # open-r1: the column its prompts come from
+        data["rename_columns"] = {**(data.get("rename_columns") or {}), column: "prompt"}
+    mixer = fields.get("dataset_mixer")
+    if mixer is None:
+        return {"dataset_configs", "dataset_splits", "dataset_prompt_column"}
+    splits = fields.get("dataset_splits") or ["train", "test"]
+    train = [s for s in splits if "train" in s] or ["train"]
+    test = [s for s in splits if "test" in s]
+    if not isinstance(mixer, dict) or any(share != 1 for share in mixer.values()):
+        work.refuse("dataset_mixer", f"is {mixer!r}: expected {{dataset: 1.0, ...}} (keeping a share of a source has "
+                    "no lit_align equivalent)")
+    elif len(mixer) == 1 and len(train) == 1:
+        data["path"], data["train_split"] = next(iter(mixer)), train[0]
+        if fields.get("eval_strategy", "no") != "no" and test:
+            data["val_split"] = test[0]
+    else:
+        data["mixture"], data["path"] = [{"path": p, "split": s} for p in mixer for s in train], None
+        if fields.get("eval_strategy", "no") != "no" and test:  # what is evaluated, not what is trained
+            data["val_path"], data["val_split"] = next(iter(mixer)), test[0]
+            work.notes.append(f"dataset_splits {test[0]!r} of several sources: validation on the first one's "
+                              f"({data['val_path']}) only; data.val_path names one source")
+    return {"dataset_mixer", "dataset_splits", "dataset_configs", "dataset_prompt_column"}

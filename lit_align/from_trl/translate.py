@@ -108,7 +108,6 @@ NO_EFFECT = {
     "dataset_streaming": (False,), "activation_offloading": (False,), "load_best_model_at_end": (False,),
     "average_tokens_across_devices": (True,), "truncation_mode": ("keep_start",),
     "train_sampling_strategy": ("random",), "loss_type": ("nll", "chunked_nll"), "dataset_text_field": ("text",),
-    "adam_beta1": (0.9,), "adam_beta2": (0.999,), "adam_epsilon": (1e-8,),
 }
 REFUSED = {"env": "set those environment variables in the shell, before lit-align fit"}  # why, where it helps
 SPEED_ONLY = {"dataset_num_proc", "dataloader_num_workers"}  # dropped where the data module has no such option
@@ -118,7 +117,7 @@ GROUPED = {"grpo": 8, "rloo": 2}  # the recipes sampling groups: TRL's num_gener
 EXPONENT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")  # 1e-5: YAML 1.1 reads it as text, TRL as a number
 ONLINE = {"grpo", "rloo", "distillation"}  # TRL samples steps_per_generation steps at once (default: the accumulation)
 SECTIONS = (sections.run_settings, sections.hub, sections.evaluation, sections.checkpoints, sections.loggers,
-            sections.lora, sections.quantization, sections.mixture)
+            sections.lora, sections.quantization, sections.mixture, sections.older_datasets)
 
 
 def _options(class_name: str, package: str) -> set[str]:
@@ -134,7 +133,10 @@ def _recipe(work: sections.Work) -> set[str]:
         model["steps_per_generation"] = fields["gradient_accumulation_steps"]
     if command == "sft":  # SFTTrainer shuffles the dataset once before training; its sampler shuffles anyway
         done.add("shuffle_dataset")
-    if command in ONLINE and "max_length" not in fields:  # TRL 1.16 does not cut the prompts of online recipes
+    if command in ONLINE and "max_prompt_length" in fields:  # older TRL's prompt cut (keeping the end): lit_align's
+        data["max_length"] = fields["max_prompt_length"]
+        done.add("max_prompt_length")
+    elif command in ONLINE and "max_length" not in fields:  # TRL 1.16 does not cut the prompts of online recipes
         data["max_length"] = None
     trl_disables = trl_fields(command).get("disable_dropout") == "bool!"  # its default; SFT's never disables
     own = recipe_defaults(import_object(f"lit_align.modules.{COMMANDS[command][0]}"))["disable_dropout"]

@@ -207,6 +207,17 @@ def test_truncated_and_dropped_counts():
     assert batch["completion_mask"][2].tolist() == [0, 0, 0, 0, 0, 1]
 
 
+def test_max_prompt_length_keeps_the_end_of_each_prompt_as_older_trl():
+    """Older TRL's DPO cut the prompt to its last max_prompt_length tokens before the row's max_length (recipe
+    files written for it set both); the completions stay whole."""
+    dm = processed([{"prompt": "abcdefghij", "chosen": "k", "rejected": "lm"}], max_length=None,
+                   max_prompt_length=4)
+    row = dm.processed[0]
+    assert row["prompt_ids"] == ids("ghij") and len(row["rejected_ids"]) == 3  # "lm" + EOS
+    with pytest.raises(LitAlignError, match="data.max_prompt_length must be >= 1 or null, got 0"):
+        PreferenceDataModule(max_prompt_length=0)
+
+
 def test_no_truncation_when_max_length_is_none():
     dm = processed([{"prompt": "abcdefghij", "chosen": "k", "rejected": "lm"}], max_length=None)
     row = dm.processed[0]

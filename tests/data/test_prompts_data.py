@@ -168,6 +168,27 @@ def test_extra_columns_reach_the_batch(write_jsonl, tiny_path, tokenizer):
         assert answer == f"ans{i}" and level == i % 3  # aligned row for row with the prompts
 
 
+def test_a_system_prompt_makes_every_prompt_a_conversation_that_opens_with_it(write_jsonl, tiny_path, tokenizer):
+    """open-r1's ``system_prompt``: a text prompt becomes the user turn after the system turn, tokenized through the
+    chat template, and the reward functions see the conversation; a row's own system turn stays."""
+    def first_batch(rows):
+        dm = PromptDataModule(path=write_jsonl(rows), val_split=None, tokenizer="builtin:tiny", batch_size=2,
+                              system_prompt="be brief")
+        dm.connect(round_shape=RoundShape(1, grouped=False))
+        dm.setup("fit")
+        return next(iter(dm.train_dataloader()))
+
+    own = [{"role": "system", "content": "mine"}, {"role": "user", "content": "sort 12:"}]
+    assert first_batch([{"prompt": own}] * 2)["prompts"] == [own, own]
+    batch = first_batch([{"prompt": "sort 21:"}] * 2)
+    made = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort 21:"}]
+    assert batch["prompts"] == [made, made]
+    expected = tokenizer(tokenizer.apply_chat_template(made, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+    width = batch["prompt_ids"].shape[1]
+    assert batch["prompt_ids"][0].tolist()[width - len(expected):] == list(expected)
+
+
 def test_the_rows_completions_are_tokenized_as_sfts_when_the_module_asks(write_jsonl, tiny_path, tokenizer):
     """Distillation's supervised rounds: with ``dataset_completions`` each batch carries each row's ``completion``
     as SFT tokenizes it (a text completion's characters, then EOS; a conversation's assistant turn by the chat
