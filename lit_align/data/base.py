@@ -107,6 +107,8 @@ class DataSource:
         config_name: its configuration (hub datasets with several).
         rename_columns: its columns renamed to the names lit_align reads, e.g. ``{question: prompt}``.
         weight: its share when the mixture is interleaved.
+        fraction: keep this share of the source's rows, the first after a shuffle seeded by ``data.seed`` (as
+            alignment-handbook's and open-r1's mixture weights keep them); 1: every row.
     """
 
     path: str
@@ -114,6 +116,7 @@ class DataSource:
     config_name: str | None = None
     rename_columns: dict[str, str] | None = None
     weight: float = 1.0
+    fraction: float = 1.0
 
 
 class AlignDataModule(L.LightningDataModule):
@@ -132,7 +135,8 @@ class AlignDataModule(L.LightningDataModule):
         val_path: read validation rows from this source instead of ``path`` (its split ``val_split``, or all of it
             for a single file).
         val_fraction: hold out this fraction of the train split for validation instead (seeded; overrides
-            ``val_split``).
+            ``val_split``); a whole number from 1 up holds out that many rows (``datasets``' ``test_size``, TRL's
+            ``test_split_size``).
         tokenizer: tokenizer to use; None: the model's (the module hands it over: ``connect``).
         batch_size: rows per device per step.
         val_batch_size: rows per device per validation step (default: ``batch_size``).
@@ -184,8 +188,9 @@ class AlignDataModule(L.LightningDataModule):
             raise LitAlignError(f"data.val_batch_size must be >= 1 or null, got {val_batch_size}")
         if num_workers < 0:
             raise LitAlignError(f"data.num_workers must be >= 0, got {num_workers}")
-        if not 0.0 <= val_fraction < 1.0:
-            raise LitAlignError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        if not (0.0 <= val_fraction < 1.0 or float(val_fraction).is_integer()):
+            raise LitAlignError(f"data.val_fraction must be in [0, 1) or a whole number of rows, got {val_fraction}")
+        val_fraction = int(val_fraction) if val_fraction >= 1 else val_fraction  # a count of rows
         self.path, self.config_name = path, config_name
         self.train_split, self.val_split, self.val_path, self.val_fraction = train_split, val_split, val_path, val_fraction
         self.tokenizer_name = tokenizer
@@ -282,6 +287,8 @@ class AlignDataModule(L.LightningDataModule):
         for i, source in enumerate(self.mixture):
             rows = self._load(source.path, source.split, f"data.mixture[{i}].split", source.config_name,
                               source.rename_columns or {})
+            if source.fraction < 1:
+                rows = rows.shuffle(seed=self.seed).select(range(int(len(rows) * source.fraction)))
             parts.append(self.process(rows, f"{source.path} ({source.split})"))
         columns = [sorted(part.column_names) for part in parts]
         if any(c != columns[0] for c in columns):

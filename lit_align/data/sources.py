@@ -82,6 +82,9 @@ def check_mixture(path: str | None, mixture: list | None, sources: list) -> None
         if not (math.isfinite(source.weight) and source.weight > 0):
             raise LitAlignError(f"data.mixture[{i}] ({source.path}): weight is {source.weight}, expected a finite "
                                 "number > 0")
+        if not 0 < source.fraction <= 1:
+            raise LitAlignError(f"data.mixture[{i}] ({source.path}): fraction is {source.fraction}, expected a share "
+                                "in (0, 1]")
 
 
 def common_features(parts: list[datasets.Dataset]) -> list[datasets.Dataset]:

@@ -29,6 +29,26 @@ TRL_REWARDS = {
                                      "init_args": {"max_completion_len": 1280, "soft_punish_cache": 256}},
 }
 
+# open-r1's GRPO script's reward names (its ``get_reward_funcs``) -> its functions, and the script arguments its
+# factories take (with open-r1's defaults); with open-r1 installed where the run happens
+OPEN_R1 = {
+    "accuracy": "open_r1.rewards.accuracy_reward", "format": "open_r1.rewards.format_reward",
+    "reasoning_steps": "open_r1.rewards.reasoning_steps_reward", "length": "open_r1.rewards.len_reward",
+    "tag_count": "open_r1.rewards.tag_count_reward",
+    "cosine": ("open_r1.rewards.get_cosine_scaled_reward", {
+        "min_value_wrong": ("cosine_min_value_wrong", 0.0), "max_value_wrong": ("cosine_max_value_wrong", -0.5),
+        "min_value_correct": ("cosine_min_value_correct", 0.5),
+        "max_value_correct": ("cosine_max_value_correct", 1.0), "max_len": ("cosine_max_len", 1000)}),
+    "repetition_penalty": ("open_r1.rewards.get_repetition_penalty_reward", {
+        "ngram_size": ("repetition_n_grams", 3), "max_penalty": ("repetition_max_penalty", -1.0)}),
+    "code_format": ("open_r1.rewards.get_code_format_reward", {"language": ("code_language", "python")}),
+}
+OPEN_R1_CODE = {"code", "binary_code", "ioi_code", "cf_code"}  # sandboxed: partial functions of the script's
+OPEN_R1_ARGS = {"cosine_min_value_wrong", "cosine_max_value_wrong", "cosine_min_value_correct",
+                "cosine_max_value_correct", "cosine_max_len", "repetition_n_grams", "repetition_max_penalty",
+                "code_language", "code_eval_test_batch_size", "parallel_code_exec_per_proc", "e2b_router_url",
+                "morph_router_url", "code_provider", "ioi_provider"}
+
 
 @dataclass
 class Work:
@@ -267,7 +287,8 @@ def loggers(work: Work) -> set[str]:
 
 def rewards(work: Work) -> set[str]:
     """``reward_model_name_or_path`` and ``reward_funcs``: TRL's scripts put the reward model first, then each name
-    from their registry (``trl.rewards``' functions: TRL installed, pip install trl) or a dotted import path."""
+    from their registry (``trl.rewards``' functions: TRL installed, pip install trl) or a dotted import path; the
+    names open-r1's recipes use are open-r1's functions (``OPEN_R1``: open-r1 installed where the run happens)."""
     fields = work.fields
     names = fields.get("reward_funcs") or []
     names = [names] if isinstance(names, str) else list(names)
@@ -277,19 +298,40 @@ def rewards(work: Work) -> set[str]:
             funcs.append(TRL_REWARDS[name])
         elif isinstance(name, str) and "." in name:
             funcs.append(name)
+        elif name in OPEN_R1:
+            funcs.append(_open_r1(work, name))
+        elif name in OPEN_R1_CODE:
+            work.refuse("reward_funcs", f"names open-r1's {name!r}, a sandboxed code reward its script builds with "
+                        "partial arguments: name a function of yours that calls it (my_pkg.rewards.code)")
         else:
-            work.refuse("reward_funcs", f"names {name!r}: expected one of TRL's {sorted(TRL_REWARDS)} or a dotted "
-                        "import path (my_lib.rewards.my_reward)")
+            work.refuse("reward_funcs", f"names {name!r}: expected one of TRL's {sorted(TRL_REWARDS)}, open-r1's "
+                        f"{sorted(OPEN_R1)} or a dotted import path (my_lib.rewards.my_reward)")
     if funcs:
         work.model["reward_funcs"] = funcs
-    return {"reward_funcs", "reward_model_name_or_path"}
+    unused = sorted(OPEN_R1_ARGS & set(fields) - {a for n in names if isinstance(OPEN_R1.get(n), tuple)
+                                                  for a, _ in OPEN_R1[n][1].values()})
+    if unused:
+        work.notes.append(f"dropped {', '.join(unused)} (open-r1's settings of reward functions this run does not "
+                          "use)")
+    return {"reward_funcs", "reward_model_name_or_path", *OPEN_R1_ARGS}
+
+
+def _open_r1(work: Work, name: str) -> str | dict:
+    """open-r1's reward ``name`` as its function, a factory built with the file's script arguments."""
+    spec = OPEN_R1[name]
+    if isinstance(spec, str):
+        return spec
+    factory, arguments = spec
+    return {"class_path": factory, "init_args": {arg: work.fields.get(field, default)
+                                                 for arg, (field, default) in arguments.items()}}
 
 
 def mixture(work: Work) -> set[str]:
     """TRL's dataset mixture (``datasets``, ``streaming``, ``test_split_size``: its ``DatasetMixtureConfig``; a
     ``dataset_mixture: {datasets, seed, test_split_size}`` mapping as recipe repositories write it) as
-    ``data.mixture``: every row of every source, in order (``concatenate``). A share other than the whole of a
-    source (TRL's ``fraction``, a ``weight`` below 1) keeps a subset lit_align does not take: refused."""
+    ``data.mixture``: every row of every source, in order (``concatenate``); a recipe's ``weight`` below 1 keeps
+    that share of its source (``fraction``). TRL's own ``fraction`` (normalized shares, capped by the sources'
+    sizes) has no equivalent: refused."""
     fields = work.fields
     given = fields.get("dataset_mixture")
     spec = dict(given) if isinstance(given, dict) else {}
@@ -310,10 +352,11 @@ def mixture(work: Work) -> set[str]:
         work.note("dataset_name", "TRL reads the dataset mixture instead")
     test = spec.get("test_split_size")
     if test is not None and work.fields.get("eval_strategy", "no") != "no":
-        if isinstance(test, float) and 0 < test < 1:
-            work.data["val_fraction"] = test
+        if isinstance(test, (int, float)) and not isinstance(test, bool) and (0 < test < 1 or (
+                test >= 1 and float(test).is_integer())):
+            work.data["val_fraction"] = test  # a fraction, or a count of rows (datasets' test_size)
         else:
-            work.refuse("test_split_size", f"is {test!r}: expected a fraction in (0, 1) (data.val_fraction)")
+            work.refuse("test_split_size", f"is {test!r}: expected a fraction in (0, 1) or a whole number of rows")
     if "seed" in spec and spec["seed"] != fields.get("seed"):
         work.note("dataset_mixture.seed", "lit_align's mixture is the rows in order; data.seed orders training")
     return handled
@@ -325,11 +368,12 @@ def _source(work: Work, i: int, given: Any) -> dict | None:
     if not isinstance(given, dict) or not (given.get("path") or given.get("id")):
         work.refuse(where, f"is {given!r}: expected a mapping with 'path' (or 'id')")
         return None
-    share = given.get("fraction", given.get("weight"))
-    if share is not None and share != 1:
-        work.refuse(f"{where}.{'fraction' if 'fraction' in given else 'weight'}",
-                    f"is {share}: keeping a share of a source has no lit_align equivalent (data.mixture_strategy: "
-                    "interleave draws by weight instead); use 1 or leave it out")
+    share, weight = given.get("fraction"), given.get("weight")
+    if share is not None and share != 1:  # TRL's: shares of the mixture, normalized and capped by the sources' sizes
+        work.refuse(f"{where}.fraction", f"is {share}: TRL's normalized shares have no lit_align equivalent (a "
+                    "recipe's 'weight', the share of a source kept, has: data.mixture[].fraction)")
+    if weight is not None and not 0 < weight <= 1:
+        work.refuse(f"{where}.weight", f"is {weight}: expected the share of the source kept, in (0, 1]")
     if given.get("data_dir") or given.get("data_files"):
         work.refuse(where, "sets 'data_dir'/'data_files': give the file itself as 'path'")
     if given.get("columns"):
@@ -337,6 +381,8 @@ def _source(work: Work, i: int, given: Any) -> dict | None:
     source = {"path": given.get("path") or given["id"], "split": given.get("split", "train")}
     if given.get("name") or given.get("config"):
         source["config_name"] = given.get("name") or given["config"]
+    if weight is not None and weight != 1:  # the first rows of a seeded shuffle, as the recipes' scripts keep them
+        source["fraction"] = weight
     return source
 
 

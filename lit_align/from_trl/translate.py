@@ -75,6 +75,8 @@ OLDER_NAMES = {"torch_dtype": "dtype", "max_seq_length": "max_length", "evaluati
                "per_gpu_eval_batch_size": "per_device_eval_batch_size"}
 
 SPEED = "a speed setting: lit_align's fast paths are its defaults"
+# values older TRL releases gave a field, as their current ones: (field, older, now)
+OLDER_VALUES = (("packing_strategy", "ffd", "bfd"), ("scale_rewards", True, "group"), ("scale_rewards", False, "none"))
 # fields that change nothing lit_align computes, dropped at any value with a note: why, for the note
 DROPPED = {
     **dict.fromkeys(("overwrite_output_dir", "logging_dir", "logging_strategy", "logging_first_step",
@@ -100,8 +102,8 @@ DROPPED = {
     **dict.fromkeys(("hub_model_revision", "push_to_hub_revision", "callbacks", "benchmarks"),
                     "the recipe script's hub uploads and evaluation jobs, after or beside training"),
     **dict.fromkeys(("use_liger", "preprocessing_num_workers"), SPEED),
-    **dict.fromkeys(("vllm_device", "num_processes"), "where processes and vLLM run: the launch and "
-                    "trainer.devices decide"),
+    **dict.fromkeys(("vllm_device", "num_processes", "remote_gen_model_url"), "where processes and generation "
+                    "run: the launch and trainer.devices decide"),
 }
 # fields dropped only at the values that need nothing here (any other value is refused)
 NO_EFFECT = {
@@ -285,6 +287,9 @@ def translate(command: str, fields: dict, source: str = "the TRL config", notes:
     work = sections.Work(command, {**TRL_DEFAULTS, **_normalized(fields, said)}, config)
     if work.fields.get("dtype", "") is None:  # TRL's null: transformers' default, float32 (lit_align's)
         del work.fields["dtype"]
+    for name, older, now in OLDER_VALUES:
+        if work.fields.get(name) == older and type(work.fields[name]) is type(older):
+            work.fields[name] = now
     _check_kinds(work)
     done = set().union(*(section(work) for section in SECTIONS)) | _recipe(work)
     seed = work.fields.get("data_seed")
