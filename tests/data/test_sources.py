@@ -102,3 +102,24 @@ def test_nonexistent_data_file(tmp_path, capfd):
     code, _, err = run_main(["fit", "-c", DPO, "--data.init_args.path", str(path),
                              "--trainer.logger.init_args.save_dir", str(tmp_path)], capfd)
     assert_one_line_error(code, err, f"error: {path}: a directory, not a data file")
+
+
+def test_a_sources_fraction_keeps_that_share_of_it_seeded_and_a_whole_val_fraction_counts_rows(tmp_path):
+    """A recipe's mixture weight (``fraction``): the first rows of a shuffle seeded by data.seed, the same each run;
+    a ``val_fraction`` from 1 up holds out that many rows (TRL's test_split_size as a count)."""
+    from lit_align.data import PromptDataModule
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(f'{{"prompt": "sort {i:02d}:"}}\n' for i in range(20)))
+    kept = []
+    for _ in range(2):
+        dm = PromptDataModule(path=None, mixture=[{"path": str(path), "fraction": 0.25}, {"path": str(path)}],
+                              val_split=None, tokenizer="builtin:tiny", seed=3, val_fraction=4)
+        dm.setup("fit")
+        kept.append(len(dm.train_data) + len(dm.val_data))
+        assert len(dm.val_data) == 4
+    assert kept == [25, 25]  # 5 of the first source, 20 of the second
+    with pytest.raises(LitAlignError, match=r"data.mixture\[0\] \(a\): fraction is 1.5, expected a share in \(0, 1\]"):
+        check_mixture(None, [{}], [DataSource("a", fraction=1.5)])
+    with pytest.raises(LitAlignError, match="data.val_fraction must be in \\[0, 1\\) or a whole number of rows"):
+        PromptDataModule(val_fraction=2.5)

@@ -352,7 +352,11 @@ def test_trls_dataset_mixture_and_a_recipe_repositorys_are_a_data_mixture():
                                                                   "split": "train", "weight": 1.0}], "seed": 0}})
     assert recipe["data"]["init_args"]["mixture"] == [{"path": "open-r1/Mixture-of-Thoughts", "split": "train",
                                                        "config_name": "all"}]
-    with pytest.raises(LitAlignError, match=r"'datasets\[1\].fraction' is 0.3: keeping a share"):
+    weighted = translate("sft", {"dataset_mixture": {"datasets": [{"id": "a", "weight": 0.25}, {"id": "b"}]},
+                                 "eval_strategy": "epoch", "test_split_size": 1000})["data"]["init_args"]
+    assert weighted["mixture"] == [{"path": "a", "split": "train", "fraction": 0.25}, {"path": "b", "split": "train"}]
+    assert weighted["val_fraction"] == 1000  # a count of rows, as datasets' test_size
+    with pytest.raises(LitAlignError, match=r"'datasets\[1\].fraction' is 0.3: TRL's normalized shares"):
         translate("sft", {"datasets": [{"path": "a", "fraction": 0.7}, {"path": "b", "fraction": 0.3}]})
 
 
