@@ -213,6 +213,12 @@ def init_kwargs_dtype(model_init_kwargs: dict | None, option: str = "model.model
     return next(iter(given.values()), None)
 
 
+def model_dtype(dtype: str | None, model_init_kwargs: dict | None) -> str:
+    """The dtype a model loads in: ``model_init_kwargs``' (``dtype`` or ``torch_dtype``, TRL's place for it) where
+    set, else ``dtype`` (``model.dtype``; None: float32). What a cache of the model's outputs is keyed by."""
+    return init_kwargs_dtype(model_init_kwargs) or check_dtype(dtype, "model.dtype")
+
+
 def from_pretrained_kwargs(model_init_kwargs: dict | None, option: str = "model.model_init_kwargs") -> dict:
     """``model_init_kwargs`` as ``from_pretrained`` takes them: a ``quantization_config`` mapping becomes a
     ``BitsAndBytesConfig``; the dtype (``dtype`` or ``torch_dtype``) is checked and left to ``load_model``; the
@@ -259,7 +265,7 @@ def load_model(
             ``use_kernels`` is false unless given: transformers would otherwise fetch Hugging Face Hub kernels when
             the model first runs in train mode on a GPU (no network: the run stops there).
     """
-    dtype = init_kwargs_dtype(model_init_kwargs) or check_dtype(dtype, "model.dtype")
+    dtype = model_dtype(dtype, model_init_kwargs)
     path = check_loadable(gguf_path(name_or_path, model_init_kwargs), "model")
     if (model_init_kwargs or {}).get("num_labels") is not None:
         check_num_labels(path, name_or_path, model_init_kwargs["num_labels"], trust_remote_code)
