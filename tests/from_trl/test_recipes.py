@@ -82,3 +82,22 @@ def test_each_translated_recipe_trains_two_steps_offline(entry, tmp_path, capfd)
     assert cli.trainer.global_step == 2
     exported = {p.name for p in (tmp_path / "run" / "hf_model").iterdir()}
     assert {"config.json", "adapter_config.json"} & exported, exported  # the model, or its LoRA adapter
+
+
+COMMAND_LINES = yaml.safe_load((FIXTURES / "command_lines.yaml").read_text())
+REFUSED_LINES = {  # what TRL's documented command lines set that has no lit_align equivalent, or is not there
+    "sft_full": "'eos_token' (TRL's field", "sft_lora": "'eos_token' (TRL's field",
+    "clis_sft_config_override": "examples/cli_configs/example_config.yaml: No such file",  # a path in TRL's repo
+    "reward_modeling_cloud_full": "'feedback_method' is not a field of TRL",  # that example script's own arguments
+}
+
+
+@pytest.mark.parametrize("entry", COMMAND_LINES, ids=[e["name"] for e in COMMAND_LINES])
+def test_trls_documented_command_lines_translate(entry, tmp_path, capfd):
+    out = tmp_path / "lit.yaml"
+    code, _, err = run_main(["from-trl", entry["command"], *entry["argv"], "-o", str(out)], capfd)
+    if entry["name"] in REFUSED_LINES:
+        assert_one_line_error(code, err, REFUSED_LINES[entry["name"]])
+        return
+    assert code == 0, err
+    assert yaml.safe_load(out.read_text())["model"]["init_args"]["model"]  # the model it names
