@@ -389,16 +389,12 @@ def _source(work: Work, i: int, given: Any) -> dict | None:
 def older_datasets(work: Work) -> set[str]:
     """The recipe repositories' older dataset arguments: alignment-handbook's ``dataset_mixer`` (``{name:
     fraction}``) with ``dataset_splits`` (the ``train`` ones train, the ``test`` ones validate), open-r1's
-    ``dataset_configs`` (a list of one configuration) and ``dataset_prompt_column`` (renamed ``prompt``). One
+    ``dataset_prompt_column`` (renamed ``prompt``); ``dataset_configs``, which its script never read, noted. One
     whole source is ``data.path``; several, a mixture."""
     fields, data = work.fields, work.data
-    configs = fields.get("dataset_configs")
-    if configs is not None:
-        configs = [configs] if isinstance(configs, str) else list(configs)
-        if len(configs) == 1:
-            data["config_name"] = configs[0]
-        else:
-            work.refuse("dataset_configs", f"is {configs}: expected one configuration (data.config_name)")
+    if fields.get("dataset_configs") is not None:  # the old handbook's, beside dataset_mixer; open-r1 never read it
+        work.note("dataset_configs", "the recipe's script read dataset_config; set data.config_name for another "
+                  "configuration")
     column = fields.get("dataset_prompt_column")
     if column not in (None, "prompt"):  # open-r1: the column its prompts come from
         data["rename_columns"] = {**(data.get("rename_columns") or {}), column: "prompt"}

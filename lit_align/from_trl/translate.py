@@ -250,9 +250,9 @@ def _check_values(work: sections.Work) -> None:
         cause = cause if isinstance(cause, LitAlignError) else None
         message = str(cause) if cause is not None else condensed(str(exc), [])
         message = message.replace(".init_args.", ".")
-        if "cannot import it" in message:  # user code that imports where the run does, maybe not here
-            work.notes.append(f"not checked: {message}; lit-align fit imports it")
-            return
+        if "cannot import it" in message or "pip install" in message:  # code or a package the run's machine has,
+            work.notes.append(f"not checked: {message.split(': pip install')[0]}; lit-align fit needs it")  # maybe
+            return                                                                                    # not this one
         behind = [trl for place, trl in work.origin.items() if re.search(rf"\b{re.escape(place)}\b", message)]
         named = re.search(r"\b(?:model|data)\.(\w+)", message)  # an option under TRL's own name
         if not behind and named and named.group(1) in trl_fields(work.command):
