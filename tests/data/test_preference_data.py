@@ -408,8 +408,8 @@ def test_validation_rows_are_checked_too(write_jsonl):
 def test_settings_errors():
     with pytest.raises(LitAlignError, match="data.batch_size must be >= 1, got 0"):
         PreferenceDataModule(batch_size=0)
-    with pytest.raises(LitAlignError, match=r"data.val_fraction must be in \[0, 1\), got 1.0"):
-        PreferenceDataModule(val_fraction=1.0)
+    with pytest.raises(LitAlignError, match=r"data.val_fraction must be in \[0, 1\) or a whole number of rows, got 1.5"):
+        PreferenceDataModule(val_fraction=1.5)
     with pytest.raises(LitAlignError, match="data.max_length must be >= 2 or null, got 1"):
         PreferenceDataModule(max_length=1)
     with pytest.raises(LitAlignError, match=r"unknown built-in task 'builtin:nope'"):
