@@ -183,9 +183,9 @@ class AlignCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # always on, configured under `export:` (like any callback, but no need to list it in every config)
         parser.add_lightning_class_args(HFExport, "export")
-        # owned by the model: the export carries the chat template; the loss reads assistant_only_loss (the data
-        # drops the rows whose cut leaves no assistant token)
-        for name, default in (("chat_template", None), ("assistant_only_loss", False)):
+        # owned by the model: the export carries the chat template and the EOS token (the data ends its rows with
+        # it); the loss reads assistant_only_loss (the data drops the rows whose cut leaves no assistant token)
+        for name, default in (("chat_template", None), ("assistant_only_loss", False), ("eos_token", None)):
             parser.link_arguments((f"model.init_args.{name}", f"data.init_args.{name}"), f"data.init_args.{name}",
                                   compute_fn=one_owner("model", "data", name, default), apply_on="parse")
 

@@ -171,9 +171,10 @@ def read_chat_template(chat_template: str) -> str:
     return chat_template
 
 
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template: str | None = None):
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_template: str | None = None,
+                   eos_token: str | None = None):
     """Load a tokenizer; give it a pad token (EOS) if it has none, as TRL does; ``chat_template`` (a file or the
-    template) replaces its own."""
+    template) replaces its own; ``eos_token`` (one of its tokens) its EOS, as TRL's ``SFTConfig.eos_token``."""
     path = check_loadable(name_or_path, "tokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -185,7 +186,24 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False, chat_temp
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
+    if eos_token is not None:
+        if eos_token not in tokenizer.get_vocab():
+            raise LitAlignError(f"eos_token {eos_token!r} is not a token of tokenizer {name_or_path!r} (expected one "
+                                "of its tokens, e.g. its chat template's end of turn)")
+        tokenizer.eos_token = eos_token
     return tokenizer
+
+
+def use_eos_token(model, tokenizer) -> None:
+    """The model stops where ``tokenizer`` ends a turn: its config's EOS, and its generation config's first (the
+    ones it had kept after it), as TRL's ``SFTTrainer`` sets them for an ``eos_token``."""
+    eos = tokenizer.eos_token_id
+    model.config.eos_token_id = eos
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        known = generation.eos_token_id
+        known = [] if known is None else [known] if isinstance(known, int) else list(known)
+        generation.eos_token_id = [eos, *(k for k in known if k != eos)]
 
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")

@@ -160,6 +160,7 @@ class AlignDataModule(L.LightningDataModule):
     """
 
     kind = ""  # which rows a built-in task must produce: "preference", "prompt" or "completion"
+    eos_token: str | None = None  # the tokenizer's EOS replaced (CompletionDataModule's option, SFT's eos_token)
 
     def __init__(
         self,
@@ -237,7 +238,7 @@ class AlignDataModule(L.LightningDataModule):
                 return  # Lightning sets the data up before the module, whose setup connects and calls this again
             if name is None:
                 raise LitAlignError("data.tokenizer is not set and the model does not name one")
-            self.tokenizer = load_tokenizer(name, chat_template=self.chat_template)
+            self.tokenizer = load_tokenizer(name, chat_template=self.chat_template, eos_token=self.eos_token)
             check_chat_template(self.tokenizer, self.chat_template)
         if self.mixture:
             self._setup_mixture(need_train, need_val)

@@ -94,14 +94,17 @@ class CompletionDataModule(AlignDataModule):
             ``max_length`` tokens).
         assistant_only_loss: rows are trained on their assistant tokens only, so a row whose cut leaves none is
             dropped; ``lit-align`` sets it from ``model.assistant_only_loss``.
+        eos_token: the token that ends each text row and standard completion instead of the tokenizer's EOS;
+            ``lit-align`` sets it from ``model.eos_token``.
     """
 
     kind = "completion"
 
     def __init__(self, *args, max_length: int | None = 1024, drop_long_prompts: bool = False,
                  num_proc: int | None = None, packing: bool = False, packing_strategy: str = "bfd",
-                 assistant_only_loss: bool = False, **kwargs):
+                 assistant_only_loss: bool = False, eos_token: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.eos_token = eos_token
         self.max_length = check_max_length(max_length)
         self.drop_long_prompts, self.num_proc = drop_long_prompts, num_proc
         if packing_strategy not in PACKING_STRATEGIES:

@@ -96,6 +96,7 @@ DROPPED = {
                      "torch_compile_mode", "tf32", "use_transformers_paged", "use_transformers_continuous_batching",
                      "vllm_model_impl", "optim_target_modules"), SPEED),
     "use_bnb_nested_quant": "read with load_in_4bit",
+    "pad_token": "padding is masked out of every loss and metric here",
     # recipe repositories' own script arguments that change nothing trained
     **dict.fromkeys(("wandb_entity", "wandb_project", "wandb_run_group", "wandb_log_unique_prompts",
                      "wandb_description"), "logging"),

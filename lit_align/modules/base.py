@@ -22,7 +22,7 @@ from lit_align import host_memory
 from lit_align.errors import LitAlignError
 from lit_align.capabilities import sharded_strategy
 from lit_align.data.base import AlignDataModule
-from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer
+from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer, use_eos_token
 from lit_align.optimizers import (DEFAULT_OPTIM, AdamSettings, build_optimizer, check_optimizer_choice, clip_gradients,
                                   unscale_gradients)
 from lit_align.pretrained import gguf_path
@@ -111,6 +111,7 @@ class AlignModule(L.LightningModule):
     """
 
     peft_task_type = "CAUSAL_LM"  # the LoRA task of the network a recipe trains (a reward model's: SEQ_CLS)
+    eos_token: str | None = None  # the tokenizer's EOS replaced (SFT's option, TRL's SFTConfig.eos_token)
     export_class = "AutoModelForCausalLM"  # what loads the export (its model card says so)
     # this class's own options a resume may change: how the same numbers are computed or exported, not which numbers.
     # Each subclass declares its own the same way; ``may_change_on_resume`` gathers them.
@@ -204,10 +205,12 @@ class AlignModule(L.LightningModule):
         if self.policy is not None:  # called again by trainer.fit after trainer.validate, or on resume
             return
         self.tokenizer = load_tokenizer(self.model_name, trust_remote_code=self.hparams.trust_remote_code,
-                                        chat_template=self.hparams.chat_template)
+                                        chat_template=self.hparams.chat_template, eos_token=self.eos_token)
         self._zero3_loading = zero3_loading(self._trainer)  # kept: transformers holds it by a weak reference
         self.policy = self.load(self.model_name).train()  # from_pretrained returns eval mode; Lightning keeps modes
         self.policy.config.use_cache = False
+        if self.eos_token is not None:
+            use_eos_token(self.policy, self.tokenizer)
         enable_checkpointing(self.policy, self.hparams.gradient_checkpointing)
         if self.hparams.gradient_checkpointing is False and not (self._trainer is not None
                                                                   and sharded_strategy(self._trainer)):

@@ -90,12 +90,18 @@ class SFTModule(AlignModule):
             block-causal mask), or flash attention (the restarting positions mark the sequences). None (the
             default): on where it is exact and cheaper (``lit_align.layouts.packs_by_default``: sdpa on CPU).
         learning_rate: AdamW learning rate (TRL's SFT default: 2e-5, for pretrained models).
+        eos_token: the token that ends every text row and standard completion in place of the tokenizer's EOS
+            (TRL's ``eos_token``, e.g. ``<|im_end|>`` for a base model trained to chat): the tokenizer, the model's
+            config and its generation config carry it, so the export stops there. ``lit-align`` passes it on to the
+            data.
     """
 
     def __init__(self, model: str = "builtin:tiny", completion_only_loss: bool = True,
                  assistant_only_loss: bool = False, val_exact_match: bool = False, val_max_new_tokens: int = 64,
-                 padding_free: bool | None = None, learning_rate: float = 2e-5, **kwargs):
+                 padding_free: bool | None = None, learning_rate: float = 2e-5, eos_token: str | None = None,
+                 **kwargs):
         super().__init__(model=model, learning_rate=learning_rate, **kwargs)
+        self.eos_token = eos_token
         self.completion_only_loss, self.assistant_only_loss = completion_only_loss, assistant_only_loss
         self.padding_free = padding_free
         self.val_exact_match = val_exact_match

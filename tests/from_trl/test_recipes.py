@@ -4,6 +4,7 @@ with the model, the data and the rewards swapped for offline ones (the recipe's 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,6 @@ INDEX = yaml.safe_load((FIXTURES / "index.yaml").read_text())
 REFUSED = {
     "openr1_qwen2.5_1.5b_grpo_demo_code.yaml": "'reward_funcs' names open-r1's 'code'",
     "openr1_qwen2.5_coder_7b_grpo_codeforces.yaml": "'reward_funcs' names open-r1's 'cf_code'",
-    "smollm3_sft.yaml": "'eos_token' (TRL's field; lit_align has no equivalent)",
 }
 TRANSLATED = [e for e in INDEX if e["file"] not in REFUSED]
 
@@ -43,12 +43,18 @@ def offline(config: dict, tmp_path: Path) -> dict:
     model["model"] = "builtin:tiny"
     if any(part in model.get("optim", "") for part in ("paged", "8bit", "bnb")):  # bitsandbytes: a GPU's
         model["optim"] = "adamw_torch_fused"
-    for key in ("model_init_kwargs", "attn_implementation", "chat_template", "dtype"):
+    for key in ("model_init_kwargs", "attn_implementation", "chat_template", "dtype", "eos_token"):
         model.pop(key, None)  # a hub revision, bitsandbytes (a GPU), flash attention, a template for another vocab
     if "reward_funcs" in model or "num_generations" in model or config["model"]["class_path"].endswith("GRPOModule"):
         model.update(reward_funcs=["helpers.digit_fraction"], reward_weights=None, engine="auto",
                      max_completion_length=6, num_generations=2, steps_per_generation=1, vllm_mode="colocate")
-    data.update(path="builtin:sort", mixture=None, train_split="train", val_split=None, val_path=None,
+    path = "builtin:sort"
+    if config["data"]["class_path"].endswith("CompletionDataModule"):  # SFT recipes train on conversations
+        path = tmp_path / "chats.jsonl"
+        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"sort {i}{i + 1}:"},
+                                                         {"role": "assistant", "content": f"{i + 1}{i}"}]}) + "\n"
+                                for i in range(1, 9)))
+    data.update(path=str(path), mixture=None, train_split="train", val_split=None, val_path=None,
                 val_fraction=0.0, batch_size=4, rename_columns=None)
     data.pop("val_batch_size", None)
     trainer.update(max_steps=2, accumulate_grad_batches=1, logger=False, default_root_dir=str(tmp_path / "run"),
@@ -86,7 +92,6 @@ def test_each_translated_recipe_trains_two_steps_offline(entry, tmp_path, capfd)
 
 COMMAND_LINES = yaml.safe_load((FIXTURES / "command_lines.yaml").read_text())
 REFUSED_LINES = {  # what TRL's documented command lines set that has no lit_align equivalent, or is not there
-    "sft_full": "'eos_token' (TRL's field", "sft_lora": "'eos_token' (TRL's field",
     "clis_sft_config_override": "examples/cli_configs/example_config.yaml: No such file",  # a path in TRL's repo
     "reward_modeling_cloud_full": "'feedback_method' is not a field of TRL",  # that example script's own arguments
 }

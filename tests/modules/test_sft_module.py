@@ -258,3 +258,31 @@ def test_a_nonfinite_loss_names_the_batchs_dataset_rows(tmp_path, write_jsonl, p
                                 "skip such batches)")
     if not packing:
         assert poison.dataset_rows == [4, 5, 6, 7]
+
+
+def test_an_eos_token_ends_the_rows_and_the_exported_model_stops_there(tmp_path, write_jsonl, capfd):
+    """TRL's SFT ``eos_token``: every standard completion ends with it instead of the tokenizer's EOS; the model's
+    config and generation config and the exported tokenizer carry it; a token the tokenizer lacks is one line."""
+    import yaml
+    from helpers import assert_one_line_error, run_main
+
+    from lit_align.cli import run
+
+    path = write_jsonl([{"prompt": "sort 21:", "completion": "12"}] * 4)
+    config = tmp_path / "sft.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"class_path": "lit_align.modules.SFTModule", "init_args": {"eos_token": "<|assistant|>"}},
+        "data": {"class_path": "lit_align.data.CompletionDataModule",
+                 "init_args": {"path": path, "val_split": None, "batch_size": 2}},
+        "trainer": {"max_steps": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                    "default_root_dir": str(tmp_path / "run")},
+        "export": {"path": str(tmp_path / "out")}}))
+    cli = run(["fit", "-c", str(config)])
+    eos = cli.model.tokenizer.convert_tokens_to_ids("<|assistant|>")
+    row = cli.datamodule.train_data[0]
+    assert row["input_ids"][-1] == eos and cli.datamodule.tokenizer.eos_token == "<|assistant|>"
+    assert cli.model.policy.config.eos_token_id == eos and cli.model.policy.generation_config.eos_token_id[0] == eos
+    exported = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert exported["eos_token"] == "<|assistant|>"
+    code, _, err = run_main(["fit", "-c", str(config), "--model.init_args.eos_token", "<|nope|>"], capfd)
+    assert_one_line_error(code, err, "eos_token '<|nope|>' is not a token of tokenizer")
