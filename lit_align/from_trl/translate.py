@@ -68,6 +68,7 @@ FIELDS = {
     "logging_steps": "trainer.log_every_n_steps",
     "seed": "seed_everything",
     "resume_from_checkpoint": "ckpt_path",
+    "num_processes": "trainer.devices",  # accelerate's, which TRL's CLI passes on: the world, so the global batch
 }
 # the names older TRL and transformers releases gave a field (recipe files written for them use these)
 OLDER_NAMES = {"torch_dtype": "dtype", "max_seq_length": "max_length", "evaluation_strategy": "eval_strategy",
@@ -103,8 +104,8 @@ DROPPED = {
     **dict.fromkeys(("hub_model_revision", "push_to_hub_revision", "callbacks", "benchmarks"),
                     "the recipe script's hub uploads and evaluation jobs, after or beside training"),
     **dict.fromkeys(("use_liger", "preprocessing_num_workers"), SPEED),
-    **dict.fromkeys(("vllm_device", "num_processes", "remote_gen_model_url"), "where processes and generation "
-                    "run: the launch and trainer.devices decide"),
+    **dict.fromkeys(("vllm_device", "remote_gen_model_url"), "where generation runs: the launch and "
+                    "trainer.devices decide"),
 }
 # fields dropped only at the values that need nothing here (any other value is refused)
 NO_EFFECT = {

@@ -380,6 +380,10 @@ def test_older_names_and_a_null_dtype_read_as_trl_reads_them():
     assert "dtype" not in translate("sft", {"torch_dtype": None})["model"]["init_args"]  # transformers' default
 
 
+def test_accelerates_num_processes_is_the_trainers_devices():
+    assert translate("grpo", {"num_processes": 7, "reward_funcs": "my.f"})["trainer"]["devices"] == 7
+
+
 def test_sft_keeps_dropout_as_trls_sft_trainer_does():
     assert translate("sft", {})["model"]["init_args"]["disable_dropout"] is False
     assert "disable_dropout" not in translate("dpo", {})["model"]["init_args"]  # TRL's default true: lit_align's
