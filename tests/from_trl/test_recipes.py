@@ -58,7 +58,8 @@ def offline(config: dict, tmp_path: Path) -> dict:
                 val_fraction=0.0, batch_size=4, rename_columns=None)
     data.pop("val_batch_size", None)
     trainer.update(max_steps=2, accumulate_grad_batches=1, logger=False, default_root_dir=str(tmp_path / "run"),
-                   devices=1, limit_val_batches=0, enable_progress_bar=False, val_check_interval=None, check_val_every_n_epoch=1)
+                   devices=1, limit_val_batches=0, enable_progress_bar=False, val_check_interval=None,
+                   check_val_every_n_epoch=1)
     config["export"] = {"path": str(tmp_path / "run" / "hf_model")}
     return config
 
