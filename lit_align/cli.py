@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_align.callbacks import HFExport, SigtermCheckpoint
 from lit_align.checkpoint_io import AtomicCheckpointIO
-from lit_align.errors import LitAlignError
+from lit_align.errors import LitAlignError, condensed
 from lit_align.imports import import_object
 
 
@@ -72,40 +72,6 @@ class AlignParser(LightningArgumentParser):
             raise LitAlignError(f"{condensed(str(message), self.argv)} ({self.prog.replace(' [options]', '')} --help "
                                 f"lists the options)")
         super().error(message, ex)
-
-
-WRONG_TYPE = re.compile(r"Expected a <class '([\w.]+)'>\. Got value: (.*)")
-KEY = re.compile(r'Parser key "([^"]+)"')
-
-
-def condensed(message: str, argv: list[str]) -> str:
-    """jsonargparse's error ``message`` (nested over union subtypes, one line per attempt) as one line: the option's
-    path and what it expected, or the message's lines joined; a config file YAML cannot read is named (``argv``:
-    the command line, whose ``-c`` / ``--config`` files are read again to find it)."""
-    wrong = WRONG_TYPE.search(message)
-    if wrong is not None:
-        keys = KEY.findall(message[: wrong.start()])
-        path = ".init_args.".join(keys) if "class_path" in message else ".".join(keys)
-        return f"{path}: expected {wrong.group(1)}, got {wrong.group(2).strip()!r}"
-    noise = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "Given value",
-             "Expected a <class 'NoneType'>")
-    lines = [line.strip().lstrip("- ") for line in message.splitlines()]
-    text = KEY.sub(r"\1", " ".join(line for line in lines if line and not line.startswith(noise)))
-    if "Problems parsing config" in text:
-        files = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("-c", "--config")]
-        bad = [f for f in files if not _reads_as_yaml(f)]
-        text = text.replace('"<unicode string>"', repr(bad[0]) if bad else "the config")
-    return text
-
-
-def _reads_as_yaml(path: str) -> bool:
-    import yaml
-
-    try:
-        yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
-        return False
-    return True
 
 
 def _trl_field(name: str) -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import difflib
 import re
-from typing import Any
 
 from lit_align.errors import LitAlignError
 from lit_align.from_trl import sections
@@ -235,7 +234,7 @@ def _check_values(work: sections.Work) -> None:
     ``__init__``), as ``lit-align fit`` would run them; the problem names the TRL field behind the option."""
     from jsonargparse import ArgumentParser
 
-    from lit_align.cli import condensed
+    from lit_align.errors import condensed
     from lit_align.data import AlignDataModule
     from lit_align.modules import AlignModule
 
