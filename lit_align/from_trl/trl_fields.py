@@ -4,8 +4,9 @@ is. ``from-trl`` uses them to tell a TRL field it cannot translate from a mistyp
 TRL's ``--no_<flag>`` switches, list fields and choices.
 
 A field's kind is one word: ``bool`` (``bool!`` where TRL also takes ``--no_<name>``: its default is true),
-``int``, ``float``, ``str``, ``list:<int|float|str>`` (TRL's ``nargs="+"``) or ``["choice", <the allowed values>]``. ``python -m
-lit_align.from_trl.trl_fields`` writes the file again from the installed TRL; tests/from_trl checks it matches.
+``int``, ``float``, ``str``, ``list:<int|float|str>`` (TRL's ``nargs="+"``) or ``["choice", <the allowed
+values>]``. ``python -m lit_align.from_trl.trl_fields`` writes the file again from the installed TRL; tests/from_trl
+checks it matches.
 """
 
 from __future__ import annotations

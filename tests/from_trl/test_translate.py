@@ -216,7 +216,8 @@ def test_trls_command_line_fields_override_the_file_as_in_trl(tmp_path, capfd):
     model = config["model"]["init_args"]
     assert model == {"peft_config": {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05,  # ModelConfig's defaults
                                      "target_modules": ["q_proj", "v_proj"]}, "model": "a", "beta": 0.2,
-                     "learning_rate": 1e-6, "model_init_kwargs": {"revision": "v2"}, "loss_type": ["sigmoid"]}  # TRL 1.16's is a list
+                     "learning_rate": 1e-6, "model_init_kwargs": {"revision": "v2"},
+                     "loss_type": ["sigmoid"]}  # TRL 1.16's is a list
     assert config["trainer"]["max_steps"] == 7 and "precision" not in config["trainer"]
     code, out, err = run_main(["from-trl", "sft", "--model_name_or_path", "m", "--num_train_epochs", "2"], capfd)
     assert code == 0, err
