@@ -470,7 +470,8 @@ class AlignModule(L.LightningModule):
 
 
 def lora_config(kwargs: dict, task_type: str = "CAUSAL_LM"):
-    """``peft.LoraConfig(**kwargs)``, ``task_type`` defaulting to ``task_type``; errors name ``model.peft_config``."""
+    """``peft.LoraConfig(**kwargs)``, ``task_type`` defaulting to ``task_type``; errors name ``model.peft_config``.
+    ``target_modules: [all-linear]`` (TRL's one-item list) is PEFT's ``all-linear``, every linear layer."""
     try:
         from peft import LoraConfig
     except ImportError as exc:
@@ -479,6 +480,9 @@ def lora_config(kwargs: dict, task_type: str = "CAUSAL_LM"):
     if not isinstance(kwargs, dict):
         raise LitAlignError(
             f"model.peft_config must be a mapping of LoraConfig arguments, got {type(kwargs).__name__}")
+    modules = kwargs.get("target_modules")
+    if isinstance(modules, (list, tuple)) and len(modules) == 1 and modules[0] == "all-linear":
+        kwargs = {**kwargs, "target_modules": "all-linear"}  # PEFT's keyword, as TRL's ModelConfig turns it
     try:
         return LoraConfig(**{"task_type": task_type, **kwargs})
     except (TypeError, ValueError) as exc:

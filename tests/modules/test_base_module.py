@@ -369,3 +369,18 @@ def test_fp16_skipped_batch_under_clipping_keeps_the_scaler_consistent(tmp_path,
         run = fit(module, data, tmp_path, max_steps=3, plugins=[mixed_precision("16-mixed")], gradient_clip_val=1.0)
     assert run.global_step == 3 and module.skipped_batches == 1
     assert all(torch.isfinite(p).all() for p in module.policy.parameters())
+
+
+def test_a_one_item_all_linear_list_is_peft_all_linear():
+    """TRL's documented ``--lora_target_modules all-linear`` is a one-item list; PEFT reads only the string as every
+    linear layer (a list names a module called 'all-linear', which no model has)."""
+    from lit_align.modules.base import lora_config
+
+    config = lora_config({"r": 4, "target_modules": ["all-linear"]})
+    assert config.target_modules == "all-linear"
+    from lit_align.modules import SFTModule
+
+    module = SFTModule(peft_config={"r": 4, "target_modules": ["all-linear"]})
+    module.configure_model()
+    wrapped = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in module.policy.named_parameters() if "lora_A" in n}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= wrapped
