@@ -280,6 +280,8 @@ def _user_error(exc: BaseException) -> str | None:
       arguments (``ValueError: Does not validate against any of the Union subtypes``);
     - a setting Lightning rejects (``MisconfigurationException``, or a ``ValueError`` raised inside Lightning, e.g.
       ``val_check_interval`` larger than the training batches);
+    - a package a configured class needs and the machine lacks (Lightning's ``Requirement ... not met``: a
+      ``WandbLogger`` without wandb);
     - the file system refusing a path or running out of space (an ``OSError`` naming its file): a full disk during a
       checkpoint or export leaves the previous files whole (``AtomicCheckpointIO``, ``HFExport``).
     """
@@ -290,6 +292,8 @@ def _user_error(exc: BaseException) -> str | None:
         if isinstance(exc, MisconfigurationException) or (isinstance(exc, ValueError) and _raised_in_lightning(exc)):
             message = " ".join(str(exc).split())
             return message + VAL_CHECK_HINT if message.startswith("`val_check_interval`") else message
+        if isinstance(exc, ModuleNotFoundError) and "Requirement" in str(exc):  # a logger's package (wandb, ...)
+            return f"a package the config needs is not installed: {' '.join(str(exc).split())}"
         if isinstance(exc, OSError) and exc.filename is not None:
             return f"{exc.filename}: {exc.strerror or exc}"
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):

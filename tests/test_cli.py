@@ -332,6 +332,17 @@ def test_lightning_and_file_system_refusals_are_one_error_line(tmp_path, capfd):
                                                 "before stay whole)")
 
 
+def test_a_logger_whose_package_is_missing_is_one_error_line(tmp_path, capfd, monkeypatch):
+    """A config naming WandbLogger (TRL recipes' report_to: wandb) on a machine without wandb: one line saying which
+    package, not Lightning's three tracebacks."""
+    from lightning.pytorch.loggers import wandb as lightning_wandb
+
+    monkeypatch.setattr(lightning_wandb, "_WANDB_AVAILABLE", lightning_wandb.RequirementCache("wandb>=999"))
+    code, _, err = run_main(["fit", "-c", DPO, "--trainer.max_steps", "1", "--trainer.default_root_dir",
+                             str(tmp_path), "--trainer.logger", "lightning.pytorch.loggers.WandbLogger"], capfd)
+    assert_one_line_error(code, err, "a package the config needs is not installed", "wandb>=999")
+
+
 def test_typo_in_a_config_file(tmp_path, capfd):
     typo = tmp_path / "typo.yaml"
     typo.write_text("model:\n  init_args:\n    betaa: 0.3\n")
