@@ -325,6 +325,7 @@ def test_gemma3_sft_renders_gemma_turns_and_validates_greedily_with_hf(gemma3_pa
     are Gemma's turns, the completion is the model turn up to EOS, the greedy validation runs (engine auto: hf for
     the sliding layers), and the export carries the template."""
     from lit_align.cli import run
+    from lit_align.logps import chunkable_head
     from lit_align.models import GEMMA_CHAT_TEMPLATE
 
     cli = run(smollm2_args("sft", gemma3_path, tmp_path, "--model.init_args.chat_template", "builtin:gemma",
@@ -335,6 +336,7 @@ def test_gemma3_sft_renders_gemma_turns_and_validates_greedily_with_hf(gemma3_pa
     completion = tok.decode([t for t, m in zip(ids, mask) if m])
     assert completion.endswith("<end_of_turn><eos>") and " = " in completion and "model" not in completion
     assert cli.model.greedy_engine.chosen == "hf"
+    assert chunkable_head(cli.model.policy) is not None  # the head's log-probs chunked: a 262k vocabulary fits
     metrics = cli.trainer.callback_metrics
     assert torch.isfinite(metrics["train/loss"]) and 0.0 <= float(metrics["val/mean_token_accuracy"]) <= 1.0
     assert float(metrics["val/exact_match"]) == 0.0  # 6 tokens of a random model
