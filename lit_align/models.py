@@ -212,10 +212,12 @@ DTYPE_KEYS = ("dtype", "torch_dtype")  # ``model_init_kwargs``' names for it: tr
 
 
 def check_dtype(dtype: str | None, option: str) -> str:
-    """``dtype`` as one of ``DTYPES``; None (TRL's "not set") is ``DEFAULT_DTYPE``. ``option`` names it in errors."""
+    """``dtype`` as one of ``DTYPES`` or another floating torch dtype's name (``float64``: the numerics tests);
+    None (TRL's "not set") is ``DEFAULT_DTYPE``. ``option`` names it in errors."""
     if dtype is None:
         return DEFAULT_DTYPE
-    if dtype not in DTYPES:
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if dtype not in DTYPES and not (isinstance(named, torch.dtype) and named.is_floating_point):
         raise LitAlignError(f"{option} {dtype!r}: expected one of {', '.join(DTYPES)} (or null: {DEFAULT_DTYPE})")
     return dtype
 

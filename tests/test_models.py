@@ -185,6 +185,7 @@ def test_a_null_dtype_is_float32_and_model_init_kwargs_set_it_as_in_trl():
         ("float32", {"torch_dtype": None, "max_position_embeddings": 1024}, torch.float32),
         ("float32", {"torch_dtype": "bfloat16"}, torch.bfloat16), (None, {"dtype": "float16"}, torch.float16),
         ("bfloat16", {"dtype": "bfloat16", "torch_dtype": "bfloat16"}, torch.bfloat16),
+        ("float64", None, torch.float64),  # any floating torch dtype by name (the numerics tests' fp64)
     ]:
         model = load_model("builtin:tiny", dtype=dtype, model_init_kwargs=kwargs)
         assert {p.dtype for p in model.parameters()} == {expected}, (dtype, kwargs)

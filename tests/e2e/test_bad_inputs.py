@@ -167,8 +167,8 @@ CASES = [
     ("bad model.dtype", dpo("builtin:sort", "--model.init_args.dtype", "fp16"),
      "error: model.dtype 'fp16': expected one of float32, bfloat16, float16, auto (or null: float32)"),
     ("bad torch_dtype in model_init_kwargs", dpo("builtin:sort", "--model.init_args.model_init_kwargs",
-                                                 "{torch_dtype: half}"),
-     "error: model.model_init_kwargs.torch_dtype 'half': expected one of float32, bfloat16, float16, auto (or null: "
+                                                 "{torch_dtype: bf16}"),
+     "error: model.model_init_kwargs.torch_dtype 'bf16': expected one of float32, bfloat16, float16, auto (or null: "
      "float32)"),
 ]
 
