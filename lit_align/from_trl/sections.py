@@ -1,7 +1,7 @@
 """The TRL fields whose value is translated, not only moved: the output directory, precision, epochs, evaluation,
-checkpoints, loggers, LoRA, quantization, dataset mixtures and reward names. Each function reads ``work.fields``,
-writes ``work.config`` and returns the names it handled; a value with no equivalent is a problem (``work.refuse``),
-collected with the others, never raised alone."""
+checkpoints, loggers, LoRA, quantization, the hub (here), datasets (``dataset_fields``) and reward names
+(``reward_names``). Each function reads ``work.fields`` (a ``Work``), writes ``work.config`` and returns the names it
+handled; a value with no equivalent is a problem (``work.refuse``), collected with the others, never raised alone."""
 
 from __future__ import annotations
 
@@ -20,36 +20,6 @@ LORA = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout
         "lora_target_modules": "target_modules", "lora_target_parameters": "target_parameters",
         "lora_modules_to_save": "modules_to_save", "lora_task_type": "task_type", "use_rslora": "use_rslora",
         "use_dora": "use_dora"}
-# TRL's GRPO/RLOO scripts' reward names (their ``reward_funcs_registry``) -> what they build, from ``trl.rewards``
-TRL_REWARDS = {
-    "accuracy_reward": "trl.rewards.accuracy_reward",
-    "reasoning_accuracy_reward": "trl.rewards.reasoning_accuracy_reward",
-    "think_format_reward": "trl.rewards.think_format_reward",
-    "get_soft_overlong_punishment": {"class_path": "trl.rewards.get_soft_overlong_punishment",
-                                     "init_args": {"max_completion_len": 1280, "soft_punish_cache": 256}},
-}
-
-# open-r1's GRPO script's reward names (its ``get_reward_funcs``) -> its functions, and the script arguments its
-# factories take (with open-r1's defaults); with open-r1 installed where the run happens
-OPEN_R1 = {
-    "accuracy": "open_r1.rewards.accuracy_reward", "format": "open_r1.rewards.format_reward",
-    "reasoning_steps": "open_r1.rewards.reasoning_steps_reward", "length": "open_r1.rewards.len_reward",
-    "tag_count": "open_r1.rewards.tag_count_reward",
-    "cosine": ("open_r1.rewards.get_cosine_scaled_reward", {
-        "min_value_wrong": ("cosine_min_value_wrong", 0.0), "max_value_wrong": ("cosine_max_value_wrong", -0.5),
-        "min_value_correct": ("cosine_min_value_correct", 0.5),
-        "max_value_correct": ("cosine_max_value_correct", 1.0), "max_len": ("cosine_max_len", 1000)}),
-    "repetition_penalty": ("open_r1.rewards.get_repetition_penalty_reward", {
-        "ngram_size": ("repetition_n_grams", 3), "max_penalty": ("repetition_max_penalty", -1.0)}),
-    "code_format": ("open_r1.rewards.get_code_format_reward", {"language": ("code_language", "python")}),
-}
-OPEN_R1_CODE = {"code", "binary_code", "ioi_code", "cf_code"}  # sandboxed: partial functions of the script's
-OPEN_R1_ARGS = {"cosine_min_value_wrong", "cosine_max_value_wrong", "cosine_min_value_correct",
-                "cosine_max_value_correct", "cosine_max_len", "repetition_n_grams", "repetition_max_penalty",
-                "code_language", "code_eval_test_batch_size", "parallel_code_exec_per_proc", "e2b_router_url",
-                "morph_router_url", "code_provider", "ioi_provider"}
-
-
 @dataclass
 class Work:
     """One translation in progress: the TRL fields, the config being written, what was handled, the notes (fields
@@ -283,138 +253,3 @@ def loggers(work: Work) -> set[str]:
         built.append({"class_path": LOGGERS[name][0], "init_args": args} if args else {"class_path": LOGGERS[name][0]})
     work.trainer["logger"] = False if not built else built[0] if len(built) == 1 else built
     return {"report_to", "run_name"}
-
-
-def rewards(work: Work) -> set[str]:
-    """``reward_model_name_or_path`` and ``reward_funcs``: TRL's scripts put the reward model first, then each name
-    from their registry (``trl.rewards``' functions: TRL installed, pip install trl) or a dotted import path; the
-    names open-r1's recipes use are open-r1's functions (``OPEN_R1``: open-r1 installed where the run happens)."""
-    fields = work.fields
-    names = fields.get("reward_funcs") or []
-    names = [names] if isinstance(names, str) else list(names)
-    funcs = [fields["reward_model_name_or_path"]] if fields.get("reward_model_name_or_path") else []
-    for name in names:
-        if name in TRL_REWARDS:
-            funcs.append(TRL_REWARDS[name])
-        elif isinstance(name, str) and "." in name:
-            funcs.append(name)
-        elif name in OPEN_R1:
-            funcs.append(_open_r1(work, name))
-        elif name in OPEN_R1_CODE:
-            work.refuse("reward_funcs", f"names open-r1's {name!r}, a sandboxed code reward its script builds with "
-                        "partial arguments: name a function of yours that calls it (my_pkg.rewards.code)")
-        else:
-            work.refuse("reward_funcs", f"names {name!r}: expected one of TRL's {sorted(TRL_REWARDS)}, open-r1's "
-                        f"{sorted(OPEN_R1)} or a dotted import path (my_lib.rewards.my_reward)")
-    if funcs:
-        work.model["reward_funcs"] = funcs
-    unused = sorted(OPEN_R1_ARGS & set(fields) - {a for n in names if isinstance(OPEN_R1.get(n), tuple)
-                                                  for a, _ in OPEN_R1[n][1].values()})
-    if unused:
-        work.notes.append(f"dropped {', '.join(unused)} (open-r1's settings of reward functions this run does not "
-                          "use)")
-    return {"reward_funcs", "reward_model_name_or_path", *OPEN_R1_ARGS}
-
-
-def _open_r1(work: Work, name: str) -> str | dict:
-    """open-r1's reward ``name`` as its function, a factory built with the file's script arguments."""
-    spec = OPEN_R1[name]
-    if isinstance(spec, str):
-        return spec
-    factory, arguments = spec
-    return {"class_path": factory, "init_args": {arg: work.fields.get(field, default)
-                                                 for arg, (field, default) in arguments.items()}}
-
-
-def mixture(work: Work) -> set[str]:
-    """TRL's dataset mixture (``datasets``, ``streaming``, ``test_split_size``: its ``DatasetMixtureConfig``; a
-    ``dataset_mixture: {datasets, seed, test_split_size}`` mapping as recipe repositories write it) as
-    ``data.mixture``: every row of every source, in order (``concatenate``); a recipe's ``weight`` below 1 keeps
-    that share of its source (``fraction``). TRL's own ``fraction`` (normalized shares, capped by the sources'
-    sizes) has no equivalent: refused."""
-    fields = work.fields
-    given = fields.get("dataset_mixture")
-    spec = dict(given) if isinstance(given, dict) else {}
-    if given is not None and not isinstance(given, dict):
-        work.refuse("dataset_mixture", f"is {given!r}: expected a mapping with 'datasets'")
-    spec.setdefault("datasets", fields.get("datasets") or [])
-    for name in ("streaming", "test_split_size"):
-        if fields.get(name) is not None:
-            spec.setdefault(name, fields[name])
-    handled = {"datasets", "dataset_mixture", "streaming", "test_split_size"}
-    if not spec["datasets"]:
-        return handled
-    if spec.get("streaming"):
-        work.refuse("streaming", "is true: lit_align reads a dataset whole (it tokenizes the rows once)")
-    sources = [s for s in (_source(work, i, d) for i, d in enumerate(spec["datasets"])) if s is not None]
-    work.data["mixture"], work.data["path"] = sources, None
-    if fields.get("dataset_name"):
-        work.note("dataset_name", "TRL reads the dataset mixture instead")
-    test = spec.get("test_split_size")
-    if test is not None and work.fields.get("eval_strategy", "no") != "no":
-        if isinstance(test, (int, float)) and not isinstance(test, bool) and (0 < test < 1 or (
-                test >= 1 and float(test).is_integer())):
-            work.data["val_fraction"] = test  # a fraction, or a count of rows (datasets' test_size)
-        else:
-            work.refuse("test_split_size", f"is {test!r}: expected a fraction in (0, 1) or a whole number of rows")
-    if "seed" in spec and spec["seed"] != fields.get("seed"):
-        work.note("dataset_mixture.seed", "lit_align's mixture is the rows in order; data.seed orders training")
-    return handled
-
-
-def _source(work: Work, i: int, given: Any) -> dict | None:
-    """One mixture source as a ``DataSource`` mapping (TRL's ``path``/``name``, a recipe's ``id``/``config``)."""
-    where = f"datasets[{i}]"
-    if not isinstance(given, dict) or not (given.get("path") or given.get("id")):
-        work.refuse(where, f"is {given!r}: expected a mapping with 'path' (or 'id')")
-        return None
-    share, weight = given.get("fraction"), given.get("weight")
-    if share is not None and share != 1:  # TRL's: shares of the mixture, normalized and capped by the sources' sizes
-        work.refuse(f"{where}.fraction", f"is {share}: TRL's normalized shares have no lit_align equivalent (a "
-                    "recipe's 'weight', the share of a source kept, has: data.mixture[].fraction)")
-    if weight is not None and not 0 < weight <= 1:
-        work.refuse(f"{where}.weight", f"is {weight}: expected the share of the source kept, in (0, 1]")
-    if given.get("data_dir") or given.get("data_files"):
-        work.refuse(where, "sets 'data_dir'/'data_files': give the file itself as 'path'")
-    if given.get("columns"):
-        work.note(f"{where}.columns", "lit_align reads only the columns its row format needs")
-    source = {"path": given.get("path") or given["id"], "split": given.get("split", "train")}
-    if given.get("name") or given.get("config"):
-        source["config_name"] = given.get("name") or given["config"]
-    if weight is not None and weight != 1:  # the first rows of a seeded shuffle, as the recipes' scripts keep them
-        source["fraction"] = weight
-    return source
-
-
-def older_datasets(work: Work) -> set[str]:
-    """The recipe repositories' older dataset arguments: alignment-handbook's ``dataset_mixer`` (``{name:
-    fraction}``) with ``dataset_splits`` (the ``train`` ones train, the ``test`` ones validate), open-r1's
-    ``dataset_prompt_column`` (renamed ``prompt``); ``dataset_configs``, which its script never read, noted. One
-    whole source is ``data.path``; several, a mixture."""
-    fields, data = work.fields, work.data
-    if fields.get("dataset_configs") is not None:  # the old handbook's, beside dataset_mixer; open-r1 never read it
-        work.note("dataset_configs", "the recipe's script read dataset_config; set data.config_name for another "
-                  "configuration")
-    column = fields.get("dataset_prompt_column")
-    if column not in (None, "prompt"):  # open-r1: the column its prompts come from
-        data["rename_columns"] = {**(data.get("rename_columns") or {}), column: "prompt"}
-    mixer = fields.get("dataset_mixer")
-    if mixer is None:
-        return {"dataset_configs", "dataset_splits", "dataset_prompt_column"}
-    splits = fields.get("dataset_splits") or ["train", "test"]
-    train = [s for s in splits if "train" in s] or ["train"]
-    test = [s for s in splits if "test" in s]
-    if not isinstance(mixer, dict) or any(share != 1 for share in mixer.values()):
-        work.refuse("dataset_mixer", f"is {mixer!r}: expected {{dataset: 1.0, ...}} (keeping a share of a source has "
-                    "no lit_align equivalent)")
-    elif len(mixer) == 1 and len(train) == 1:
-        data["path"], data["train_split"] = next(iter(mixer)), train[0]
-        if fields.get("eval_strategy", "no") != "no" and test:
-            data["val_split"] = test[0]
-    else:
-        data["mixture"], data["path"] = [{"path": p, "split": s} for p in mixer for s in train], None
-        if fields.get("eval_strategy", "no") != "no" and test:  # what is evaluated, not what is trained
-            data["val_path"], data["val_split"] = next(iter(mixer)), test[0]
-            work.notes.append(f"dataset_splits {test[0]!r} of several sources: validation on the first one's "
-                              f"({data['val_path']}) only; data.val_path names one source")
-    return {"dataset_mixer", "dataset_splits", "dataset_configs", "dataset_prompt_column"}

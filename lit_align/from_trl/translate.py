@@ -25,7 +25,7 @@ import difflib
 import re
 
 from lit_align.errors import LitAlignError
-from lit_align.from_trl import sections
+from lit_align.from_trl import dataset_fields, reward_names, sections
 from lit_align.from_trl.trl_fields import commands_with, version
 from lit_align.from_trl.trl_fields import fields as trl_fields
 from lit_align.hub import recipe_defaults
@@ -120,7 +120,7 @@ GROUPED = {"grpo": 8, "rloo": 2}  # the recipes sampling groups: TRL's num_gener
 EXPONENT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")  # 1e-5: YAML 1.1 reads it as text, TRL as a number
 ONLINE = {"grpo", "rloo", "distillation"}  # TRL samples steps_per_generation steps at once (default: the accumulation)
 SECTIONS = (sections.run_settings, sections.hub, sections.evaluation, sections.checkpoints, sections.loggers,
-            sections.lora, sections.quantization, sections.mixture, sections.older_datasets)
+            sections.lora, sections.quantization, dataset_fields.mixture, dataset_fields.older_datasets)
 
 
 def _options(class_name: str, package: str) -> set[str]:
@@ -146,7 +146,7 @@ def _recipe(work: sections.Work) -> set[str]:
     if "disable_dropout" not in fields and trl_disables != own:
         model["disable_dropout"] = trl_disables
     if command in GROUPED:
-        done |= sections.rewards(work)
+        done |= reward_names.rewards(work)
         if fields.get("eval_strategy", "no") != "no":  # TRL samples num_generations_eval per prompt, its eval
             group = (fields.get("num_generations_eval") or fields.get("num_generations")  # batch counts them
                      or GROUPED[command])
