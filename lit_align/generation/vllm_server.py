@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from lit_align.errors import LitAlignError
+from lit_align.generation.weights import policy_weights
 
 REQUEST_TIMEOUT = 3600.0  # seconds one request may take (a generation of long completions, a push of a large model)
 MAX_CONCURRENT_REQUESTS = 32  # one request per prompt; this many in flight
@@ -214,8 +215,6 @@ class ServerEngine:
     def sync(self, model: torch.nn.Module, version: int | None) -> None:
         """Push ``model``'s weights unless the server holds them already (same model, same ``version``; None: push).
         The first push of a run always goes: the server may hold another run's weights."""
-        from lit_align.generation.vllm import policy_weights
-
         if version is not None and self._pushed is not None and self._pushed[0]() is model \
                 and self._pushed[1] == version:
             return
