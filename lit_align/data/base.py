@@ -109,6 +109,8 @@ class DataSource:
         weight: its share when the mixture is interleaved.
         fraction: keep this share of the source's rows, the first after a shuffle seeded by ``data.seed`` (as
             alignment-handbook's and open-r1's mixture weights keep them); 1: every row.
+        columns: keep only these columns of the source (TRL's ``DatasetConfig.columns``), e.g. ``[chosen,
+            rejected]`` to read pairs whose conversations hold their prompt; None: every column.
     """
 
     path: str
@@ -117,6 +119,7 @@ class DataSource:
     rename_columns: dict[str, str] | None = None
     weight: float = 1.0
     fraction: float = 1.0
+    columns: list[str] | None = None
 
 
 class AlignDataModule(L.LightningDataModule):
@@ -288,6 +291,12 @@ class AlignDataModule(L.LightningDataModule):
         for i, source in enumerate(self.mixture):
             rows = self._load(source.path, source.split, f"data.mixture[{i}].split", source.config_name,
                               source.rename_columns or {})
+            if source.columns is not None:
+                missing = sorted(set(source.columns) - set(rows.column_names))
+                if missing:
+                    raise LitAlignError(f"data.mixture[{i}] ({source.path}): no column(s) {missing} to keep (it has "
+                                        f"{rows.column_names})")
+                rows = rows.select_columns(source.columns)
             if source.fraction < 1:
                 rows = rows.shuffle(seed=self.seed).select(range(int(len(rows) * source.fraction)))
             parts.append(self.process(rows, f"{source.path} ({source.split})"))

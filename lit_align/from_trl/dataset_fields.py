@@ -57,13 +57,13 @@ def _source(work: Work, i: int, given: Any) -> dict | None:
         work.refuse(f"{where}.weight", f"is {weight}: expected the share of the source kept, in (0, 1]")
     if given.get("data_dir") or given.get("data_files"):
         work.refuse(where, "sets 'data_dir'/'data_files': give the file itself as 'path'")
-    if given.get("columns"):
-        work.note(f"{where}.columns", "lit_align reads only the columns its row format needs")
     source = {"path": given.get("path") or given["id"], "split": given.get("split", "train")}
     if given.get("name") or given.get("config"):
         source["config_name"] = given.get("name") or given["config"]
     if weight is not None and weight != 1:  # the first rows of a seeded shuffle, as the recipes' scripts keep them
         source["fraction"] = weight
+    if given.get("columns"):  # which columns decide a row's format (chosen/rejected alone: the prompt inside them)
+        source["columns"] = list(given["columns"])
     return source
 
 

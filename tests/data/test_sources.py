@@ -14,6 +14,7 @@ from helpers import assert_one_line_error, run_main
 from lit_align.data.base import DataSource
 from lit_align.data.sources import check_mixture, common_features, load_rows
 from lit_align.errors import LitAlignError
+from lit_align.models import load_tokenizer
 
 DPO = str(Path(__file__).resolve().parents[2] / "configs" / "dpo.yaml")
 
@@ -123,3 +124,27 @@ def test_a_sources_fraction_keeps_that_share_of_it_seeded_and_a_whole_val_fracti
         check_mixture(None, [{}], [DataSource("a", fraction=1.5)])
     with pytest.raises(LitAlignError, match="data.val_fraction must be in \\[0, 1\\) or a whole number of rows"):
         PromptDataModule(val_fraction=2.5)
+
+
+def test_a_sources_columns_are_the_ones_kept_so_rows_read_in_the_format_they_name(tmp_path):
+    """TRL's DatasetConfig.columns: a recipe that keeps ``messages`` of rows that also have ``text`` trains on the
+    conversation (its chat template), not on the text a row with both columns reads as."""
+    from lit_align.data import CompletionDataModule
+
+    row = {"text": "sort 21: 12", "messages": [{"role": "user", "content": "sort 21:"},
+                                               {"role": "assistant", "content": "12"}]}
+    path = tmp_path / "rows.jsonl"
+    path.write_text((json.dumps(row) + "\n") * 4)
+
+    def first_row(columns):
+        dm = CompletionDataModule(path=None, mixture=[{"path": str(path), "columns": columns}], val_split=None,
+                                  tokenizer="builtin:tiny")
+        dm.setup("fit")
+        return dm.train_data[0]["input_ids"]
+
+    tokenizer = load_tokenizer("builtin:tiny")
+    chat = tokenizer.apply_chat_template(row["messages"], tokenize=False)
+    assert first_row(["messages"]) == tokenizer(chat, add_special_tokens=False)["input_ids"]  # the template ends it
+    assert first_row(None) != first_row(["messages"])
+    with pytest.raises(LitAlignError, match=r"data.mixture\[0\] .*: no column\(s\) \['prompt'\] to keep"):
+        first_row(["prompt"])

@@ -347,7 +347,8 @@ def test_trls_dataset_mixture_and_a_recipe_repositorys_are_a_data_mixture():
     trl = translate("sft", {"datasets": [{"path": "a/b", "name": "c", "split": "train", "columns": ["messages"]},
                                          {"path": "d/e"}], "eval_strategy": "steps", "test_split_size": 0.1})
     data = trl["data"]["init_args"]
-    assert data["mixture"] == [{"path": "a/b", "split": "train", "config_name": "c"}, {"path": "d/e", "split": "train"}]
+    assert data["mixture"] == [{"path": "a/b", "split": "train", "config_name": "c", "columns": ["messages"]},
+                               {"path": "d/e", "split": "train"}]
     assert data["path"] is None and data["val_fraction"] == 0.1
     recipe = translate("sft", {"dataset_mixture": {"datasets": [{"id": "open-r1/Mixture-of-Thoughts", "config": "all",
                                                                   "split": "train", "weight": 1.0}], "seed": 0}})
