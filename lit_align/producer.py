@@ -36,7 +36,7 @@ from multiprocessing.reduction import ForkingPickler
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_align.errors import LitAlignError
-from lit_align.rollouts import Generation, Rollouts
+from lit_align.rollouts import Generation, Rollouts, completion_token_logps
 
 POLL_S = 0.2  # how often a waiting side checks that the other one is alive
 
@@ -134,8 +134,6 @@ def produce(spec: dict, staged: list[torch.Tensor], version, lock, requests, res
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in request.batch.items()}
             gen = rollouts.generate(side, batch, request.num_samples, seed=request.seed)  # (as Lightning's batches)
             if gen.logps is None:  # an engine without sampling log-probs: the producer's forward gives them
-                from lit_align.modules.online import completion_token_logps
-
                 gen.logps = completion_token_logps(network, gen.prompt_ids, gen.prompt_mask, gen.completion_ids,
                                                    gen.completion_mask, spec["temperature"],
                                                    chunk_size=spec["chunk_size"])

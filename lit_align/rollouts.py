@@ -5,9 +5,10 @@ validation), the reward functions with their weights, and the tools / ``environm
 rollout may run instead of a plain sample. ``generate(module, batch, num_samples)`` turns a batch of prompts into a
 ``Generation``: per completion its prompt and completion ids and masks, the tool mask, the sampling log-probs (when the
 engine has them) and every reward function's value; ``stats`` gives TRL's rollout metrics of one, and
-``generate_groups`` is DAPO's dynamic sampling over several batches. It knows nothing of advantages, old or
-reference log-probs or losses: those are the recipe's (``lit_align.modules.online``), so GRPO, RLOO, distillation and
-the recipes to come share it, and an asynchronous producer can run it elsewhere.
+``generate_groups`` is DAPO's dynamic sampling over several batches; ``completion_token_logps`` the per-token
+log-probs of completions, which the recipes and the asynchronous producer both take. It knows nothing of
+advantages, old or reference log-probs or losses: those are the recipe's (``lit_align.modules.online``), so GRPO,
+RLOO, distillation and the recipes to come share it, and an asynchronous producer can run it elsewhere.
 
 ``module`` is the LightningModule whose policy samples: it gives the policy, its tokenizer and device, the trainer's
 state for reward functions (TRL's ``trainer_state``), the strategy that gathers metrics over ranks, and is what a
@@ -22,12 +23,14 @@ from typing import Any
 
 import torch
 
+from lit_align import layouts
 from lit_align.errors import LitAlignError
 from lit_align.generation import SamplingConfig, VLLMOptions, make_engine
 from lit_align.generation.environments import Environments
 from lit_align.generation.rollout_func import rollout_from_output
 from lit_align.generation.tools import ToolLoop, load_tool, tool_schema, turns_text
 from lit_align.imports import callable_name
+from lit_align.logps import layout_logps
 from lit_align.losses.grpo import nanstd
 from lit_align.rewards import RewardModel, RewardState, load_reward, score_all
 
@@ -35,6 +38,17 @@ from lit_align.rewards import RewardModel, RewardState, load_reward, score_all
 # a group whose rewards' std is below this scored all its completions alike: identical fp32 rewards have a std of
 # float noise (0.7 eight times: 6.4e-8), which must not count as a spread (dynamic sampling keeps groups by it)
 ZERO_STD = 1e-6
+
+
+def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                           with_entropy: bool = False, chunk_size: int | None = None, padding_free: bool | None = False,
+                           entropy_grad: bool = False):
+    """Per-token log-probs ``[N, C]`` of completions after left-padded prompts, logits divided by ``temperature``
+    (and, ``with_entropy``, the tempered distribution's entropy, without gradient unless ``entropy_grad``); 0 at
+    padding. Laid out by ``lit_align.layouts.completions``."""
+    layout = layouts.completions(prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, model)
+    out = layout_logps(model, layout, ("entropy",) if with_entropy else (), chunk_size, temperature, entropy_grad)
+    return out.tokens, out.stats.get("entropy")
 
 
 def repeat_each(values: list, times: int) -> list:

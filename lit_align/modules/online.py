@@ -23,31 +23,18 @@ from typing import Any
 import torch
 from torchmetrics import MeanMetric
 
-from lit_align import layouts
 from lit_align.errors import LitAlignError
 from lit_align.generation import SamplingConfig, VLLMOptions
 from lit_align.generation_round import GenerationRound, RoundShape, StepBatch
-from lit_align.logps import layout_logps
 from lit_align.losses.grpo import masked_total, nanstd, sequence_means
 from lit_align.models import cast_lm_head_to_fp32
 from lit_align.modules.base import AlignModule
 from lit_align.producer import RolloutProducer
 from lit_align.reference import FrozenReference, build_reference
 from lit_align.rewards import pass_at_k
-from lit_align.rollouts import ZERO_STD, Generation, Rollouts
+from lit_align.rollouts import ZERO_STD, Generation, Rollouts, completion_token_logps  # noqa: F401 (its home)
 
 CHECKPOINT_KEY = "lit_align_grpo"  # the round's entry in checkpoints (GRPO's name, kept: older checkpoints resume)
-
-
-def completion_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
-                           with_entropy: bool = False, chunk_size: int | None = None, padding_free: bool | None = False,
-                           entropy_grad: bool = False):
-    """Per-token log-probs ``[N, C]`` of completions after left-padded prompts, logits divided by ``temperature``
-    (and, ``with_entropy``, the tempered distribution's entropy, without gradient unless ``entropy_grad``); 0 at
-    padding. Laid out by ``lit_align.layouts.completions``."""
-    layout = layouts.completions(prompt_ids, prompt_mask, completion_ids, completion_mask, padding_free, model)
-    out = layout_logps(model, layout, ("entropy",) if with_entropy else (), chunk_size, temperature, entropy_grad)
-    return out.tokens, out.stats.get("entropy")
 
 
 def check_online_settings(temperature: float, max_completion_length: int, num_generations_eval: int | None) -> None:
