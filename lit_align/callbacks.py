@@ -247,7 +247,15 @@ class SigtermCheckpoint(L.Callback):
             return
         directory = getattr(checkpoint, "dirpath", None) or run_dir(trainer) / "checkpoints"
         path = Path(directory) / "last.ckpt"
-        trainer.save_checkpoint(path)
+        loop = trainer.fit_loop.epoch_loop
+        # inside a step (an asynchronous round's wait ends on the signal: lit_align.producer) the state is the one
+        # before it; Lightning's restart counts a checkpoint as written after a step (one more logged step): not here
+        inside = int(loop.batch_progress.current.ready > loop.batch_progress.current.processed)
+        loop._batches_that_stepped -= inside
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            loop._batches_that_stepped += inside
         self.saved_to = path
         cause = "Ctrl-C" if SigtermCheckpoint.exit_status == 128 + signal.SIGINT else "SIGTERM"
         rank_zero_info(f"lit_align: {cause} at step {trainer.global_step}: saved {path} "

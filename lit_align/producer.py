@@ -11,10 +11,17 @@ steps (``push``).
 The producer's copy of the policy is sent once, as its first message. Weights then travel through one copy of the
 trainable tensors in shared memory, *staged*: the trainer writes them under a lock and stamps them with their version
 (its ``global_step``); the producer, between two rounds, copies them into its policy under the same lock when the
-version moved. A round comes back with the version that sampled it, so the trainer knows its staleness. A producer
-that fails sends its error before it exits; one that dies otherwise is noticed within a fraction of a second (``take``
-polls it): the trainer then stops with one line. The producer ignores Ctrl-C (the trainer, which gets it too, stops
-it) and exits when its parent is gone.
+version moved. A round comes back with the version that sampled it, so the trainer knows its staleness.
+
+No wait is without a bound and a liveness check. A producer that fails sends its error before it exits; one that
+dies otherwise (killed, out of memory), the weights lock held or not, is noticed within ``POLL_S``: every wait of the
+trainer (for the lock in ``push``, for a round in ``take``) polls it, and the trainer stops with one line. A SIGTERM
+(or a first Ctrl-C: Lightning's flag) ends a wait at an optimizer step's boundary, so that ``SigtermCheckpoint``
+writes its checkpoint, the last step's whole state, even while a producer that lives but hangs (a tool, a reward
+function) keeps a round from coming; inside an accumulation window, whose gradients a checkpoint cannot hold, and
+under DDP, whose ranks agree to stop at step boundaries only, the wait goes on until the round comes or the producer
+dies. The producer ignores Ctrl-C (the trainer, which gets it too, stops it), waits for the lock only while its
+parent lives, and exits when its parent is gone.
 """
 
 from __future__ import annotations
@@ -28,17 +35,20 @@ import time
 import traceback
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
 from multiprocessing.reduction import ForkingPickler
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lit_align.errors import LitAlignError
 from lit_align.rollouts import Generation, Rollouts, completion_token_logps
 
-POLL_S = 0.2  # how often a waiting side checks that the other one is alive
+POLL_S = 0.2  # how often a waiting trainer checks that the producer is alive (and for a SIGTERM)
+PARENT_POLL_S = 1.0  # how often a waiting producer checks that the trainer is alive
+POLITE_EXIT_S = 2.0  # how long ``close`` waits for a producer asked to stop before terminating it
 
 
 @dataclass
@@ -97,13 +107,30 @@ def sampling_copy(policy: torch.nn.Module) -> bytes:
 
 
 def next_message(requests, parent: int):
-    """The trainer's next message; None when it says stop or is gone (checked every second)."""
+    """The trainer's next message; None when it says stop or is gone (checked every ``PARENT_POLL_S``)."""
     while True:
         try:
-            return requests.get(timeout=1.0)
+            return requests.get(timeout=PARENT_POLL_S)
         except queue.Empty:
             if os.getppid() != parent:
                 return None
+
+
+def load_staged(mine: list[torch.Tensor], staged: list[torch.Tensor], version, lock, parent: int,
+                loaded: int | None) -> int | None:
+    """The newest staged weights copied into the producer's policy (``mine``) under the lock, if their version moved
+    since ``loaded``; the version it now holds. None when the trainer is gone (it died holding the lock, say)."""
+    while not lock.acquire(timeout=PARENT_POLL_S):
+        if os.getppid() != parent:
+            return None
+    try:
+        if version.value != loaded:
+            with torch.no_grad():
+                for param, value in zip(mine, staged, strict=True):
+                    param.copy_(value)
+        return version.value
+    finally:
+        lock.release()
 
 
 def produce(spec: dict, staged: list[torch.Tensor], version, lock, requests, results, parent: int) -> None:
@@ -123,12 +150,8 @@ def produce(spec: dict, staged: list[torch.Tensor], version, lock, requests, res
         side, loaded = ProducerSide(policy, spec["tokenizer"], device), None
         while (request := next_message(requests, parent)) is not None:
             start = time.perf_counter()
-            with lock:
-                if version.value != loaded:
-                    with torch.no_grad():
-                        for param, value in zip(mine, staged, strict=True):
-                            param.copy_(value)
-                    loaded = version.value
+            if (loaded := load_staged(mine, staged, version, lock, parent, loaded)) is None:
+                return
             side.global_step, side._trainer = loaded, SimpleNamespace(max_steps=request.max_steps,
                                                                       current_epoch=request.epoch)
             batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in request.batch.items()}
@@ -151,9 +174,11 @@ class ProducerProcess:
         module: the online module whose policy, tokenizer and rollout settings the producer copies.
         threads: the producer's CPU threads (``torch.set_num_threads``).
         device: where the producer's policy runs.
+        stop: asked while waiting for the producer: True ends the wait with ``SIGTERMException`` (a SIGTERM at a
+            step boundary: ``RolloutProducer.stop_requested``).
     """
 
-    def __init__(self, module, threads: int, device: torch.device):
+    def __init__(self, module, threads: int, device: torch.device, stop: Callable[[], bool] = lambda: False):
         policy = module.policy
         self.live = [p for p in policy.parameters() if p.requires_grad]  # the others never change
         self.staged = [p.detach().to("cpu", copy=True).share_memory_() for p in self.live]
@@ -173,13 +198,32 @@ class ProducerProcess:
         self.pending: list[tuple[int, int]] = []  # submitted, not taken yet
         self.ready: dict[tuple[int, int], ProducedRound] = {}
         self.busy_s = 0.0  # the producer's time on the rounds received so far
+        self.stop = stop
 
     def push(self, version: int) -> None:
-        """Stage the policy's trainable weights as ``version`` (the producer loads them before its next round)."""
-        with self.lock, torch.no_grad():
-            for staged, live in zip(self.staged, self.live):
-                staged.copy_(live.detach())
+        """Stage the policy's trainable weights as ``version`` (the producer loads them before its next round). The
+        lock is waited for ``POLL_S`` at a time, checking that the producer lives (it holds the lock only while it
+        copies the weights; one that died holding it never gives it back) and for a SIGTERM."""
+        while not self.lock.acquire(timeout=POLL_S):
+            if not self.process.is_alive():
+                self.ended(" while it held the weights lock,")
+            self.check_stop()
+        try:
+            with torch.no_grad():
+                for staged, live in zip(self.staged, self.live):
+                    staged.copy_(live.detach())
             self.version.value = version
+        finally:
+            self.lock.release()
+
+    def check_stop(self) -> None:
+        """A SIGTERM at a step boundary ends the wait: Lightning's way out (``SigtermCheckpoint`` saves), the producer
+        terminated first (Lightning calls no module hook on the way out; whatever it was sampling is not needed)."""
+        if self.stop():
+            rank_zero_info("lit_align: async rollouts: a SIGTERM (or Ctrl-C) while waiting for the rollout producer: "
+                           "stopping at the last optimizer step")
+            self.close(polite=False)
+            raise SIGTERMException
 
     @property
     def staged_version(self) -> int:
@@ -197,12 +241,11 @@ class ProducerProcess:
         try:
             kind, payload = self.results.get(timeout=timeout) if timeout else self.results.get_nowait()
         except queue.Empty:
-            if not self.process.is_alive():
-                self.ended()
-            return False
+            if self.process.is_alive():
+                return False
+            kind, payload = self.last_words()
         except (EOFError, OSError):  # the channel broke: the process is gone
-            self.process.join(timeout=5)
-            self.ended()
+            kind, payload = self.last_words()
         if kind == "error":
             raise LitAlignError(f"model.async_rollouts: the rollout producer failed: {payload}")
         self.pending.remove(payload.key)
@@ -210,9 +253,20 @@ class ProducerProcess:
         self.busy_s += payload.seconds
         return True
 
-    def ended(self) -> None:
-        raise LitAlignError(f"model.async_rollouts: the rollout producer process ended (exit code "
-                            f"{self.process.exitcode}) without a word; see its output above") from None
+    def last_words(self) -> tuple[str, Any]:
+        """What a producer that ended sent before it did (its error, sent just before the end), else ``ended``."""
+        self.process.join(timeout=5)
+        try:
+            return self.results.get(timeout=POLL_S)
+        except (queue.Empty, EOFError, OSError):
+            self.ended()
+
+    def ended(self, where: str = "") -> None:
+        self.close()  # its channels
+        code = self.process.exitcode
+        why = " (-9: SIGKILL, which the out-of-memory killer sends too)" if code == -signal.SIGKILL else ""
+        raise LitAlignError(f"model.async_rollouts: the rollout producer process ended (exit code {code}){where} "
+                            f"without a word{why}; see its output above") from None
 
     def queue_depth(self) -> int:
         """Rounds sampled and waiting for their turn."""
@@ -226,25 +280,71 @@ class ProducerProcess:
         if not self.in_flight(key):
             raise LitAlignError(f"model.async_rollouts: round {key} was never asked of the producer")
         while key not in self.ready:
-            self.receive(POLL_S)
+            self.receive(POLL_S)  # (a producer that died is noticed there)
+            if key not in self.ready:
+                self.check_stop()
         for older in [k for k in self.ready if k < key]:
             del self.ready[older]
         return self.ready.pop(key)
 
-    def close(self) -> None:
-        """Stop the producer: asked first, then terminated, then killed."""
-        if self.process.is_alive():
+    def close(self, polite: bool = True) -> None:
+        """Stop the producer: asked first (it reads the ask between two rounds; ``polite``), then terminated, then
+        killed."""
+        if polite and self.process.is_alive():
             self.requests.put(None)
-            self.process.join(timeout=10)
+            self.process.join(timeout=POLITE_EXIT_S)
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.kill()
-            self.process.join()
+            self.process.join(timeout=5)
         for channel in (self.requests, self.results):
             channel.cancel_join_thread()
             channel.close()
+
+
+def available_device(name: str) -> torch.device:
+    """``model.producer_device`` as a device of this machine, or one line saying why it is not."""
+    device = torch.device(name)  # (its form was checked with the module's settings: ``check_producer_device``)
+    if device.type == "cpu":
+        return device
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.xpu, torch.mps, ...
+    available = getattr(backend, "is_available", lambda: hasattr(backend, "device_count"))()
+    count = backend.device_count() if available else 0
+    if count == 0 or (device.index or 0) >= count:
+        raise LitAlignError(f"model.producer_device: {name!r} is not on this machine ({count} {device.type} "
+                            f"device(s)); name one of its devices, or null (the trainer's)")
+    return device
+
+
+def check_producer_device(name: str | None) -> None:
+    """Refuse a ``model.producer_device`` that names no device (``torch.device`` cannot read it), in one line."""
+    if name is None:
+        return
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise LitAlignError(f"model.producer_device: {name!r} is not a device (expected cpu, cuda, cuda:1, ..., or "
+                            "null: the trainer's)") from None
+
+
+def warn_if_stale(max_staleness: int | None, sync_steps: int, lead: float) -> None:
+    """One warning when the settings let rounds grow staler than ``max_staleness`` (then dropped and sampled again
+    in the trainer): a round asked ``lead`` optimizer steps before its turn samples the weights last pushed, up to
+    ``weight_sync_steps - 1`` steps older. Without a lead (nothing sampled ahead) each round is sampled by the
+    current weights."""
+    if max_staleness is None or lead <= 0:
+        return
+    oldest = sync_steps - 1 + lead
+    if oldest <= max_staleness:
+        return
+    rank_zero_warn(f"lit_align: model.max_staleness is {max_staleness} but the weights reach the rollout producer "
+                   f"every {sync_steps} optimizer steps (model.weight_sync_steps) and it samples {lead:g} step(s) "
+                   f"ahead: rounds can be {oldest:g} steps old, and those older than {max_staleness} are dropped and "
+                   f"sampled again in the trainer (train/async/dropped_rounds); set model.weight_sync_steps: "
+                   f"{max(1, int(max_staleness - lead + 1))} or model.max_staleness: null (one round ahead, none "
+                   "dropped)")
 
 
 class RolloutProducer:
@@ -264,13 +364,14 @@ class RolloutProducer:
         if not hasattr(trainer.datamodule, "round_batch"):
             raise LitAlignError("model.async_rollouts: the producer samples rounds ahead of their turn, which needs "
                                 "lit_align's prompt data (lit_align.data.PromptDataModule) under data:")
-        self.max_staleness, self.sync_steps = hp.max_staleness, hp.weight_sync_steps
+        self.max_staleness, self.sync_steps, self.trainer = hp.max_staleness, hp.weight_sync_steps, trainer
+        device = module.device if hp.producer_device is None else available_device(hp.producer_device)
+        warn_if_stale(self.max_staleness, self.sync_steps, self.rounds_ahead(module) * self.steps_per_round(module))
         self.threads = torch.get_num_threads()  # the trainer's, given back at the end
         threads = hp.producer_threads or max(1, self.threads // 2)
         if module.device.type == "cpu":  # the cores split between the two sides
             torch.set_num_threads(max(1, self.threads - threads))
-        device = module.device if hp.producer_device is None else torch.device(hp.producer_device)
-        self.worker = ProducerProcess(module, threads, device)
+        self.worker = ProducerProcess(module, threads, device, stop=self.stop_requested)
         rank_zero_info(f"lit_align: async rollouts: a producer on {device} ({threads} threads) samples up to "
                        f"{self.rounds_ahead(module)} round(s) ahead; the trainer on {module.device} "
                        f"({torch.get_num_threads()} threads)")
@@ -280,12 +381,28 @@ class RolloutProducer:
     def process(self):
         return self.worker.process
 
+    @staticmethod
+    def steps_per_round(module) -> float:
+        """Optimizer steps per round (a fraction where a round is shorter than an accumulation window)."""
+        return module.round_shape.steps / module.trainer.accumulate_grad_batches
+
     def rounds_ahead(self, module) -> int:
         """Rounds the producer samples before their turn: as many as ``max_staleness`` optimizer steps allow."""
-        per_round = module.round_shape.steps / module.trainer.accumulate_grad_batches  # optimizer steps per round
+        per_round = self.steps_per_round(module)
         if self.max_staleness is None:
             return 1
         return int(self.max_staleness // per_round) if per_round > 0 else 0
+
+    def stop_requested(self) -> bool:
+        """Whether a wait for the producer gives way to a SIGTERM or a first Ctrl-C (Lightning's flag): between two
+        optimizer steps, where a checkpoint holds the whole state (inside an accumulation window the wait goes on:
+        the window's gradients so far would be in no checkpoint), on one process (DDP's ranks agree to stop at a
+        step's boundary, in Lightning's loop)."""
+        trainer = self.trainer
+        if not trainer.received_sigterm or trainer.world_size > 1:
+            return False
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # this epoch's batches trained on
+        return done % trainer.accumulate_grad_batches == 0
 
     def round(self, module, batch: dict[str, Any]) -> Generation:
         """This round's completions: first the rounds up to ``rounds_ahead`` after it are asked for (the data looks

@@ -29,7 +29,7 @@ from lit_align.generation_round import GenerationRound, RoundShape, StepBatch
 from lit_align.losses.grpo import masked_total, nanstd, sequence_means
 from lit_align.models import cast_lm_head_to_fp32
 from lit_align.modules.base import AlignModule
-from lit_align.producer import RolloutProducer
+from lit_align.producer import RolloutProducer, check_producer_device
 from lit_align.reference import FrozenReference, build_reference
 from lit_align.rewards import pass_at_k
 from lit_align.rollouts import ZERO_STD, Generation, Rollouts, completion_token_logps  # noqa: F401 (its home)
@@ -51,7 +51,7 @@ def check_online_settings(temperature: float, max_completion_length: int, num_ge
 
 
 def check_async_settings(engine: str, dynamic_sampling: bool, rollout_func: str | None, max_staleness: int | None,
-                         producer_threads: int | None) -> None:
+                         producer_threads: int | None, producer_device: str | None = None) -> None:
     """Refuse what asynchronous rollouts cannot run, in one line each."""
     why = {"engine": engine == "vllm" and "model.engine 'vllm' samples on vLLM's own copy of the weights (colocated "
                                           "with the trainer, or a server it syncs every step), not in a producer",
@@ -65,6 +65,7 @@ def check_async_settings(engine: str, dynamic_sampling: bool, rollout_func: str 
         raise LitAlignError(f"model.max_staleness must be >= 0 or null (one round), got {max_staleness}")
     if producer_threads is not None and producer_threads < 1:
         raise LitAlignError(f"model.producer_threads must be >= 1 or null, got {producer_threads}")
+    check_producer_device(producer_device)
 
 
 # round metrics that are counts over the whole run (or the weights' version): logged as they stand, not averaged
@@ -250,7 +251,8 @@ class OnlineModule(AlignModule):
         if weight_sync_steps < 1:
             raise LitAlignError(f"model.weight_sync_steps must be >= 1, got {weight_sync_steps}")
         if async_rollouts:
-            check_async_settings(engine, dynamic_sampling, rollout_func, max_staleness, producer_threads)
+            check_async_settings(engine, dynamic_sampling, rollout_func, max_staleness, producer_threads,
+                                 producer_device)
         self.round_shape = RoundShape(num_generations, steps_per_generation, num_iterations, generation_batch_size,
                                       max_num_gen_batches if dynamic_sampling else 1, grouped=self.grouped)
         self.beta, self.temperature, self.padding_free = beta, temperature, padding_free

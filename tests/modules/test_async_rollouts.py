@@ -1,14 +1,20 @@
 """Asynchronous rollouts (``model.async_rollouts``, ``lit_align.producer``): the synchronous limit equals a synchronous
-run bit for bit, staleness stays within its bound, weights reach the producer at the configured steps, and a producer
-that fails or dies ends the run with one line within seconds.
+run bit for bit, staleness stays within its bound, weights reach the producer at the configured steps, a producer
+that fails or dies (the weights lock held or not) ends the run with one line within seconds, a SIGTERM while the
+trainer waits for a producer that hangs writes the checkpoint, and settings that cannot keep rounds fresh or name no
+device are one line.
 
-GRPO on the tiny built-in model, 4-token completions, one CPU thread on each side.
+GRPO on the tiny built-in model, 4-token completions, one CPU thread on each side. The faults inside the producer
+(``FaultyLock``) come from a stand-in for its process function (``faulty_produce``: the real one, its weights lock
+wrapped), which the spawned process imports from this module.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -18,11 +24,16 @@ import torch
 from helpers import fit, read_metrics, write_sort_rows
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lit_align import producer
+from lit_align.callbacks import SigtermCheckpoint
 from lit_align.data import PromptDataModule
 from lit_align.errors import LitAlignError
 from lit_align.modules.distill import DistillationModule
 from lit_align.modules.grpo import GRPOModule
+from lit_align.producer import produce as real_produce
+from lit_align.producer import warn_if_stale
 
 REWARDS = ["lit_align.rewards.sort_accuracy", "helpers.reward_digit_fraction"]
 
@@ -105,9 +116,10 @@ def test_rounds_run_ahead_within_the_staleness_bound(tmp_path, prompts):
 
 def test_weights_reach_the_producer_every_weight_sync_steps_and_stale_rounds_are_dropped(tmp_path, prompts):
     """Weights pushed every 2 steps: each round's weights are of an even step; a round that would be 2 steps old
-    with ``max_staleness: 1`` is dropped and sampled again by the current weights."""
-    module, metrics, _ = run(tmp_path, prompts, 6, async_rollouts=True, max_staleness=1, weight_sync_steps=2,
-                             producer_threads=1)
+    with ``max_staleness: 1`` is dropped and sampled again by the current weights (which the setup's warning says)."""
+    with pytest.warns(UserWarning, match="rounds can be 2 steps old, and those older than 1 are dropped"):
+        module, metrics, _ = run(tmp_path, prompts, 6, async_rollouts=True, max_staleness=1, weight_sync_steps=2,
+                                 producer_threads=1)
     versions, staleness = series(metrics, "train/async/weights_version"), series(metrics, "train/async/staleness")
     dropped = series(metrics, "train/async/dropped_rounds")
     assert all(v % 2 == 0 or s == 0 for v, s in zip(versions, staleness))  # pushed at even steps (or resampled)
@@ -132,6 +144,135 @@ def test_a_producer_that_dies_ends_the_run_with_one_line_within_seconds(tmp_path
                                             r"-9\)"):
         run(tmp_path, prompts, 6, [KillProducer(2)], async_rollouts=True, max_staleness=1, producer_threads=1)
     assert time.perf_counter() - start < 60
+
+
+class FaultyLock:
+    """The producer's weights lock, but its ``nth`` acquisition holds it, writes the time to ``marker`` and then
+    dies (``fault: die``, SIGKILL) or hangs (``hang``); half a second first, so that the round sent before it reaches
+    the trainer."""
+
+    def __init__(self, lock, nth: int, fault: str, marker: str):
+        self.lock, self.nth, self.fault, self.marker, self.count = lock, nth, fault, marker, 0
+
+    def acquire(self, *args, **kwargs) -> bool:
+        got = self.lock.acquire(*args, **kwargs)
+        if got:
+            self.count += 1
+            if self.count == self.nth:
+                time.sleep(0.5)
+                Path(self.marker).write_text(repr(time.time()))
+                if self.fault == "die":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(3600)
+        return got
+
+    def release(self) -> None:
+        self.lock.release()
+
+    def __enter__(self):  # (the producer before the fix took the lock with ``with``)
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def faulty_produce(nth: int, fault: str, marker: str, spec, staged, version, lock, *channels) -> None:
+    """The producer's process function with its weights lock a ``FaultyLock``."""
+    real_produce(spec, staged, version, FaultyLock(lock, nth, fault, marker), *channels)
+
+
+@pytest.fixture
+def watchdog():
+    """A test that hangs fails after 120 s instead (SIGALRM raises in the main thread, even in a lock's wait)."""
+    def expired(signum, frame):
+        raise TimeoutError("the run hung: no wait ended within 120 s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_producer_killed_holding_the_weights_lock_ends_the_run_with_one_line_within_seconds(
+        tmp_path, prompts, monkeypatch, watchdog):
+    """The producer dies inside its locked section (its second load of the weights: the trainer pushes step 1's
+    next): the trainer, which waits for that lock, stops within seconds with the line naming it."""
+    marker = tmp_path / "died"
+    monkeypatch.setattr(producer, "produce", functools.partial(faulty_produce, 2, "die", str(marker)))
+    with pytest.raises(LitAlignError) as error:
+        run(tmp_path, prompts, 4, async_rollouts=True, max_staleness=1, producer_threads=1)
+    ended = time.time()
+    assert str(error.value).startswith("model.async_rollouts: the rollout producer process ended (exit code -9) "
+                                       "while it held the weights lock, without a word")
+    assert "\n" not in str(error.value)
+    assert ended - float(marker.read_text()) < 5  # from the producer's death to the run's end
+
+
+class SigtermOnMarker(L.Callback):
+    """Sends this process a real SIGTERM once ``marker`` exists (the producer hangs), from a thread: the trainer is
+    then waiting for the producer. Keeps when it was sent, and the producer's process."""
+
+    def __init__(self, marker: Path):
+        self.marker, self.sent, self.done = marker, None, threading.Event()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        threading.Thread(target=self.send, daemon=True).start()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.producer = pl_module.producer.process
+
+    def send(self) -> None:
+        while not self.marker.exists() and not self.done.wait(0.05):
+            pass
+        if not self.done.is_set() and signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+            self.sent = time.time()  # (Lightning's handler is in place: the signal cannot end pytest)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self.done.set()
+
+
+@pytest.mark.parametrize("nth,waits_in,step", [(1, "take", 0), (2, "push", 1)])
+def test_sigterm_while_the_trainer_waits_for_a_hung_producer_writes_the_checkpoint(
+        tmp_path, prompts, monkeypatch, watchdog, nth, waits_in, step):
+    """A producer that lives but hangs in its locked section: in its first round (the trainer waits for round 0 in
+    ``take``) or its second (the trainer waits for the lock to push step 1's weights). A SIGTERM then ends the wait at
+    the last optimizer step: ``last.ckpt`` of that step is written, the producer is terminated and the run stops,
+    within seconds; the checkpoint resumes."""
+    marker = tmp_path / "hangs"
+    monkeypatch.setattr(producer, "produce", functools.partial(faulty_produce, nth, "hang", str(marker)))
+    signals = SigtermOnMarker(marker)
+    callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=100), SigtermCheckpoint(), signals]
+    with pytest.raises(SIGTERMException):
+        run(tmp_path, prompts, 4, callbacks, async_rollouts=True, max_staleness=1, producer_threads=1,
+            trainer_kwargs={"enable_checkpointing": True})
+    stopped = time.time()
+    last = tmp_path / "ckpt" / "last.ckpt"
+    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == step
+    assert signals.sent is not None and stopped - signals.sent < 5
+    assert signals.producer.exitcode is not None  # terminated, not left hanging
+    monkeypatch.setattr(producer, "produce", real_produce)
+    _, metrics, _ = run(tmp_path / "resumed", prompts, 4, ckpt_path=str(last), async_rollouts=True, max_staleness=1,
+                        producer_threads=1)
+    assert [int(r["step"]) for r in metrics if "train/loss" in r] == list(range(step, 4))  # resumes from it
+
+
+def test_settings_that_let_rounds_grow_staler_than_max_staleness_are_one_warning_at_setup():
+    """A round asked ``lead`` steps ahead samples weights up to ``weight_sync_steps - 1`` steps older: beyond
+    ``max_staleness`` it is dropped, which the setup says in one line with the setting that fixes it; nothing asked
+    ahead (``max_staleness: 0``), no bound, or a bound the lead and the sync keep are quiet."""
+    with pytest.warns(UserWarning) as warned:
+        warn_if_stale(2, 10, 2)  # the fault run's settings: 15 of 20 rounds dropped
+    (line,) = [str(w.message) for w in warned]
+    assert line == ("lit_align: model.max_staleness is 2 but the weights reach the rollout producer every 10 "
+                    "optimizer steps (model.weight_sync_steps) and it samples 2 step(s) ahead: rounds can be 11 steps "
+                    "old, and those older than 2 are dropped and sampled again in the trainer "
+                    "(train/async/dropped_rounds); set model.weight_sync_steps: 1 or model.max_staleness: null (one "
+                    "round ahead, none dropped)")
+    for quiet in [(0, 10, 0), (None, 10, 1), (1, 1, 1), (4, 3, 2), (3, 2, 1.5)]:
+        warn_if_stale(*quiet)  # a lit_align warning would fail the test
 
 
 def test_a_reward_that_fails_in_the_producer_is_one_line(tmp_path, prompts):
@@ -159,6 +300,8 @@ def test_resume_at_the_synchronous_limit_equals_the_uninterrupted_run(tmp_path, 
     ({"engine": "vllm"}, "model.engine 'vllm' samples on vLLM's own copy of the weights"),
     ({"max_staleness": -1}, "model.max_staleness must be >= 0"),
     ({"weight_sync_steps": 0}, "model.weight_sync_steps must be >= 1"),
+    ({"producer_device": "bogus"}, r"^model.producer_device: 'bogus' is not a device \(expected cpu, cuda, cuda:1, "
+                                   r"..., or null: the trainer's\)$"),
 ])
 def test_settings_async_rollouts_cannot_run_are_refused(setting, message):
     with pytest.raises(LitAlignError, match=message):
@@ -206,3 +349,9 @@ def test_the_producer_gets_the_policy_without_its_training_hooks(tmp_path, promp
                              mmap_activations=True, producer_threads=1)
     assert series(metrics, "train/async/staleness") == [0.0, 1.0]
     assert module.network.is_gradient_checkpointing  # the trainer's policy keeps them
+
+
+def test_a_producer_device_this_machine_lacks_is_one_line_before_the_producer_starts(tmp_path, prompts):
+    with pytest.raises(LitAlignError, match=r"^model.producer_device: 'cuda:99' is not on this machine \(\d+ cuda "
+                                            r"device\(s\)\); name one of its devices, or null \(the trainer's\)$"):
+        run(tmp_path, prompts, 1, async_rollouts=True, producer_threads=1, producer_device="cuda:99")
