@@ -59,7 +59,7 @@ from torch.utils.data import DataLoader
 from lit_align.capabilities import deepspeed_zero3, sharded_strategy
 from lit_align.errors import LitAlignError
 from lit_align.models import cache_dir, check_loadable, from_pretrained_kwargs, load_model, resolve
-from lit_align.pretrained import gguf_path
+from lit_align.pretrained import gguf_path, is_gguf
 from lit_align.recompute import disable_checkpointing, lean_mlps, lean_norms
 
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -248,11 +248,20 @@ class Teacher(FrozenReference):
         if teacher_id is not None:
             self.role, self.identity_key = f"teacher {teacher_id!r}", f"{Teacher.identity_key}/{teacher_id}"
 
+    def check_source(self) -> str:
+        """Refuse a teacher that names no model (a path that does not exist, a file that is not a ``.gguf``) in one
+        line naming its option; the path it loads from (built-ins built, a ``.gguf`` converted, once)."""
+        if Path(self.name).expanduser().is_file() and not is_gguf(self.name):
+            raise LitAlignError(f"{self.option} {self.name!r} is a file, not a model: give the directory that holds it "
+                                "with its config.json (a Hugging Face model directory), a .gguf file, a hub name, "
+                                "pretrained:<name> or builtin:<name>")
+        return check_loadable(gguf_path(self.name, self.init_kwargs), self.option)
+
     def setup(self, module) -> None:
         if self.model is not None:
             return
         hp = module.hparams
-        check_loadable(gguf_path(self.name, self.init_kwargs), self.option)
+        self.check_source()
         self.model = frozen(load_model(self.name, hp.dtype, hp.attn_implementation, hp.trust_remote_code,
                                        self.init_kwargs))
         if not (module._trainer is not None and sharded_strategy(module._trainer)):

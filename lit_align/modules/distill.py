@@ -44,6 +44,7 @@ from lit_align.logps import Projection, chunked_token_logps, layout_outputs, pla
 from lit_align.losses.distill import (
     chunked_generalized_jsd, chunked_topk_generalized_jsd, generalized_jsd, topk_generalized_jsd,
 )
+from lit_align.models import load_tokenizer
 from lit_align.modules.online import OnlineModule
 from lit_align.reference import Reference, Teacher
 from lit_align.rollouts import Generation, batch_rows, repeat_each
@@ -94,6 +95,16 @@ def check_vocabularies(student, teacher, student_name: str, teacher_name: str,
                             "vocabulary")
 
 
+def check_completions(rows, source: str) -> None:
+    """The rounds that train on the dataset's completions (``lmbda < 1`` without ``seq_kd``) need every training
+    row's: refused before training, not at the first such round."""
+    if "completion_ids" not in rows.column_names:
+        raise LitAlignError(f"model.lmbda < 1: the rounds that are not on-policy (a share 1 - lmbda) train on the "
+                            f"dataset's completions, but the rows of {source} have no 'completion' column; give each "
+                            "row its 'completion' (as SFT rows have), or set model.seq_kd: true (the teacher samples "
+                            "them) or model.lmbda: 1.0 (every round on-policy)")
+
+
 class DistillationModule(OnlineModule):
     """On-policy distillation with TRL 1.16's ``DistillationConfig`` names and defaults, and ``GKDConfig``'s
     ``lmbda`` and ``seq_kd``. The sampling, engine, tools and round options are ``OnlineModule``'s; ``temperature``
@@ -109,6 +120,10 @@ class DistillationModule(OnlineModule):
             ``model_init_kwargs`` are not its. ``dtype`` and ``attn_implementation`` are the model's options. With
             a mapping of teachers, keyed by teacher id: ``{teacher_id: {arguments}}``.
         teacher_id_column: with a mapping of teachers, the prompt rows' column naming each row's teacher.
+        teacher_tokenizer_check: refuse a teacher whose tokenizer maps an id to another token than the student's
+            (the whole id -> token table is compared, special tokens included; TRL compares the vocabulary sizes
+            only, which two tokenizers that number their tokens apart share). false: trust that the ids mean the
+            same tokens to both models (a teacher whose tokenizer files name its tokens otherwise, say).
         beta: the divergence: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher) (TRL's
             default), in between the generalized JSD with the mixture ``(1 - beta) p_student + beta p_teacher``.
             Not ``OnlineModule``'s KL-to-reference coefficient: distillation has no reference.
@@ -142,10 +157,11 @@ class DistillationModule(OnlineModule):
 
     rewards_required = False
     grouped = False
+    resume_may_change = ("teacher_tokenizer_check",)  # a check before training, not what is computed
 
     def __init__(self, model: str = "builtin:tiny", teacher_model: str | dict[str, str] | None = None,
                  teacher_model_init_kwargs: dict | None = None, teacher_id_column: str = TEACHER_ID,
-                 beta: float = 1.0, lmbda: float = 1.0, seq_kd: bool = False,
+                 teacher_tokenizer_check: bool = True, beta: float = 1.0, lmbda: float = 1.0, seq_kd: bool = False,
                  teacher_topk_cache: int | None = None, num_generations: int = 1, disable_dropout: bool = False,
                  mmap_activations: bool = True, release_frozen_weights: bool | None = True, **kwargs):
         check_distillation(teacher_model, beta, lmbda, seq_kd, teacher_topk_cache, kwargs)
@@ -153,6 +169,7 @@ class DistillationModule(OnlineModule):
                          mmap_activations=mmap_activations, release_frozen_weights=release_frozen_weights, **kwargs)
         self.beta, self.lmbda, self.seq_kd = beta, lmbda, seq_kd
         self.teachers = Teachers(teacher_model, teacher_model_init_kwargs, teacher_id_column)
+        self.teacher_tokenizer_check = teacher_tokenizer_check
         self.teacher_topk = None if teacher_topk_cache is None else TeacherTopK(teacher_topk_cache)
 
     @property
@@ -168,15 +185,34 @@ class DistillationModule(OnlineModule):
 
     def data_settings(self) -> dict:
         """The data tokenizes the rows' ``completion`` column when some rounds train on it."""
-        return {**super().data_settings(), "dataset_completions": self.lmbda < 1 and not self.seq_kd}
+        return {**super().data_settings(), "dataset_completions": self.dataset_completions}
 
     def setup(self, stage: str) -> None:
-        """With ``teacher_topk_cache``, the training rows get their completions' teacher top-k before training
-        (Lightning sets the DataModule up first; ``AlignModule.setup`` connects it), handed model -> data."""
+        """Before anything trains: the teachers' tokenizers against the student's (``Teachers.check_tokenizers``)
+        and the rows (``check_completions``, ``Teachers.check_rows``: a round that meets a bad row could come hours
+        in); then with ``teacher_topk_cache`` the training rows get their completions' teacher top-k (Lightning sets
+        the DataModule up first; ``AlignModule.setup`` connects it), handed model -> data."""
         super().setup(stage)
+        remote = self.hparams.trust_remote_code
+        if self.teacher_tokenizer_check:  # (before any teacher loads: the tokenizers are all it needs)
+            student = self.tokenizer or load_tokenizer(self.model_name, remote)
+            self.teachers.check_tokenizers(student, self.model_name, remote)
         datamodule = self.trainer.datamodule
-        if self.teacher_topk is not None and stage == "fit" and isinstance(datamodule, PromptDataModule):
+        if not isinstance(datamodule, PromptDataModule):
+            return
+        train, source = datamodule.train_data if stage == "fit" else None, datamodule.path or "data.mixture"
+        if train is not None and self.dataset_completions:
+            check_completions(train, source)
+        for rows, where in ((train, source), (datamodule.val_data, datamodule.val_path or "validation")):
+            if rows is not None:
+                self.teachers.check_rows(rows, where)
+        if self.teacher_topk is not None and stage == "fit":
             datamodule.add_teacher_topk(partial(self.teacher_topk.annotate, self))
+
+    @property
+    def dataset_completions(self) -> bool:
+        """Whether some rounds train on the dataset's ``completion`` column."""
+        return self.lmbda < 1 and not self.seq_kd
 
     def frozen_models(self) -> list[Reference]:
         return [*super().frozen_models(), *self.teachers.values()]

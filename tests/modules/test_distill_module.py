@@ -2,9 +2,10 @@
 beta trains the student towards the teacher, a round's completions come from the student, the teacher (``seq_kd``)
 or the dataset (``lmbda``, one seeded coin per round); with several teachers each row's divergence (training and
 validation) is from its own teacher and ``seq_kd`` samples it from that teacher, ids that name no teacher are one
-error line, each teacher's identity is its own checkpoint entry; the CLI runs ``configs/distill.yaml`` (with one
-teacher or a mapping of them) and refuses a teacher it cannot use in one line, and docs/distill.md names every
-DistillationConfig and GKDConfig field.
+error line, each teacher's identity is its own checkpoint entry; what can be checked at setup is, before the first
+step (rows without completions under ``lmbda < 1``, every row's teacher id, a teacher whose tokenizer numbers its
+tokens apart, a file as a teacher); the CLI runs ``configs/distill.yaml`` (with one teacher or a mapping of them) and
+refuses a teacher it cannot use in one line, and docs/distill.md names every DistillationConfig and GKDConfig field.
 
 The teachers are built-in tiny models: two drawn from other seeds (close to uniform, as the student, but other
 functions), and one edited to put nearly all its mass on EOS at every position (its samples are EOS alone).
@@ -223,16 +224,31 @@ def test_lmbda_zero_trains_on_the_datasets_completions_cut_to_max_completion_len
     assert round.completions == [texts[i] for i in round.dataset_rows]  # the text the reward functions see
 
 
-def test_lmbda_below_one_without_a_completion_column_is_one_error(teacher, tmp_path):
+class Steps(L.Callback):
+    """Counts the training steps that began."""
+
+    def __init__(self):
+        self.started = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.started += 1
+
+
+def test_lmbda_below_one_without_a_completion_column_is_one_error_before_the_first_step(teacher, tmp_path):
+    """Known at setup: refused before any step, naming the file, whichever round would have met it first (here,
+    with lmbda 0.9, the first rounds are likely on-policy: the error would have come steps in)."""
     from helpers import write_sort_rows
 
     prompts = write_sort_rows(tmp_path / "prompts.jsonl", 8, "prompts")  # prompt and answer only
+    steps = Steps()
     with pytest.raises(LitAlignError) as error:
-        distill(teacher, prompts, lmbda=0.0)
-    message = str(error.value)
-    assert "\n" not in message
-    assert message.startswith("model.lmbda < 1: this round trains on the dataset's completions")
-    assert "give each row its 'completion'" in message and "model.seq_kd: true" in message
+        distill(teacher, prompts, max_steps=16, callbacks=[steps], lmbda=0.9)
+    assert steps.started == 0
+    assert str(error.value) == (
+        f"model.lmbda < 1: the rounds that are not on-policy (a share 1 - lmbda) train on the dataset's completions, "
+        f"but the rows of {prompts} have no 'completion' column; give each row its 'completion' (as SFT rows have), "
+        "or set model.seq_kd: true (the teacher samples them) or model.lmbda: 1.0 (every round on-policy)")
+    distill(teacher, prompts, lmbda=0.9, seq_kd=True)  # the teacher samples those rounds: no completions needed
 
 
 def test_seq_kd_samples_the_rounds_from_the_teacher(eos_teacher, rows):
@@ -285,17 +301,22 @@ def test_reward_funcs_are_optional_here_only_and_the_distillation_settings_are_c
     with pytest.raises(LitAlignError, match=r"model.num_generations must be >= 2 \(group statistics need a group\)"):
         GRPOModule(model="builtin:tiny", reward_funcs=["helpers.reward_digit_fraction"], num_generations=1)
     refused = {"teacher_model": None, "beta": 1.5, "lmbda": -0.1, "ref_model": "builtin:tiny", "sync_ref_model": True,
-               "dynamic_sampling": True, "num_generations": 0, "teacher_model_init_kwargs": {"dtype": "bfloat16"}}
+               "dynamic_sampling": True, "num_generations": 0, "teacher_model_init_kwargs": {"trust_remote_code": True}}
     messages = {"teacher_model": "model.teacher_model is required", "beta": r"model.beta must be in \[0, 1\], got 1.5",
                 "lmbda": r"model.lmbda must be in \[0, 1\], got -0.1", "ref_model": "model.ref_model: distillation has "
                 "no reference", "sync_ref_model": "model.sync_ref_model: distillation", "dynamic_sampling":
                 "model.dynamic_sampling: distillation", "num_generations": "model.num_generations must be >= 1, got 0",
-                "teacher_model_init_kwargs": r"model.teacher_model_init_kwargs: \['dtype'\] have their own options"}
+                "teacher_model_init_kwargs": r"model.teacher_model_init_kwargs: \['trust_remote_code'\] have their "
+                r"own options"}
     for name, value in refused.items():
         with pytest.raises(LitAlignError, match=messages[name]):
             DistillationModule(model="builtin:tiny", **{"teacher_model": teacher, name: value})
     with pytest.raises(LitAlignError, match="model.seq_kd samples rounds from the teacher, but engine vllm"):
         DistillationModule(model="builtin:tiny", teacher_model=teacher, seq_kd=True, engine="vllm")
+    # TRL's place for the teacher's dtype (lit_align.models.model_dtype): taken, no longer refused
+    module = DistillationModule(model="builtin:tiny", teacher_model=teacher,
+                                teacher_model_init_kwargs={"dtype": "bfloat16"})
+    assert module.teacher.init_kwargs == {"dtype": "bfloat16"}
 
 
 class TeacherResident(L.Callback):
@@ -440,20 +461,20 @@ def test_teacher_ids_that_name_no_teacher_are_one_error_line(teacher, teacher_b,
     bad = with_teacher_ids(rows, tmp_path / "bad.jsonl", ["a", "b", "c", "a"])  # rows 2, 6, ... name 'c'
     with pytest.raises(LitAlignError) as error:
         distill(teachers, bad, data={"shuffle": False})
-    assert str(error.value) == ("dataset row 2: field 'teacher_id' is 'c', expected one of ['a', 'b'] (the ids of "
+    assert str(error.value) == (f"{bad} row 2: field 'teacher_id' is 'c', expected one of ['a', 'b'] (the ids of "
                                 "model.teacher_model)")
     with pytest.raises(LitAlignError) as error:
         distill(teachers, rows)
     message = str(error.value)
     assert "\n" not in message
-    assert message.startswith("model.teacher_model is a mapping of teachers (['a', 'b']), but the prompt rows have no "
-                              "'teacher_id' column: give each row the id of the teacher it learns from")
+    assert message.startswith(f"model.teacher_model is a mapping of teachers (['a', 'b']), but the rows of {rows} "
+                              "have no 'teacher_id' column: give each row the id of the teacher it learns from")
     refused = {
         "teacher id 'x.y' must be a non-empty string without '.' or '/'": {"teacher_model": {"x.y": teacher}},
         r"model.teacher_model_init_kwargs: with a mapping of teachers its keys are teacher ids \(\['a', 'b'\]\), "
         r"got \['revision'\]": {"teacher_model": teachers, "teacher_model_init_kwargs": {"revision": "main"}},
-        r"model.teacher_model_init_kwargs.b: \['dtype'\] have their own options":
-            {"teacher_model": teachers, "teacher_model_init_kwargs": {"b": {"dtype": "bfloat16"}}},
+        r"model.teacher_model_init_kwargs.b: \['attn_implementation'\] have their own options":
+            {"teacher_model": teachers, "teacher_model_init_kwargs": {"b": {"attn_implementation": "eager"}}},
         "model.teacher_model is required": {"teacher_model": {}},
     }
     for message, settings in refused.items():
@@ -463,6 +484,87 @@ def test_teacher_ids_that_name_no_teacher_are_one_error_line(teacher, teacher_b,
     sharded._trainer = SimpleNamespace(strategy=FSDPStrategy())
     with pytest.raises(LitAlignError, match="model.teacher_model: several teachers are not supported under FSDP"):
         sharded.configure_model()
+
+
+def test_every_rows_teacher_id_is_checked_before_the_first_step(teacher, teacher_b, rows, tmp_path):
+    """A bad id in the last row (a large dataset's, hours in) or in a validation row: refused at setup, naming the
+    file and row, before any step; an integer id (YAML's ``1: ...`` keys are strings) says ids are strings."""
+    teachers = {"1": teacher, "2": teacher_b}
+    n = len(Path(rows).read_text().splitlines())
+    last_bad = with_teacher_ids(rows, tmp_path / "last_bad.jsonl", ["1"] * (n - 1) + ["3"])
+    steps = Steps()
+    with pytest.raises(LitAlignError) as error:
+        distill(teachers, last_bad, max_steps=4, callbacks=[steps])
+    assert steps.started == 0
+    assert str(error.value) == (f"{last_bad} row {n - 1}: field 'teacher_id' is '3', expected one of ['1', '2'] "
+                                "(the ids of model.teacher_model)")
+    good = with_teacher_ids(rows, tmp_path / "good.jsonl", ["1", "2"])
+    numbers = with_teacher_ids(rows, tmp_path / "numbers.jsonl", [1, 2])
+    module = DistillationModule(model="builtin:tiny", teacher_model=teachers, max_completion_length=6)
+    with pytest.raises(LitAlignError) as error:
+        fit(module, PromptDataModule(path=good, val_path=numbers, val_split="train", batch_size=4), callbacks=[steps])
+    assert steps.started == 0
+    assert str(error.value) == (f"{numbers} row 0: field 'teacher_id' is the number 1, but teacher ids are strings "
+                                "(the keys of model.teacher_model: ['1', '2']): write '1'")
+
+
+def shuffled_tokenizer_teacher(path: Path, swap: tuple[int, int] | None = (40, 41)) -> str:
+    """The tiny model with the built-in tokenizer's ids ``swap``-ped (same size, other tokens at two ids), or with
+    no tokenizer files (``swap`` None)."""
+    from lit_align.models import CHARACTERS, SPECIAL_TOKENS
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = SPECIAL_TOKENS + CHARACTERS
+    model, tokenizer = load_model("builtin:tiny"), build_tokenizer()
+    if swap is not None:
+        a, b = swap
+        tokens[a], tokens[b] = tokens[b], tokens[a]
+        backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<unk>"))
+        backend.add_special_tokens(SPECIAL_TOKENS)
+        backend.decoder = decoders.Fuse()
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                            eos_token="</s>", unk_token="<unk>")
+    save_hf(model, tokenizer, path)
+    if swap is None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            (path / name).unlink(missing_ok=True)
+    return str(path)
+
+
+def test_a_teacher_whose_tokenizer_numbers_its_tokens_apart_is_one_error_line_naming_the_first_ids(
+        teacher, rows, ab_rows, tmp_path):
+    """Same vocabulary size, two ids swapped: refused in one line naming them (TRL's size check passes it), before
+    any teacher loads; ``teacher_tokenizer_check: false`` trains with it; a teacher without tokenizer files cannot be
+    compared: one warning, and it trains."""
+    swapped = shuffled_tokenizer_teacher(tmp_path / "swapped")
+    token = build_tokenizer().convert_ids_to_tokens
+    steps = Steps()
+    with pytest.raises(LitAlignError) as error:
+        distill(swapped, rows, callbacks=[steps])
+    assert steps.started == 0
+    assert str(error.value) == (
+        f"model.teacher_model '{swapped}' numbers its tokens apart from the student 'builtin:tiny': 2 of "
+        f"{len(build_tokenizer())} ids differ (id 40 is {token(41)!r} / {token(40)!r}, id 41 is {token(40)!r} / "
+        f"{token(41)!r}, teacher's / student's token); distillation compares the two distributions id by id, so the "
+        "student would learn from shuffled tokens: use a teacher with the student's tokenizer, or set "
+        "model.teacher_tokenizer_check: false if these ids mean the same tokens to both models")
+    with pytest.raises(LitAlignError, match=r"^model.teacher_model.b '.*' numbers its tokens apart"):
+        distill({"a": teacher, "b": swapped}, ab_rows)
+    assert distill(swapped, rows, callbacks=[steps], teacher_tokenizer_check=False).global_step == 1
+    bare = shuffled_tokenizer_teacher(tmp_path / "bare", swap=None)
+    with pytest.warns(UserWarning, match=rf"^lit_align: model.teacher_model '{bare}': its token ids cannot be compared "
+                                         r"with the student's \(could not load tokenizer"):
+        assert distill(bare, rows).global_step == 1
+
+
+def test_a_file_as_a_teacher_is_one_error_line():
+    module = DistillationModule(model="builtin:tiny", teacher_model=str(REPO / "README.md"))
+    with pytest.raises(LitAlignError) as error:
+        module.configure_model()
+    assert str(error.value) == (f"model.teacher_model '{REPO / 'README.md'}' is a file, not a model: give the "
+                                "directory that holds it with its config.json (a Hugging Face model directory), a "
+                                ".gguf file, a hub name, pretrained:<name> or builtin:<name>")
 
 
 def test_each_of_several_teachers_is_checked_against_the_students_vocabulary(teacher, tmp_path):
