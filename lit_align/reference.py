@@ -28,7 +28,8 @@ a checkpoint without them loads strictly), and its ``identity``, the digest of t
 in each checkpoint and checked on resume (``on_save_checkpoint`` / ``check_resume``).
 
 The precompute cache is ``$LIT_ALIGN_CACHE/ref_logps/<key>.pt`` (``[rows, 2]`` float32), with the SHA-256 of its bytes
-in ``<key>.sha256``: a file that does not match it is recomputed, with a warning. The key hashes everything the
+in ``<key>.sha256``: a file that does not match it is recomputed, with a warning, and a cache that cannot be written
+(``write_cache``) is a warning too: the run goes on with the values it computed. The key hashes everything the
 numbers depend on: the rows' token ids in order (a content hash, not ``datasets``' ``_fingerprint``, which turns random
 when a map function cannot be hashed, so it covers the tokenizer, chat template and prompt handling), ``max_length``
 (the batch truncates), the reference's files (``config.json`` and weights, by content; a hub model's from its local
@@ -41,11 +42,12 @@ rank 0's decision, broadcast to the others.
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import json
 import math
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable
 
@@ -488,16 +490,47 @@ def cache_path(key: str, kind: str = "ref_logps") -> Path:
     return cache_dir() / kind / f"{key}.pt"
 
 
-def write_cache(path: Path, values: torch.Tensor) -> None:
+def write_cache(path: Path, values, what: str = "reference log-prob") -> bool:
     """``values`` at ``path`` and the SHA-256 of the file's bytes at ``path.sha256``, each written atomically (the
-    digest last: a file without its digest is never trusted)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for target, write in ((path, lambda f: torch.save(values, f)),
-                          (path.with_suffix(".sha256"), lambda f: f.write(_sha256(path).encode()))):
-        partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-        with open(partial, "wb") as f:
-            write(f)
-        os.replace(partial, target)  # atomic: a reader sees the whole file or none
+    digest last: a file without its digest is never trusted). A cache that cannot be written (a file where its
+    directory should be, no permission, a full disk) is one warning naming the ``what`` cache and why: the run goes
+    on with the values it computed, nothing half-written is left, and the next run computes them again. Whether the
+    cache was written."""
+    written = False
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for target, write in ((path, lambda f: torch.save(values, f)),
+                              (path.with_suffix(".sha256"), lambda f: f.write(_sha256(path).encode()))):
+            partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+            try:
+                with open(partial, "wb") as f:
+                    write(f)
+                os.replace(partial, target)  # atomic: a reader sees the whole file or none
+                written = True
+            finally:
+                partial.unlink(missing_ok=True)
+    except (OSError, RuntimeError) as error:
+        cause = error if isinstance(error, OSError) else error.__context__  # torch's writer wraps the OSError
+        if not isinstance(cause, OSError):
+            raise
+        if written:  # the values without their digest: never trusted, so not kept
+            with suppress(OSError):
+                path.unlink(missing_ok=True)
+        rank_zero_warn(f"lit_align: cannot write the {what} cache {path}: {unwritable(path, cause)}; the run goes on "
+                       "with the values it computed, the next run computes them again (LIT_ALIGN_CACHE sets where "
+                       "caches go)")
+        return False
+    return True
+
+
+def unwritable(path: Path, error: OSError) -> str:
+    """Why ``path`` could not be written, in words: a file where one of its directories should be, else the file
+    system's reason."""
+    if error.errno in (errno.EEXIST, errno.ENOTDIR):
+        blocking = next((p for p in path.parents if p.is_file()), None)
+        if blocking is not None:
+            return f"{blocking} is a file, not a directory"
+    return error.strerror or str(error)
 
 
 def verified_cache(path: Path, check: Callable[[object], str | None], what: str = "reference log-prob") -> bool:

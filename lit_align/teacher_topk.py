@@ -109,7 +109,7 @@ class TeacherTopK:
         values = compute_topk(rows, lengths, topk, batch_size, device, strategy)
         self.computed.append(split)
         if strategy.global_rank == 0:
-            write_cache(path, values)
+            write_cache(path, values, "teacher top-k log-prob")
         return attach_topk(rows, values)
 
 

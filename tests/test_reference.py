@@ -249,6 +249,24 @@ def test_a_cache_file_that_does_not_verify_is_computed_again(tmp_path, rows_path
     assert computed == []
 
 
+def test_a_full_disk_during_the_cache_write_is_one_warning_and_the_run_goes_on(tmp_path, rows_path, lit_align_cache,
+                                                                               monkeypatch):
+    """The disk fills up after 64 bytes of the cache file: one warning naming the cache and the reason, the run
+    trains on the values computed, and no partial file (nor a file without its digest) is left."""
+    from helpers import FillsUp
+
+    shutil.rmtree(lit_align_cache / "ref_logps", ignore_errors=True)
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f, *args, **kwargs: real_save(obj, FillsUp(f, 64), *args, **kwargs))
+    record = Record()
+    module = DPOModule(model="builtin:tiny", precompute_ref_log_probs=True, learning_rate=1e-3)
+    with pytest.warns(UserWarning, match=r"^lit_align: cannot write the reference log-prob cache .*\.pt: No space "
+                                         r"left on device; the run goes on with the values it computed"):
+        fit(module, data(rows_path), tmp_path, max_steps=2, callbacks=[record])
+    assert module.reference.computed == ["train"] and record.carried == [True, True]
+    assert list((lit_align_cache / "ref_logps").iterdir()) == []
+
+
 def test_precompute_key_follows_the_rows_and_the_reference(rows_path, tiny_path, noisy_ref):
     dm = data(rows_path, tokenizer="builtin:tiny")
     dm.setup("fit")

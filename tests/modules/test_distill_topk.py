@@ -2,8 +2,8 @@
 dataset's completions trains against the teacher's cached top-k (TRL's top-k divergence with its tail entry, by hand
 from both models' full logits; at k = V the live teacher's loss), computed once before training with no teacher
 forward in those rounds afterwards, read back by the next run, under a key that follows the rows, the teacher, k and
-the temperature; a cache file that does not verify is reported and computed again; settings that cannot use it are
-one error line each.
+the temperature; a cache file that does not verify is reported and computed again, one that cannot be written is
+one warning and the run goes on; settings that cannot use it are one error line each.
 
 The models and rows are ``test_distill_module``'s: the built-in tiny student, a teacher from another seed.
 """
@@ -179,6 +179,23 @@ def test_a_cache_file_that_does_not_verify_is_computed_again(teacher, rows, topk
 
 
 # -- settings --------------------------------------------------------------------------------------------------------
+def test_a_cache_that_cannot_be_written_is_one_warning_and_the_run_goes_on(teacher, rows, topk_cache):
+    """A file where the cache's directory should be: after the pass, one warning naming the file and why (not the
+    file system's "File exists"), and the run trains on the values it computed; nothing is left behind."""
+    topk_cache.write_text("not a directory")
+    try:
+        with pytest.warns(UserWarning) as warned:
+            module = cached_run(teacher, rows, max_steps=2, teacher_topk_cache=8)
+    finally:
+        topk_cache.unlink()
+    (line,) = [str(w.message) for w in warned if "cache" in str(w.message)]
+    assert line.startswith(f"lit_align: cannot write the teacher top-k log-prob cache {topk_cache}/")
+    assert line.endswith(f": {topk_cache} is a file, not a directory; the run goes on with the values it computed, "
+                         "the next run computes them again (LIT_ALIGN_CACHE sets where caches go)")
+    assert module.teacher_topk.computed == ["train"] and module.global_step == 2
+    assert module.round.teacher_topk_ids is not None  # the rounds trained on the computed values
+
+
 def test_settings_that_cannot_use_the_cache_are_one_error_line(teacher, teacher_b, rows, topk_cache):
     refused = {
         "model.teacher_topk_cache caches the teacher on the dataset's completions, which only the rounds that are not "
