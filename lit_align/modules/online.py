@@ -18,9 +18,11 @@ completion per prompt (``grouped``), and makes some rounds from other completion
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MeanMetric
 
 from lit_align.errors import LitAlignError
@@ -37,8 +39,11 @@ from lit_align.rollouts import ZERO_STD, Generation, Rollouts, completion_token_
 CHECKPOINT_KEY = "lit_align_grpo"  # the round's entry in checkpoints (GRPO's name, kept: older checkpoints resume)
 
 
-def check_online_settings(temperature: float, max_completion_length: int, num_generations_eval: int | None) -> None:
-    """Refuse a sampling setting an online recipe cannot train or validate with."""
+def check_online_settings(temperature: float, max_completion_length: int, num_generations_eval: int | None,
+                          pass_threshold: float = 1.0) -> None:
+    """Refuse a sampling setting an online recipe cannot train or validate with; warn of a ``pass_threshold`` that
+    counts failures as solved (below 0, where rewards are 0 for a failure) without refusing it: rewards may be
+    penalties, all below 0."""
     if temperature <= 0:
         raise LitAlignError(f"model.temperature must be > 0 (online recipes sample distinct completions), "
                             f"got {temperature}")
@@ -48,6 +53,13 @@ def check_online_settings(temperature: float, max_completion_length: int, num_ge
     if num_generations_eval is not None and num_generations_eval < 1:
         raise LitAlignError(f"model.num_generations_eval must be >= 1 or null (one greedy completion), "
                             f"got {num_generations_eval}")
+    if not math.isfinite(pass_threshold):
+        raise LitAlignError(f"model.pass_threshold must be a finite summed reward (a completion at least this good "
+                            f"counts as solved in val/pass@k), got {pass_threshold}")
+    if num_generations_eval is not None and pass_threshold < 0:
+        rank_zero_warn(f"lit_align: model.pass_threshold is {pass_threshold}: a completion whose summed reward is 0 "
+                       "(a failure, for accuracy rewards) counts as solved in val/pass@k; set the summed reward a "
+                       "solved completion reaches (1.0, the default, for one accuracy reward)")
 
 
 def check_async_settings(engine: str, dynamic_sampling: bool, rollout_func: str | None, max_staleness: int | None,
@@ -247,7 +259,7 @@ class OnlineModule(AlignModule):
         **kwargs,
     ):
         super().__init__(model=model, **kwargs)
-        check_online_settings(temperature, max_completion_length, num_generations_eval)
+        check_online_settings(temperature, max_completion_length, num_generations_eval, pass_threshold)
         if weight_sync_steps < 1:
             raise LitAlignError(f"model.weight_sync_steps must be >= 1, got {weight_sync_steps}")
         if async_rollouts:

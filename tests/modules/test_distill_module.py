@@ -313,6 +313,13 @@ def test_reward_funcs_are_optional_here_only_and_the_distillation_settings_are_c
             DistillationModule(model="builtin:tiny", **{"teacher_model": teacher, name: value})
     with pytest.raises(LitAlignError, match="model.seq_kd samples rounds from the teacher, but engine vllm"):
         DistillationModule(model="builtin:tiny", teacher_model=teacher, seq_kd=True, engine="vllm")
+    # val/pass@k's threshold (OnlineModule's, every online recipe's): not finite is refused, below 0 warned of
+    with pytest.raises(LitAlignError, match=r"^model.pass_threshold must be a finite summed reward .*, got nan$"):
+        DistillationModule(model="builtin:tiny", teacher_model=teacher, pass_threshold=float("nan"))
+    with pytest.warns(UserWarning, match=r"^lit_align: model.pass_threshold is -0.5: a completion whose summed "
+                                         r"reward is 0 \(a failure, for accuracy rewards\) counts as solved"):
+        DistillationModule(model="builtin:tiny", teacher_model=teacher, num_generations_eval=4, pass_threshold=-0.5)
+    DistillationModule(model="builtin:tiny", teacher_model=teacher, pass_threshold=-0.5)  # unread: no pass@k
     # TRL's place for the teacher's dtype (lit_align.models.model_dtype): taken, no longer refused
     module = DistillationModule(model="builtin:tiny", teacher_model=teacher,
                                 teacher_model_init_kwargs={"dtype": "bfloat16"})
