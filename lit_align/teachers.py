@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -132,9 +134,14 @@ class Teachers(torch.nn.ModuleDict):
             return
         if self.column not in rows.column_names:
             raise LitAlignError(self.no_column(f"the rows of {source}"))
-        for i, teacher_id in enumerate(rows[self.column]):
-            if not isinstance(teacher_id, str) or teacher_id not in self:
-                raise LitAlignError(self.unknown_id(teacher_id, f"{source} row {i}"))
+        ids = rows.with_format("arrow")[self.column]  # (Arrow: a million rows in milliseconds)
+        if pa.types.is_string(ids.type) or pa.types.is_large_string(ids.type):
+            named = pc.fill_null(pc.is_in(ids, value_set=pa.array(list(self), ids.type)), False)
+            first = pc.index(named, False).as_py()  # the first row that names no teacher, -1: none
+        else:
+            first = 0  # numbers, say: not ids
+        if first >= 0:
+            raise LitAlignError(self.unknown_id(ids[first].as_py(), f"{source} row {first}"))
 
     def row_ids(self, batch: dict[str, Any]) -> list[str] | None:
         """Each prompt's teacher id (the batch's ``column``), every one checked against the known ids; None with one
