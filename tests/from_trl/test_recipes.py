@@ -77,7 +77,6 @@ def test_each_recipe_translates_or_is_refused_in_one_line(entry, tmp_path, capfd
     assert config["model"]["init_args"]["learning_rate"] == float(fields["learning_rate"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("entry", TRANSLATED, ids=[e["file"] for e in TRANSLATED])
 def test_each_translated_recipe_trains_two_steps_offline(entry, tmp_path, capfd):
     config = offline(translated(entry, tmp_path, capfd), tmp_path)
