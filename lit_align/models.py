@@ -145,6 +145,9 @@ def check_loadable(name_or_path: str, what: str) -> str:
             raise LitAlignError(f"{what} {name_or_path!r}: the directory has none of {list(MODEL_DIR_FILES)} (expected "
                                 "a Hugging Face model directory, as save_pretrained writes it)")
         return str(local)
+    if local.is_file():  # a .gguf file is converted before this (``pretrained.gguf_path``)
+        raise LitAlignError(f"{what} {name_or_path!r} is a file, not a model: give the directory that holds it (a "
+                            "Hugging Face model directory), or a .gguf file")
     if path.startswith((".", "/", "~")) or path.count("/") > 1 or local.exists():
         raise LitAlignError(
             f"{what} {name_or_path!r}: no such directory (expected a Hugging Face model directory, a .gguf file, a "

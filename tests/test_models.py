@@ -125,6 +125,14 @@ def test_unknown_local_path_names_the_path(loader, what, path):
     assert "\n" not in message
 
 
+def test_a_file_given_as_a_model_says_so(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(LitAlignError, match=r"model '.*model.safetensors' is a file, not a model: give the "
+                                            r"directory that holds it"):
+        load_model(str(weights))
+
+
 def test_directory_that_is_not_a_model(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(LitAlignError, match=rf"could not load model '{tmp_path}': ") as info:
