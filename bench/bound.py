@@ -17,7 +17,8 @@ optimizer and sampling are left out: the bound is a ceiling no engine reaches.
 
 The peak: the best of several ``[n, n] @ [n, n]`` fp32 products (n = 2048) at the bench's thread count, through MKL's
 GEMM (``a @ b``, what torch's CPU matmuls run) and through oneDNN with the weight prepacked (what lit_align's native
-decode step runs: 1.2-1.3x MKL's rate here), whichever is faster.
+decode step runs: 1.2-1.3x MKL's rate here), whichever is faster. On a GPU (``bench/gpu_vs_trl.py``):
+``cuda_matmul_peak``, the best of ten bf16 ``[8192, 8192]`` products through cuBLAS.
 """
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
             start = time.perf_counter()
             product()
             best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def cuda_matmul_peak(n: int = 8192, repeats: int = 10, dtype: str = "bfloat16") -> float:
+    """FLOP/s of the fastest of ``repeats`` ``[n, n] @ [n, n]`` products in ``dtype`` on the current CUDA device (the
+    GPU's matmul peak, as cuBLAS reaches it on random data), after three warm-ups."""
+    import torch
+
+    a, b = (torch.randn(n, n, device="cuda", dtype=getattr(torch, dtype)) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 
 

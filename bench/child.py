@@ -87,14 +87,20 @@ class GenTimer:
         return out
 
 
-def check_trl_sampling(generation, max_new_tokens: int) -> None:
+def check_trl_sampling(generation, max_new_tokens: int, min_new_tokens: int | None = None) -> None:
     """Refuse a TRL trainer whose ``generation_config`` samples otherwise than the bench's settings: temperature 1.0,
-    top-k 0, top-p 1.0, ``max_new_tokens``, nothing else that stops or shapes the sampling."""
-    for name, expected in [("do_sample", True), ("temperature", 1.0), ("top_p", 1.0), ("top_k", 0),
-                           ("max_new_tokens", max_new_tokens)]:
-        if getattr(generation, name) != expected:
-            raise SystemExit(f"TRL generation config {name}={getattr(generation, name)!r}, expected {expected!r}")
-    for name in ("min_new_tokens", "min_p", "stop_strings"):
+    top-k 0, top-p 1.0, ``max_new_tokens``, nothing else that stops or shapes the sampling (``min_new_tokens`` only
+    where given: a bench that runs every completion to its full length)."""
+    expected = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": max_new_tokens}
+    unset = ["min_p", "stop_strings"]
+    if min_new_tokens is None:
+        unset.append("min_new_tokens")
+    else:
+        expected["min_new_tokens"] = min_new_tokens
+    for name, value in expected.items():
+        if getattr(generation, name) != value:
+            raise SystemExit(f"TRL generation config {name}={getattr(generation, name)!r}, expected {value!r}")
+    for name in unset:
         if getattr(generation, name, None):
             raise SystemExit(f"TRL generation config sets {name}={getattr(generation, name)!r}")
 

@@ -105,11 +105,12 @@ def build_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def build_model(name: str, path: Path, seed: int = 0) -> None:
+def build_model(name: str, path: Path, seed: int = 0, shape: dict | None = None) -> None:
+    """A random-weight model of ``LAB_MODELS[name]``'s shape (or ``shape``, the same keys) and its lab tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    shape = dict(LAB_MODELS[name])
+    shape = dict(LAB_MODELS[name] if shape is None else shape)
     tokenizer = build_tokenizer(shape["vocab_size"])
     config = AutoConfig.for_model(shape.pop("model_type"), max_position_embeddings=2048, pad_token_id=0,
                                   bos_token_id=1, eos_token_id=2, **shape)
