@@ -240,11 +240,26 @@ DESCRIPTION = ("lit_align: SFT, DPO, KTO, reward models, GRPO, RLOO and on-polic
                "`lit-align from-trl COMMAND --config trl.yaml -o out.yaml` translates a TRL config file.")
 
 
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """lit_align's own warnings (``lit_align: ...``) as the one line they are written as, not Python's
+    ``file:line: UserWarning:`` and the source line after it; anyone else's as before."""
+    text = str(message)
+    if text.startswith("lit_align:"):
+        return f"warning: {text}\n"
+    return one_line_warning.others(message, category, filename, lineno, line)
+
+
+one_line_warning.others = warnings.formatwarning
+
+
 def run(args: list[str] | None = None) -> LightningCLI:
     """Run the CLI in this process and return it (``cli.trainer``, ``cli.model``); user errors exit with status 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for message in BY_DESIGN:
         warnings.filterwarnings("ignore", message)
+    if warnings.formatwarning is not one_line_warning:
+        one_line_warning.others = warnings.formatwarning
+        warnings.formatwarning = one_line_warning
     from lit_align.data import AlignDataModule  # importing the packages registers every subclass by short name
     from lit_align.modules import AlignModule
 

@@ -531,3 +531,12 @@ def test_generation_batch_size_sets_the_rounds_steps_over_the_trainers_devices(t
                              "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"], capfd)
     assert assert_one_line_error(code, err).startswith(
         "error: model.generation_batch_size and model.steps_per_generation cannot both be set")
+
+
+def test_lit_aligns_warnings_print_as_one_line_and_others_as_python_prints_them():
+    from lit_align.cli import one_line_warning
+
+    assert one_line_warning(UserWarning("lit_align: model.max_staleness is 2 ..."), UserWarning, "producer.py",
+                            342, "rank_zero_warn(...)") == "warning: lit_align: model.max_staleness is 2 ...\n"
+    other = one_line_warning(UserWarning("theirs"), UserWarning, "x.py", 7, "warn()")
+    assert other.startswith("x.py:7: UserWarning: theirs")
