@@ -64,14 +64,31 @@ class AlignParser(LightningArgumentParser):
         if unknown is not None:
             raise LitAlignError(unknown_option(*unknown.groups()))
         top = UNKNOWN_TOP_LEVEL.search(str(message))
-        if top is not None and _trl_field(top.group(2)):
-            raise LitAlignError(f"the config's top-level {top.group(2)!r} is a TRL field: this looks like a TRL config "
+        trl = None if top is None else top.group(2) if _trl_field(top.group(2)) else _trl_file_field(self.argv)
+        if trl is not None:
+            raise LitAlignError(f"the config's top-level {trl!r} is a TRL field: this looks like a TRL config "
                                 f"file (trl COMMAND --config FILE); translate it first: lit-align from-trl COMMAND "
                                 f"--config FILE -o OUT, then lit-align {top.group(1)} -c OUT (docs/trl_configs.md)")
         if self.exit_on_error:  # the outermost parser: the user's mistake (inner parsers' errors are tried and caught)
             raise LitAlignError(f"{condensed(str(message), self.argv)} ({self.prog.replace(' [options]', '')} --help "
                                 f"lists the options)")
         super().error(message, ex)
+
+
+def _trl_file_field(argv: list[str]) -> str | None:
+    """The first top-level key of the command line's config files (``-c``) that is a TRL field, if any."""
+    import yaml
+
+    for i, arg in enumerate(argv[:-1]):
+        if arg in ("-c", "--config"):
+            try:
+                keys = yaml.safe_load(Path(argv[i + 1]).read_text())
+            except (OSError, yaml.YAMLError):
+                continue
+            found = [key for key in keys if isinstance(key, str) and _trl_field(key)] if isinstance(keys, dict) else []
+            if found:
+                return found[0]
+    return None
 
 
 def _trl_field(name: str) -> bool:

@@ -403,6 +403,11 @@ def test_a_nested_trl_file_given_to_fit_says_to_translate_it(tmp_path, capfd):
     trl = write(tmp_path / "trl.yaml", {"dataset_mixture": {"datasets": [{"id": "x"}]}, "model_name_or_path": "m"})
     code, _, err = run_main(["fit", "-c", trl], capfd)
     assert_one_line_error(code, err, "'dataset_mixture' is a TRL field", "lit-align from-trl COMMAND")
+    # the key jsonargparse stops at is not TRL's (peft_config.r), another key of the file is
+    mixed = tmp_path / "mixed.yaml"
+    mixed.write_text("peft_config: {r: 8}\nlora_target_modules: [q_proj]\n")
+    code, _, err = run_main(["fit", "-c", str(mixed)], capfd)
+    assert_one_line_error(code, err, "'lora_target_modules' is a TRL field", "translate it first")
 
 
 def test_ratios_of_the_runs_steps_checkpoint_and_evaluate_each_epoch_with_a_note():
