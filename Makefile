@@ -12,7 +12,7 @@ XDIST := -n $(TEST_WORKERS) --dist loadfile
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
-.PHONY: setup pretrained demo demo-real demo-real-arith test test-numerics test-slow test-vllm bench bench-realistic bench-vllm clean
+.PHONY: setup pretrained demo demo-real demo-real-arith demo-agent test test-numerics test-slow test-vllm bench bench-realistic bench-vllm clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,9 @@ demo-real: pretrained  ## the main job on a real model: SFT -> DPO -> GRPO of Sm
 
 demo-real-arith: pretrained  ## the same chain on the plain arith task, where GRPO has no headroom (docs/real_model.md)
 	$(PY) -m lit_align.pipeline --recipe smollm2
+
+demo-agent: pretrained  ## SmolLM2-135M-Instruct learns to call a calculator: SFT -> GRPO with the tool, CPU (docs/grpo.md)
+	$(PY) -m lit_align.pipeline --recipe smollm2-agent
 
 test: setup  ## the test suite (no slow end-to-end runs): about 5 minutes on 2 cores
 	$(PY) -m pytest -q $(XDIST)

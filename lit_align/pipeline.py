@@ -7,6 +7,7 @@ stage's held-out figure before and after.
     python -m lit_align.pipeline --recipe smollm2         # the same on the plain arith task (make demo-real-arith)
     python -m lit_align.pipeline --recipe smollm2-words --model DIR --chat-template builtin:gemma  # another model
     python -m lit_align.pipeline --recipe learned-reward  # SFT -> reward model -> GRPO with the learned reward
+    python -m lit_align.pipeline --recipe smollm2-agent   # SmolLM2 learns to call a calculator (make demo-agent)
 
 Each stage is an ordinary ``lit-align fit -c configs/<stage>.yaml`` (run in this process through ``cli.run``) whose
 model starts from the previous stage's export, or from the exports its recipe's ``inputs`` name; after each policy
@@ -119,6 +120,23 @@ RECIPES = {
         SMOLLM2, root="runs/smollm2-words", eval_overrides=WORDS,
         overrides={"sft": WORDS, "dpo": WORDS,
                    "grpo": WORDS + ["--data.init_args.batch_size", "32", "--trainer.max_steps", "20"]}),
+    # SmolLM2-135M-Instruct learns to call a calculator (make demo-agent; docs/grpo.md, "A real model with a tool"):
+    # the base model with the tool offered, SFT on builtin:calculator's demonstrations (30% call the tool, the rest
+    # answer directly), then GRPO with a CalculatorEnvironment per rollout; every eval greedy with the tool offered.
+    "smollm2-agent": Recipe(
+        configs={"sft": "configs/sft_agent_smollm2.yaml", "grpo": "configs/grpo_agent_smollm2.yaml"},
+        eval_config="configs/eval_agent_smollm2.yaml",
+        columns={"accuracy": "val/rewards/last_number_match/mean", "calls": "val/tools/call_frequency",
+                 "valid calls": "val/rewards/calculator_call_format/mean"},
+        root="runs/agent",
+        base_model="pretrained:smollm2-135m-instruct",
+        quick=SMOLLM2.quick,
+        plots=[("sft", "train/loss", "SFT train loss"), ("sft", "train/mean_token_accuracy", "SFT token accuracy"),
+               ("grpo", "train/reward", "GRPO train reward (right product)"),
+               ("grpo", "train/tools/call_frequency", "GRPO calls per completion"),
+               ("grpo", "train/rewards/calculator_call_format/mean", "GRPO valid-call rate"),
+               ("grpo", "train/completions/mean_length", "GRPO completion length")],
+    ),
     # The built-in sort task with a learned reward: SFT from scratch, a reward model from the SFT model trained on the
     # task's preference pairs, then GRPO from the SFT model scored by that reward model alone; the task's own score
     # (held-out exact match) only measures.
@@ -173,7 +191,8 @@ def evaluate(recipe: Recipe, model: str, root: Path, name: str, quick: bool,
             "--trainer.logger.init_args.save_dir", str(root), "--trainer.logger.init_args.name", f"eval-{name}",
             "--trainer.logger.init_args.version", "run", "--trainer.enable_progress_bar", "false"]
     metrics = cli(args + recipe.eval_overrides + (recipe.quick if quick else []) + list(extra)).trainer.callback_metrics
-    return {column: float(metrics[metric]) for column, metric in recipe.columns.items()}
+    # a mean over no values is not logged (the valid-call rate where no completion called): NaN in the table
+    return {column: float(metrics.get(metric, float("nan"))) for column, metric in recipe.columns.items()}
 
 
 def read_metrics(run: Path) -> dict[str, list[tuple[int, float]]]:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from lit_align.data.rows import with_eos
-from lit_align.data.tasks import ArithmeticTask, SortTask
+from lit_align.data.tasks import ArithmeticTask, CalculatorTask, SortTask
 from lit_align.errors import LitAlignError
 from lit_align.imports import callable_name, load_callable
 
@@ -63,6 +63,27 @@ def arith_exact(completions: list, answer: list[str], **_: Any) -> list[float]:
     """1.0 when the completion is one equation whose result is the answer (format and correctness), else 0."""
     return [float(ArithmeticTask.is_equation(_text(c)) and _text(c).strip().rsplit("=", 1)[1].strip() == a)
             for c, a in zip(completions, answer)]
+
+
+def calculator_call_format(completions: list, **_: Any) -> list[float | None]:
+    """The built-in calculator task's call format: 1.0 when every tool call of the completion is a ``calculator``
+    call whose ``expression`` the tool evaluates, 0.0 when one is not, None (not counted) without calls. Logged at
+    weight 0 beside the answer's reward: the valid-call rate."""
+    def valid(call: dict) -> bool:
+        function = call.get("function", call)
+        arguments = function.get("arguments")
+        try:
+            CalculatorTask.evaluate(arguments.get("expression") if isinstance(arguments, dict) else None)
+        except ValueError:
+            return False
+        return function.get("name") == "calculator"
+
+    out: list[float | None] = []
+    for completion in completions:
+        turns = completion if isinstance(completion, list) else []
+        calls = [c for m in turns if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
+        out.append(float(all(valid(c) for c in calls)) if calls else None)
+    return out
 
 
 def pass_at_k(solved: torch.Tensor, k: int) -> torch.Tensor:

@@ -454,3 +454,24 @@ def test_pass_at_k_is_the_unbiased_estimator():
     assert pass_at_k(solved, 8).tolist() == [1.0, 1.0, 0.0, 1.0]
     with pytest.raises(ValueError, match="1 <= k <= n"):
         pass_at_k(solved, 9)
+
+
+def test_calculator_call_format_scores_the_calls_of_a_completion_and_skips_those_without():
+    from lit_align.rewards import calculator_call_format
+
+    def call(name, arguments):
+        return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+    def episode(*calls):
+        return [{"role": "assistant", "content": "", "tool_calls": list(calls)},
+                {"role": "tool", "name": "calculator", "content": "1"}, {"role": "assistant", "content": "1"}]
+
+    completions = [
+        episode(call("calculator", {"expression": "347 * 829"})),
+        episode(call("calculator", {"expression": "347 * 829"}), call("calculator", {"expression": "3 +"})),
+        episode(call("calc", {"expression": "1 + 2"})),
+        episode(call("calculator", {"x": "1 + 2"})),
+        [{"role": "assistant", "content": "287663"}],
+        "287663",
+    ]
+    assert calculator_call_format(completions) == [1.0, 0.0, 0.0, 0.0, None, None]

@@ -368,4 +368,114 @@ class ModSumTask(GeneratedTask):
         raise LitAlignError("builtin:modsum has prompts (GRPO) and SFT rows, no preference pairs")
 
 
-BUILTIN_TASKS = {"sort": SortTask, "arith": ArithmeticTask, "arith-words": ArithWordsTask, "modsum": ModSumTask}
+class CalculatorEnvironment:
+    """The calculator task's environment (GRPO's ``model.environment_factory:
+    lit_align.data.tasks.CalculatorEnvironment``): one tool, ``calculator``, that evaluates what the model writes."""
+
+    def reset(self, **row) -> None:
+        pass
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression of whole numbers.
+
+        Args:
+            expression: whole numbers joined by +, - and *, e.g. "347 * 829".
+        """
+        return str(CalculatorTask.evaluate(expression))
+
+
+class CalculatorTask(GeneratedTask):
+    """The product of two 3-digit numbers, ``"What is 347 * 829?"`` -> ``"287663"``, with a calculator tool: what
+    SmolLM2-135M-Instruct cannot compute (a guess is almost never right) and can copy from the tool's result.
+
+    Prompts are a system turn (use the calculator, answer with the number) and one user turn; the ``answer`` column is
+    the product. SFT rows demonstrate the tool on a seeded ``tool_fraction`` of the problems (the call
+    ``calculator(expression="347 * 829")``, its result as a tool turn, then ``"The answer is 287663."``) and answer
+    directly on the others (the same sentence), so a model trained on them calls about that often when sampling and
+    not greedily (a call's first token against the sentence's ``The``, about 0.3 against 0.7): the room GRPO has to
+    learn that calling pays (``ModSumTask``'s pattern on a real model). Their ``tools`` column holds the tool's
+    schema; train them with ``assistant_only_loss``. No preference rows. Train and test share no ``(a, b)``.
+    """
+
+    name = "calculator"
+    INSTRUCTION = "You have a calculator tool. End with: The answer is <number>."
+
+    def __init__(self, num_train: int = 1000, num_test: int = 100, tool_fraction: float = 0.3):
+        super().__init__(num_train, num_test)
+        self.tool_fraction = tool_fraction
+
+    @staticmethod
+    def evaluate(expression: str) -> int:
+        """The value of whole numbers joined by ``+``, ``-`` and ``*`` (anything else raises ``ValueError``)."""
+        import ast
+        import operator
+
+        ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+        def value(node):
+            if isinstance(node, ast.Constant) and type(node.value) is int:
+                return node.value
+            if isinstance(node, ast.BinOp) and type(node.op) in ops:
+                return ops[type(node.op)](value(node.left), value(node.right))
+            raise ValueError(f"not an expression of whole numbers and + - *: {expression!r}")
+
+        if not isinstance(expression, str) or len(expression) > 64:
+            raise ValueError(f"expected an expression of at most 64 characters, got {expression!r}")
+        try:
+            tree = ast.parse(expression.strip(), mode="eval")
+        except SyntaxError:
+            raise ValueError(f"not an expression of whole numbers and + - *: {expression!r}") from None
+        return value(tree.body)
+
+    def _draw(self, n: int, seed: int, exclude: set) -> list[tuple[int, int]]:
+        rng = random.Random(seed)
+        out: list[tuple[int, int]] = []
+        seen = set(exclude)
+        while len(out) < n:
+            problem = (rng.randint(100, 999), rng.randint(100, 999))
+            if problem not in seen:
+                seen.add(problem)
+                out.append(problem)
+        return out
+
+    @classmethod
+    def prompt(cls, a: int, b: int) -> list[dict[str, str]]:
+        return [{"role": "system", "content": cls.INSTRUCTION}, {"role": "user", "content": f"What is {a} * {b}?"}]
+
+    @staticmethod
+    def answer_text(a: int, b: int) -> str:
+        """The final turn, with or without a call before it."""
+        return f"The answer is {a * b}."
+
+    @staticmethod
+    def tool_turns(a: int, b: int) -> list[dict]:
+        """The demonstration: call ``calculator``, get its result, answer with it."""
+        call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "calculator", "content": str(a * b)},
+                {"role": "assistant", "content": CalculatorTask.answer_text(a, b)}]
+
+    def prompt_rows(self, split: str) -> Dataset:
+        problems = self._problems(split)
+        return Dataset.from_dict({"prompt": [self.prompt(a, b) for a, b in problems],
+                                  "answer": [str(a * b) for a, b in problems]})
+
+    def completion_rows(self, split: str) -> Dataset:
+        from transformers.utils import get_json_schema
+
+        rng = random.Random(200 + SPLIT_SEEDS[split])
+        problems = self._problems(split)
+        completions = [self.tool_turns(a, b) if rng.random() < self.tool_fraction
+                       else [{"role": "assistant", "content": self.answer_text(a, b)}] for a, b in problems]
+        schemas = json.dumps([get_json_schema(CalculatorEnvironment().calculator)])
+        return Dataset.from_dict({"prompt": [self.prompt(a, b) for a, b in problems],
+                                  "completion": completions, "tools": [schemas] * len(problems)})
+
+    def preference_rows(self, split: str) -> Dataset:
+        from lit_align.errors import LitAlignError
+
+        raise LitAlignError("builtin:calculator has prompts (GRPO) and SFT rows, no preference pairs")
+
+
+BUILTIN_TASKS = {"sort": SortTask, "arith": ArithmeticTask, "arith-words": ArithWordsTask, "modsum": ModSumTask,
+                 "calculator": CalculatorTask}

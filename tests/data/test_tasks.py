@@ -140,3 +140,44 @@ def test_modsum_task_demonstrates_its_tool_on_a_fraction_of_the_sft_rows():
     assert json.loads(sft[0]["tools"])[0]["function"]["name"] == "compute"
     with pytest.raises(LitAlignError, match="builtin:modsum has prompts"):
         task.preference_rows("train")
+
+
+def test_calculator_task_demonstrates_its_tool_and_its_environment_evaluates_the_calls():
+    import json
+
+    from lit_align.data.tasks import CalculatorEnvironment, CalculatorTask
+    from lit_align.errors import LitAlignError
+
+    assert CalculatorTask.evaluate(" 347 * 829 ") == 287663 and CalculatorTask.evaluate("2 + 3 * 4 - 1") == 13
+    for bad in ("2 ** 9", "2 / 3", "__import__('os')", "1.5 * 2", "3 *", "9" * 70, None):
+        with pytest.raises(ValueError):
+            CalculatorTask.evaluate(bad)
+    task = CalculatorTask(num_train=400, num_test=20)
+    train, test = task.prompt_rows("train"), task.prompt_rows("test")
+    assert len(train) == 400 and len(test) == 20
+    assert not {r["prompt"][1]["content"] for r in train} & {r["prompt"][1]["content"] for r in test}
+    environment = CalculatorEnvironment()
+    for r in train:
+        system, user = r["prompt"]
+        assert (system["role"], system["content"]) == ("system", CalculatorTask.INSTRUCTION)
+        a, b = map(int, user["content"].removeprefix("What is ").removesuffix("?").split(" * "))
+        assert 100 <= min(a, b) and max(a, b) <= 999 and r["answer"] == str(a * b)
+        environment.reset(**r)
+        assert environment.calculator(f"{a} * {b}") == r["answer"]
+    sft = task.completion_rows("train")
+    calls = [r for r in sft if len(r["completion"]) == 3]
+    assert 0.25 < len(calls) / len(sft) < 0.35  # tool_fraction 0.3, seeded
+    for row in calls:
+        call, result, answer = row["completion"]
+        a, b = map(int, row["prompt"][1]["content"][8:-1].split(" * "))
+        assert call["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}}
+        assert (result["role"], result["name"], result["content"]) == ("tool", "calculator", str(a * b))
+        assert (answer["role"], answer["content"]) == ("assistant", f"The answer is {a * b}.")
+    direct = [r for r in sft if len(r["completion"]) == 1]
+    assert len(direct) + len(calls) == len(sft)
+    expected = [f"The answer is {r['answer']}." for r, s in zip(train, sft) if len(s["completion"]) == 1]
+    assert [r["completion"][0]["content"] for r in direct] == expected
+    schema = json.loads(sft[0]["tools"])[0]["function"]
+    assert schema["name"] == "calculator" and list(schema["parameters"]["properties"]) == ["expression"]
+    with pytest.raises(LitAlignError, match="builtin:calculator has prompts"):
+        task.preference_rows("train")

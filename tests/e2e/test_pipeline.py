@@ -124,3 +124,26 @@ def test_quick_smollm2_words_job_runs_every_stage_and_eval_on_the_word_problems(
     for run in ("sft", "dpo", "grpo", "eval-base", "eval-sft", "eval-dpo", "eval-grpo"):
         assert "path: builtin:arith-words" in (tmp_path / run / "run" / "config.yaml").read_text()
     assert f"model: {tmp_path}/dpo/hf_model" in (tmp_path / "grpo" / "run" / "config.yaml").read_text()
+
+
+def test_quick_agent_job_chains_sft_and_grpo_with_the_calculator_environment(tmp_path, capsys):
+    """`make demo-agent`'s chain (`--recipe smollm2-agent`) from the built-in tiny model (its tool template): the
+    base eval, SFT on the calculator demonstrations, GRPO with a CalculatorEnvironment per rollout, each measured
+    greedily with the tool offered; the table has accuracy, calls per completion and the valid-call rate."""
+    import math
+
+    pipeline.main(["--recipe", "smollm2-agent", "--quick", "--root", str(tmp_path), "--model", "builtin:tiny",
+                   "--chat-template", "builtin:tools"])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("stage "))
+    assert header.split()[1:] == ["accuracy", "calls", "valid", "calls", "minutes"]
+    table = [line.split() for line in out.splitlines() if line.split()[:1] in (["base"], ["sft"], ["grpo"])]
+    assert [row[0] for row in table] == ["base", "sft", "grpo"]
+    for row in table:
+        accuracy, calls, valid, minutes = map(float, row[1:5])
+        assert 0.0 <= accuracy <= 1.0 and 0.0 <= calls <= 2.0 and minutes >= 0.0
+        assert math.isnan(valid) or 0.0 <= valid <= 1.0  # NaN: no completion called
+    assert f"model: {tmp_path}/sft/hf_model" in (tmp_path / "grpo" / "run" / "config.yaml").read_text()
+    grpo = pipeline.read_metrics(tmp_path / "grpo" / "run")
+    assert {"train/tools/call_frequency", "train/rewards/last_number_match/mean"} <= set(grpo)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "grpo" / "hf_model")
