@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader
 
 from lit_align.capabilities import deepspeed_zero3, sharded_strategy
 from lit_align.errors import LitAlignError
-from lit_align.models import cache_dir, check_loadable, from_pretrained_kwargs, load_model, resolve
+from lit_align.models import cache_dir, check_loadable, from_pretrained_kwargs, load_model, model_dtype, resolve
 from lit_align.pretrained import gguf_path, is_gguf
 from lit_align.recompute import disable_checkpointing, lean_mlps, lean_norms
 
@@ -318,7 +318,7 @@ class PrecomputedReference(Reference):
         if self.source != name:  # the files are read once, not once per split; a resume checks them as a frozen one's
             self.read_identity(name, trainer)
         hp = module.hparams
-        path = cache_path(cache_key(rows, reference=self.identity, dtype=hp.dtype,
+        path = cache_path(cache_key(rows, reference=self.identity, dtype=model_dtype(hp.dtype, hp.model_init_kwargs),
                                     attn_implementation=hp.attn_implementation, precision=str(trainer.precision),
                                     max_length=max_length, **module.reference_settings()))
         # rank 0 checks the file against the digest written beside it; every rank then reads it

@@ -194,9 +194,10 @@ def test_precompute_reuses_its_cache(tmp_path, rows_path, lit_align_cache):
     passes = []  # the splits each run ran the reference over (PrecomputedReference.computed)
     val = rows_path.replace("train.jsonl", "val.jsonl")
 
-    def run(name, **kw):
+    def run(name, model_init_kwargs=None, **kw):
         record = Record()
-        module = DPOModule(model="builtin:tiny", precompute_ref_log_probs=True, learning_rate=1e-3)
+        module = DPOModule(model="builtin:tiny", precompute_ref_log_probs=True, learning_rate=1e-3,
+                           model_init_kwargs=model_init_kwargs)
         dm = data(rows_path, val_split="train", val_path=val, **kw)
         fit(module, dm, tmp_path / name, max_steps=3, callbacks=[record])
         assert isinstance(module.reference, PrecomputedReference)  # no reference resident while training
@@ -216,6 +217,8 @@ def test_precompute_reuses_its_cache(tmp_path, rows_path, lit_align_cache):
 
     run("longer", max_length=24)  # another max_length truncates differently: another key, another pass
     assert len(passes) == 4
+    run("bf16", model_init_kwargs={"dtype": "bfloat16"})  # the reference loads in another dtype: another key
+    assert len(passes) == 6
 
 
 @pytest.mark.parametrize("damage", ["edited", "truncated", "no digest"])
