@@ -39,7 +39,7 @@ def test_a_builtin_task_gives_the_rows_of_its_kind():
 
 @pytest.mark.parametrize("source, split, message", [
     ("builtin:nope", "train", "unknown built-in task 'builtin:nope': expected one of ['builtin:sort', 'builtin:arith', "
-                              "'builtin:arith-words', 'builtin:modsum']"),
+                              "'builtin:arith-words', 'builtin:modsum', 'builtin:calculator']"),
     ("builtin:sort", "dev", "builtin:sort: no split 'dev' (expected one of"),
     ("{tmp}/rows.txt", "train", "{tmp}/rows.txt: unsupported file type (expected one of ['.csv', '.json', "
                                 "'.jsonl', '.parquet'])"),
