@@ -388,12 +388,12 @@ class CalculatorTask(GeneratedTask):
     """The product of two 3-digit numbers, ``"What is 347 * 829?"`` -> ``"287663"``, with a calculator tool: what
     SmolLM2-135M-Instruct cannot compute (a guess is almost never right) and can copy from the tool's result.
 
-    Prompts are a system turn (use the calculator, answer with the number) and one user turn; the ``answer`` column is
-    the product. SFT rows demonstrate the tool on a seeded ``tool_fraction`` of the problems (the call
-    ``calculator(expression="347 * 829")``, its result as a tool turn, then ``"The answer is 287663."``) and answer
-    directly on the others (the same sentence), so a model trained on them calls about that often when sampling and
-    not greedily (a call's first token against the sentence's ``The``, about 0.3 against 0.7): the room GRPO has to
-    learn that calling pays (``ModSumTask``'s pattern on a real model). Their ``tools`` column holds the tool's
+    Prompts are a system turn (a calculator is there; end with ``The answer is <number>.``) and one user turn; the
+    ``answer`` column is the product. SFT rows demonstrate the tool on a seeded ``tool_fraction`` of the problems (the
+    call ``calculator(expression="347 * 829")``, its result as a tool turn, then ``"The answer is 287663."``) and
+    answer directly on the others (the same sentence), so a model trained on them calls now and then when sampling
+    and not greedily (the sentence's first token outweighs the call's): the room GRPO has to learn that calling pays
+    (``ModSumTask``'s pattern on a real model). Their ``tools`` column holds the tool's
     schema; train them with ``assistant_only_loss``. No preference rows. Train and test share no ``(a, b)``.
     """
 
