@@ -11,11 +11,25 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 
 from datasets import Dataset
 
 SPLIT_SEEDS = {"train": 0, "test": 1}
 
+
+def distinct_problems(n: int, seed: int, exclude: set, draw: Callable[[random.Random], tuple]) -> list[tuple]:
+    """``n`` problems that ``draw(rng)`` gives, seeded by ``seed``, none repeated and none in ``exclude`` (a test
+    split disjoint from its training split)."""
+    rng = random.Random(seed)
+    out: list[tuple] = []
+    seen = set(exclude)
+    while len(out) < n:
+        problem = draw(rng)
+        if problem not in seen:
+            seen.add(problem)
+            out.append(problem)
+    return out
 
 class GeneratedTask:
     """What every built-in task shares: ``num_train`` / ``num_test`` problems drawn from fixed seeds, the train draw
@@ -324,15 +338,7 @@ class ModSumTask(GeneratedTask):
         return rng.randint(10 ** (digits - 1), 10**digits - 1)
 
     def _draw(self, n: int, seed: int, exclude: set) -> list[tuple[int, int]]:
-        rng = random.Random(seed)
-        out: list[tuple[int, int]] = []
-        seen = set(exclude)
-        while len(out) < n:
-            problem = (self._number(rng), self._number(rng))
-            if problem not in seen:
-                seen.add(problem)
-                out.append(problem)
-        return out
+        return distinct_problems(n, seed, exclude, lambda rng: (self._number(rng), self._number(rng)))
 
     @classmethod
     def prompt(cls, a: int, b: int) -> list[dict[str, str]]:
@@ -428,15 +434,7 @@ class CalculatorTask(GeneratedTask):
         return value(tree.body)
 
     def _draw(self, n: int, seed: int, exclude: set) -> list[tuple[int, int]]:
-        rng = random.Random(seed)
-        out: list[tuple[int, int]] = []
-        seen = set(exclude)
-        while len(out) < n:
-            problem = (rng.randint(100, 999), rng.randint(100, 999))
-            if problem not in seen:
-                seen.add(problem)
-                out.append(problem)
-        return out
+        return distinct_problems(n, seed, exclude, lambda rng: (rng.randint(100, 999), rng.randint(100, 999)))
 
     @classmethod
     def prompt(cls, a: int, b: int) -> list[dict[str, str]]:
