@@ -82,7 +82,7 @@ def test_validate_reads_every_row_of_a_single_file(tmp_path, capfd, caplog):
     path = write_rows(tmp_path / "mine.parquet", "preference")
     code, out, err = run_main(["validate", "-c", str(CONFIGS / "dpo.yaml"), "--data.init_args.path", str(path),
                                "--data.init_args.val_batch_size", "100", "--trainer.enable_progress_bar", "false",
-                               "--trainer.logger", "false"], capfd)
+                               "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)], capfd)
     assert code == 0, err
     notice = [line for line in logged(caplog) if "single file" in line]
     assert notice == [NOTICE.format(path=path).replace("no validation", f"validating on every row of {path}")]
