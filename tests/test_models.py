@@ -278,13 +278,14 @@ def test_cast_lm_head_to_fp32_runs_the_head_in_fp32_plain_and_chunked(tiny_path)
         assert (before - expected).abs().max() > 1e-4  # what the cast changes: bf16's rounding of the logits
 
 
-def test_dtype_null_trains_through_the_cli(capfd):
+def test_dtype_null_trains_through_the_cli(capfd, tmp_path):
     """``model.dtype: null`` and ``model_init_kwargs: {torch_dtype: null}`` (a TRL config's way of saying "the
     default") train in float32 (they were a TypeError traceback)."""
     from helpers import run_main
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "dpo.yaml")
-    code, out, err = run_main(["fit", "-c", config, "--model.init_args.dtype", "null",
+    code, out, err = run_main(["fit", "-c", config, "--trainer.default_root_dir", str(tmp_path),
+                               "--model.init_args.dtype", "null",
                                "--model.init_args.model_init_kwargs", "{torch_dtype: null}", "--trainer.max_steps", "1",
                                "--data.init_args.val_split", "null", "--trainer.logger", "false",
                                "--trainer.enable_checkpointing", "false", "--export.enabled", "false",
